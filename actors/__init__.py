@@ -1,0 +1,1 @@
+"""Built-in actors: generator, replay buffer, trainer, reference model, rewards."""

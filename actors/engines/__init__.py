@@ -1,0 +1,69 @@
+"""Generation engines: one interface over transformers ("hf", CPU or GPU) and vLLM ("vllm", GPU).
+
+Both consume Hugging Face-named weights and return `forge.types.Completion`, so the generator actor,
+the replay buffer and the trainer do not know which engine produced a rollout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from forge.types import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ENGINE_KINDS = ("hf", "vllm")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the generator actor needs from an inference engine."""
+
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the next forward pass will use."""
+        ...
+
+    def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order."""
+        ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace all weights now (HF names); a mismatching state dict raises ValueError and changes nothing."""
+        ...
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Validate now, swap in at the next safe point (between decode steps, or at once if idle)."""
+        ...
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF parameter name -> (shape, dtype): what `load_weights` expects."""
+        ...
+
+
+def make_engine(kind: str, **kwargs: Any) -> Engine:
+    """Build the engine named `kind` ("hf" or "vllm"); `kwargs` go to its constructor."""
+    if kind == "hf":
+        from actors.engines.hf import HFEngine
+
+        return HFEngine(**kwargs)
+    if kind == "vllm":
+        # Imported lazily: vllm is a GPU-only optional dependency (`pip install forge[vllm]`).
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                "make_engine(kind='vllm'): the vllm package is not installed; install it on a CUDA host with "
+                "`pip install 'forge[vllm]'`, or use kind='hf' (transformers, runs on CPU)"
+            )
+        from actors.engines.vllm import VLLMEngine
+
+        return VLLMEngine(**kwargs)
+    raise ValueError(f"make_engine: kind={kind!r} is not an engine; allowed: {list(ENGINE_KINDS)}")
+
+
+__all__ = ["ENGINE_KINDS", "Engine", "make_engine"]

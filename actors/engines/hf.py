@@ -1,0 +1,247 @@
+"""The transformers engine: batched sampling with a KV cache, on CPU or GPU.
+
+It runs anywhere and is the reference for log-prob parity: behaviour log-probs are
+`log_softmax(raw_logits / temperature)` of the sampled token (temperature 0 = greedy, scored at
+temperature 1), exactly what the trainer recomputes with a teacher-forced forward pass. top-k / top-p
+only shape which token is sampled, never its log-prob.
+
+Weight updates. `load_weights` swaps at once (waiting for a running `generate` to finish: "between
+batches"). `stage_weights` validates now and swaps at the next decode-step boundary ("between decode
+steps"): the sequences in flight continue with the new weights on top of a KV cache that the old weights
+wrote. That mix is deliberate (PipelineRL-style in-flight updates) and visible: every token records the
+policy version whose weights produced it (`Completion.policy_versions`), so the trainer can reject or
+importance-correct exactly. No single forward pass ever mixes two versions' weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from forge.types import Completion, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHOWN_MISMATCHES = 5
+
+
+class HFEngine:
+    """Generation with a Hugging Face causal LM (a local checkpoint directory or a hub id)."""
+
+    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"HFEngine.dtype={dtype!r}: allowed {list(DTYPES)}")
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype]).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.max_model_len: int = self.model.config.max_position_embeddings
+        eos = self.model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(set(eos))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id: int = pad if pad is not None else self.eos_token_ids[0]
+        self._generator = torch.Generator(self.device).manual_seed(seed)
+
+        # Tied weights appear under two names in a state dict; either name loads them.
+        self._targets = self.model.state_dict(keep_vars=True)
+        aliases = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        aliases -= {n for n, _ in self.model.named_parameters()}
+        self._required = set(self._targets) - aliases
+
+        self._version = 0
+        self._weights_lock = threading.Lock()  # held while the weights are used (generate) or written
+        self._staged_lock = threading.Lock()  # guards _staged
+        self._staged: tuple[dict[str, torch.Tensor], int] | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(t.shape), t.dtype) for name, t in self._targets.items()}
+
+    # ----- weights -----
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy in HF-named weights now; refuses a mismatching state dict and keeps the old weights."""
+        self._validate(state_dict, version, "load_weights")
+        with self._weights_lock:
+            self._copy_in(state_dict, version)
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Validate now; apply at the next decode-step boundary, or at once if no `generate` is running.
+
+        Thread-safe. A later staged update replaces one not yet applied.
+        """
+        self._validate(state_dict, version, "stage_weights")
+        with self._staged_lock:
+            self._staged = (state_dict, version)
+        if self._weights_lock.acquire(blocking=False):
+            try:
+                self._apply_staged()
+            finally:
+                self._weights_lock.release()
+
+    def _validate(self, state_dict: dict[str, torch.Tensor], version: int, caller: str) -> None:
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"HFEngine.{caller}: version={version!r}: must be an int >= 0")
+        missing = sorted(self._required - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - self._targets.keys())
+        mismatched = [
+            f"{name}: got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}, "
+            f"expected {tuple(self._targets[name].shape)}"
+            for name, t in sorted(state_dict.items())
+            if name in self._targets and not (isinstance(t, torch.Tensor) and t.shape == self._targets[name].shape)
+        ]
+        problems = [
+            f"{len(items)} {label} {items[:_SHOWN_MISMATCHES]}{' ...' if len(items) > _SHOWN_MISMATCHES else ''}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatches", mismatched))
+            if items
+        ]
+        if problems:
+            raise ValueError(
+                f"HFEngine.{caller}(version={version}): the state dict does not match the model: "
+                f"{'; '.join(problems)}. Weights stay at version {self._version}."
+            )
+
+    def _copy_in(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Caller holds the weights lock."""
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                self._targets[name].copy_(tensor)
+        self._version = version
+
+    def _apply_staged(self) -> None:
+        """Caller holds the weights lock."""
+        with self._staged_lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self._copy_in(*staged)
+
+    # ----- generation -----
+
+    def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt; all prompts x n run as one left-padded batch."""
+        if params.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={params.top_k}: must be >= 0 (0 = no top-k)")
+        prompt_ids = [self._encode(i, prompt) for i, prompt in enumerate(prompts)]
+        if not prompt_ids:
+            return []
+        with self._weights_lock, torch.no_grad():
+            completions = self._generate([ids for ids in prompt_ids for _ in range(params.n)], params)
+        return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
+
+    def _encode(self, index: int, prompt: list[int] | str) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError(f"HFEngine.generate: prompt {index} is empty; a prompt needs at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"HFEngine.generate: prompt {index} has {len(ids)} tokens; the model window "
+                f"(max_position_embeddings) is {self.max_model_len}, so at most {self.max_model_len - 1} "
+                "prompt tokens leave room to generate"
+            )
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"HFEngine.generate: prompt {index} has token ids outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+        batch, width = len(rows), max(len(ids) for ids in rows)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, ids in enumerate(rows):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        # Positions count real tokens only, so left padding does not shift a sequence's positions.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        # A row stops at max_tokens or at the end of the model window, whichever comes first.
+        budgets = [min(params.max_tokens, self.max_model_len - len(ids)) for ids in rows]
+        budgets = torch.tensor(budgets, device=self.device)
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device)
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+
+        cache = DynamicCache()
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros_like(finished)
+        step_tokens, step_logprobs, step_versions, step_active = [], [], [], []
+        self._apply_staged()  # the start of a batch is a step boundary too
+        for step in range(int(budgets.max())):
+            version = self._version
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1].float()
+            tokens, logprobs = _sample(logits, params, generator)
+            step_tokens.append(tokens)
+            step_logprobs.append(logprobs)
+            step_versions.append(version)
+            step_active.append(~finished)
+            stopped |= ~finished & torch.isin(tokens, stop_ids)
+            finished = finished | stopped | (step + 1 >= budgets)
+            if bool(finished.all()):
+                break
+            self._apply_staged()  # between decode steps: the next token may come from new weights
+            input_ids = tokens[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+
+        tokens = torch.stack(step_tokens, dim=1).tolist()
+        logprobs = torch.stack(step_logprobs, dim=1).tolist()
+        lengths = torch.stack(step_active, dim=1).sum(dim=1).tolist()
+        stopped = stopped.tolist()
+        completions = []
+        for row, ids in enumerate(rows):
+            n = lengths[row]
+            completions.append(
+                Completion(
+                    prompt_ids=list(ids),
+                    token_ids=tokens[row][:n],
+                    text=self.tokenizer.decode(tokens[row][:n], skip_special_tokens=True),
+                    logprobs=logprobs[row][:n],
+                    finish_reason="stop" if stopped[row] else "length",
+                    policy_versions=step_versions[:n],
+                )
+            )
+        return completions
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return it with its behaviour log-prob (unfiltered, at the temperature)."""
+    if params.temperature == 0:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        filtered = _filter_top_k_top_p(logprobs, params.top_k, params.top_p)
+        tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _filter_top_k_top_p(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every token outside the top k, then outside the smallest set holding top_p of the mass."""
+    if 0 < top_k < logprobs.shape[-1]:
+        kth = logprobs.topk(top_k, dim=-1).values[:, -1:]
+        logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+        probs = sorted_logprobs.softmax(dim=-1)  # renormalised after top-k
+        # Drop a token once the tokens ranked above it already hold top_p; the top token always stays.
+        drop_sorted = probs.cumsum(dim=-1) - probs > top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logprobs = logprobs.masked_fill(drop, float("-inf"))
+    return logprobs

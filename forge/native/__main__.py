@@ -1,0 +1,5 @@
+import sys
+
+from forge.native import main
+
+sys.exit(main())

@@ -1,0 +1,252 @@
+"""The provisioner: allocates Monarch proc meshes, assigns GPUs, sets the distributed environment, and
+stops everything it made.
+
+One provisioner lives in the controller process (`get_provisioner()`). Every proc mesh it spawns gets
+a small `ProcAgent` actor on each process that sets that process's environment (CUDA_VISIBLE_DEVICES,
+RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) before any user actor exists, and that hands the
+process's metrics to the controller each step.
+
+Failures: Monarch's default reaction to a dead process is to exit the controller. The provisioner
+replaces that hook: a failure on a mesh that a service owns goes to the service (which re-routes and
+restarts the replica); any other failure is fatal and is recorded in `fatal_failures`, which apps watch
+to end the job fast with the root cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import forge.native
+
+forge.native.setup()
+
+import monarch.actor  # noqa: E402
+from monarch.actor import Actor, HostMesh, ProcMesh, current_rank, endpoint, this_host  # noqa: E402
+
+from forge import metrics  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+class ProcAgent(Actor):
+    """One per process of every provisioned mesh: environment set-up and metric hand-off."""
+
+    @endpoint
+    def set_environment(self, shared: dict[str, str], per_rank: list[dict[str, str]]) -> int:
+        rank = current_rank().rank
+        os.environ.update(shared)
+        os.environ.update(per_rank[rank])
+        return os.getpid()
+
+    @endpoint
+    def drain_metrics(self) -> dict[str, metrics.Partial]:
+        return metrics.drain_local()
+
+
+@dataclass
+class MeshFailure:
+    """A process or actor failure on a provisioned mesh, as Monarch reported it."""
+
+    mesh_name: str
+    message: str
+
+
+@dataclass
+class ProvisionedMesh:
+    name: str
+    procs: ProcMesh
+    agents: ProcAgent
+    gpus: list[int]
+    pids: list[int]
+    on_failure: Callable[[MeshFailure], None] | None = None
+    stopped: bool = False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _visible_gpus() -> list[int]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [int(x) for x in visible.split(",") if x.strip()]
+    try:
+        import torch
+
+        return list(range(torch.cuda.device_count()))
+    except Exception:  # no CUDA runtime at all
+        return []
+
+
+@dataclass
+class Provisioner:
+    """Allocates proc meshes on this host (or on a configured Monarch host mesh)."""
+
+    host_mesh: HostMesh | None = None
+    gpus: list[int] = field(default_factory=_visible_gpus)
+    meshes: dict[str, ProvisionedMesh] = field(default_factory=dict)
+    fatal_failures: list[MeshFailure] = field(default_factory=list)
+    _names: itertools.count = field(default_factory=itertools.count)
+    # Names of meshes already stopped: Monarch keeps reporting their deaths for a while.
+    _retired: set[str] = field(default_factory=set)
+    _fatal_event: asyncio.Event | None = None
+
+    def __post_init__(self) -> None:
+        self._free_gpus = list(self.gpus)
+        monarch.actor.unhandled_fault_hook = self._on_mesh_failure
+
+    async def get_proc_mesh(
+        self,
+        procs: int = 1,
+        *,
+        hosts: int | None = None,
+        with_gpus: bool = False,
+        mesh_name: str | None = None,
+        env: dict[str, str] | None = None,
+        on_failure: Callable[[MeshFailure], None] | None = None,
+    ) -> ProvisionedMesh:
+        """Spawn `procs` processes (per host) with their environment set; fails before spawning on bad requests."""
+        if procs < 1:
+            raise ValueError(f"procs={procs}: must be >= 1")
+        if hosts not in (None, 1):
+            if self.host_mesh is None:
+                raise ValueError(
+                    f"hosts={hosts}: more than one host needs a Monarch host mesh; "
+                    "create the Provisioner with host_mesh=monarch.actor.hosts_from_config(...)"
+                )
+            if hosts > len(self.host_mesh.region.slice()):
+                raise ValueError(f"hosts={hosts}: the configured host mesh has {len(self.host_mesh.region.slice())} hosts")
+        gpus: list[int] = []
+        if with_gpus:
+            if procs > len(self._free_gpus):
+                raise ValueError(
+                    f"mesh {mesh_name or 'anon'!r} asks for {procs} GPUs (with_gpus=True, procs={procs}) but only "
+                    f"{len(self._free_gpus)} of {len(self.gpus)} GPUs on this host are free: {self._free_gpus}"
+                )
+            gpus, self._free_gpus = self._free_gpus[:procs], self._free_gpus[procs:]
+        name = f"{mesh_name or 'mesh'}-{next(self._names)}"
+        host = self.host_mesh if self.host_mesh is not None else this_host()
+        try:
+            proc_mesh = host.spawn_procs(per_host={"procs": procs}, name=name)
+            agents = proc_mesh.spawn("proc_agent", ProcAgent)
+            shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(procs)}
+            shared.update(env or {})
+            per_rank = []
+            for rank in range(procs):
+                rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(procs)}
+                # Each process sees only its own GPU, always as cuda:0.
+                rank_env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank]) if gpus else ""
+                per_rank.append(rank_env)
+            pids = list((await agents.set_environment.call(shared, per_rank)).values())
+        except BaseException:
+            self._free_gpus = sorted(self._free_gpus + gpus)
+            raise
+        mesh = ProvisionedMesh(name, proc_mesh, agents, gpus, pids, on_failure)
+        self.meshes[name] = mesh
+        logger.info("provisioned mesh %s: %d procs (pids %s), gpus %s", name, procs, pids, gpus)
+        return mesh
+
+    def _on_mesh_failure(self, failure: Any) -> None:
+        # Called by Monarch on its own thread; must never raise (that would exit the process).
+        try:
+            message = str(failure)
+            if any(f"{name}_" in message for name in self._retired):
+                return
+            mesh = next((m for m in self.meshes.values() if f"{m.name}_" in message), None)
+            if mesh is not None and mesh.stopped:
+                return
+            event = MeshFailure(mesh.name if mesh else "unknown", message)
+            if mesh is not None and mesh.on_failure is not None:
+                mesh.on_failure(event)
+                return
+            logger.error("fatal failure on mesh %s: %s", event.mesh_name, message)
+            self.fatal_failures.append(event)
+            if self._fatal_event is not None:
+                self._fatal_event.set()
+        except Exception:  # pragma: no cover - defensive
+            logger.exception("error while handling a mesh failure")
+
+    async def wait_for_fatal_failure(self) -> MeshFailure:
+        """Returns when any mesh not owned by a service fails (apps race their main loop against it)."""
+        loop = asyncio.get_running_loop()
+        if self._fatal_event is None:
+            self._fatal_event = asyncio.Event()
+        event = self._fatal_event
+        while not self.fatal_failures:
+            # The hook runs on a Monarch thread; poll instead of trusting cross-thread Event.set().
+            try:
+                await asyncio.wait_for(event.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+        del loop
+        return self.fatal_failures[0]
+
+    async def collect_metrics(self) -> list[dict[str, metrics.Partial]]:
+        """Every live process's partial metrics since the last call, plus the controller's own."""
+        groups = [metrics.drain_local()]
+        for mesh in list(self.meshes.values()):
+            if mesh.stopped:
+                continue
+            try:
+                values = await asyncio.wait_for(mesh.agents.drain_metrics.call(), timeout=10)
+                groups.extend(values.values())
+            except Exception as e:  # a dead replica's metrics are lost with it; the service reports the death
+                logger.debug("metrics from mesh %s unavailable: %s", mesh.name, e)
+        return groups
+
+    async def stop_proc_mesh(self, mesh: ProvisionedMesh, timeout: float = 20.0) -> None:
+        if mesh.stopped:
+            return
+        mesh.stopped = True
+        self._retired.add(mesh.name)
+        try:
+            await asyncio.wait_for(mesh.procs.stop(), timeout=timeout)
+        except Exception as e:
+            logger.debug("stopping mesh %s: %s", mesh.name, e)
+        _kill_leftovers(mesh.pids)
+        self._free_gpus = sorted(self._free_gpus + mesh.gpus)
+        self.meshes.pop(mesh.name, None)
+
+    async def shutdown(self) -> None:
+        """Stop every mesh this provisioner made (in parallel); leaves no child processes."""
+        await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values())))
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    """A process that ignored the stop request (or a wedged one) is killed outright."""
+    import psutil
+
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+_provisioner: Provisioner | None = None
+
+
+def get_provisioner() -> Provisioner:
+    """The controller's provisioner (created on first use)."""
+    global _provisioner
+    if _provisioner is None:
+        _provisioner = Provisioner()
+    return _provisioner
+
+
+async def shutdown() -> None:
+    """Stop every actor, service and mesh this controller started."""
+    global _provisioner
+    if _provisioner is not None:
+        await _provisioner.shutdown()
+        _provisioner = None

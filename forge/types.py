@@ -1,0 +1,146 @@
+"""Data types shared by the generator, the replay buffer, the trainer and the losses.
+
+Token-aligned tensors in a `TrainBatch` follow one convention: position t holds the quantity for
+*predicting* token t+1 of `input_ids`, so they have length T-1 for a sequence of T tokens. A loss
+therefore needs only `log_softmax(logits[:, :-1]).gather(input_ids[:, 1:])`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n}: must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    # log pi_behaviour(token) from the raw logits at the sampling temperature, one per generated token.
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS / stop token) or "length"
+    # The policy version whose weights produced each generated token.
+    policy_versions: list[int]
+
+    @property
+    def oldest_policy_version(self) -> int:
+        return min(self.policy_versions) if self.policy_versions else -1
+
+
+@dataclass
+class Episode:
+    """A scored completion, as the replay buffer stores it."""
+
+    episode_id: int
+    group_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    policy_versions: list[int]
+    reward: float
+    advantage: float = 0.0
+    ref_logprobs: list[float] | None = None
+
+    @property
+    def oldest_policy_version(self) -> int:
+        return min(self.policy_versions) if self.policy_versions else -1
+
+    @classmethod
+    def from_completion(
+        cls, completion: Completion, *, episode_id: int, group_id: int, reward: float, advantage: float = 0.0
+    ) -> Episode:
+        return cls(
+            episode_id=episode_id,
+            group_id=group_id,
+            prompt_ids=list(completion.prompt_ids),
+            completion_ids=list(completion.token_ids),
+            behaviour_logprobs=list(completion.logprobs),
+            policy_versions=list(completion.policy_versions),
+            reward=reward,
+            advantage=advantage,
+        )
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded tensors for a batch of episodes (see the module docstring for alignment)."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    response_mask: torch.Tensor  # [B, T-1] float, 1 where the target token was generated
+    behaviour_logprobs: torch.Tensor  # [B, T-1] float
+    policy_versions: torch.Tensor  # [B, T-1] long, -1 off the response
+    advantages: torch.Tensor  # [B] float
+    rewards: torch.Tensor  # [B] float
+    ref_logprobs: torch.Tensor | None = None  # [B, T-1] float
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        """Rows [start, stop): micro-batches and data-parallel shards."""
+        return TrainBatch(
+            input_ids=self.input_ids[start:stop],
+            response_mask=self.response_mask[start:stop],
+            behaviour_logprobs=self.behaviour_logprobs[start:stop],
+            policy_versions=self.policy_versions[start:stop],
+            advantages=self.advantages[start:stop],
+            rewards=self.rewards[start:stop],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop],
+        )
+
+    @classmethod
+    def from_episodes(cls, episodes: list[Episode], pad_id: int) -> TrainBatch:
+        if not episodes:
+            raise ValueError("TrainBatch.from_episodes: no episodes")
+        length = max(len(e.prompt_ids) + len(e.completion_ids) for e in episodes)
+        batch = len(episodes)
+        input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+        response_mask = torch.zeros(batch, length - 1)
+        behaviour = torch.zeros(batch, length - 1)
+        versions = torch.full((batch, length - 1), -1, dtype=torch.long)
+        has_ref = all(e.ref_logprobs is not None for e in episodes)
+        ref = torch.zeros(batch, length - 1) if has_ref else None
+        for row, e in enumerate(episodes):
+            p, c = len(e.prompt_ids), len(e.completion_ids)
+            input_ids[row, : p + c] = torch.tensor(e.prompt_ids + e.completion_ids, dtype=torch.long)
+            # Target token p+i (the i-th generated one) is predicted at position p+i-1.
+            span = slice(p - 1, p - 1 + c)
+            response_mask[row, span] = 1.0
+            behaviour[row, span] = torch.tensor(e.behaviour_logprobs, dtype=torch.float32)
+            versions[row, span] = torch.tensor(e.policy_versions, dtype=torch.long)
+            if ref is not None:
+                ref[row, span] = torch.tensor(e.ref_logprobs, dtype=torch.float32)
+        return cls(
+            input_ids=input_ids,
+            response_mask=response_mask,
+            behaviour_logprobs=behaviour,
+            policy_versions=versions,
+            advantages=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
+            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            ref_logprobs=ref,
+        )

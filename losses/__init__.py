@@ -1,0 +1,45 @@
+"""Policy-gradient losses for RL post-training: one paper's objective per function.
+
+Every loss has the signature `loss_fn(logprobs, batch, *, old_logprobs=None, **hyperparams) -> LossOutput`
+(see `losses.types`); `get_loss` resolves a name from a config to one.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from losses.advantages import group_advantages, zero_variance_groups
+from losses.cispo import cispo
+from losses.dapo import dapo
+from losses.dr_grpo import dr_grpo
+from losses.grpo import grpo
+from losses.gspo import gspo
+from losses.types import LossFn, LossOutput
+
+LOSSES: dict[str, LossFn] = {"grpo": grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "dr_grpo": dr_grpo}
+
+
+def get_loss(name: str | LossFn) -> LossFn:
+    """A registered name ("grpo", ...), a callable (returned as is), or "package.module:function"."""
+    if callable(name):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"loss={name!r}: must be a loss name, a callable or 'package.module:function'")
+    if name in LOSSES:
+        return LOSSES[name]
+    allowed = f"one of {', '.join(LOSSES)}, or 'package.module:function'"
+    if ":" not in name:
+        raise ValueError(f"loss={name!r}: unknown; must be {allowed}")
+    module_name, _, function_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except (ImportError, ValueError) as e:  # ValueError: an empty module name
+        raise ValueError(f"loss={name!r}: cannot import module {module_name!r} ({e})") from e
+    loss_fn = getattr(module, function_name, None)
+    if not callable(loss_fn):
+        raise ValueError(f"loss={name!r}: module {module_name!r} has no callable {function_name!r}")
+    return loss_fn
+
+
+__all__ = ["LOSSES", "LossFn", "LossOutput", "get_loss", "group_advantages", "zero_variance_groups",
+           "grpo", "dapo", "gspo", "cispo", "dr_grpo"]

@@ -1,0 +1,238 @@
+"""ReplayBuffer: the age bound, conservation of episodes, slicing, reproducibility and checkpointing."""
+
+import io
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.replay_buffer import ReplayBuffer
+from forge.types import Episode
+
+
+def make_episode(episode_id: int, policy_versions: list[int]) -> Episode:
+    n = len(policy_versions)
+    return Episode(
+        episode_id=episode_id,
+        group_id=episode_id // 4,
+        prompt_ids=[1, 2],
+        completion_ids=list(range(3, 3 + n)),
+        behaviour_logprobs=[-0.5] * n,
+        policy_versions=list(policy_versions),
+        reward=float(episode_id),
+    )
+
+
+def ids(batch: list[list[Episode]]) -> list[list[int]]:
+    return [[e.episode_id for e in shard] for shard in batch]
+
+
+def held_ids(buffer: ReplayBuffer) -> list[int]:
+    return [entry["episode"]["episode_id"] for entry in buffer.state_dict()["entries"]]
+
+
+def test_max_policy_age_zero_is_strictly_on_policy():
+    drops = []
+    buffer = ReplayBuffer(batch_size=2, max_policy_age=0, on_drop=lambda reason, n: drops.append((reason, n)))
+    # id 2 has one token from version 0: its oldest token decides, so it is stale at version 1.
+    buffer.add([make_episode(0, [0]), make_episode(1, [1, 1]), make_episode(2, [0, 1]), make_episode(3, [1])])
+    batch = buffer.sample(policy_version=1)
+    assert sorted(ids(batch)[0]) == [1, 3]
+    assert buffer.stats["dropped_too_old"] == 2
+    assert drops == [("too_old", 2)]
+
+
+def test_age_bound_is_inclusive_at_v_minus_k():
+    buffer = ReplayBuffer(batch_size=1, max_policy_age=2)
+    buffer.add([make_episode(0, [2, 5]), make_episode(1, [3, 5])])
+    assert buffer.evict(5) == 1
+    assert held_ids(buffer) == [1]
+
+
+def test_sample_returns_none_and_keeps_episodes_when_short():
+    buffer = ReplayBuffer(batch_size=3, max_policy_age=1)
+    buffer.add([make_episode(0, [0]), make_episode(1, [0])])
+    assert buffer.sample(0) is None
+    assert len(buffer) == 2
+    assert buffer.stats["sampled"] == 0
+
+
+def test_dp_slicing_gives_each_rank_distinct_episodes():
+    buffer = ReplayBuffer(batch_size=6, max_policy_age=0, dp_size=3)
+    buffer.add([make_episode(i, [0]) for i in range(10)])
+    batch = ids(buffer.sample(0))
+    assert [len(shard) for shard in batch] == [2, 2, 2]
+    flat = [i for shard in batch for i in shard]
+    assert len(set(flat)) == 6
+    assert len(buffer) == 4 and not set(flat) & set(held_ids(buffer))
+
+
+def test_episode_is_resampled_up_to_max_resample_count():
+    buffer = ReplayBuffer(batch_size=2, max_policy_age=0, max_resample_count=2)
+    buffer.add([make_episode(0, [0]), make_episode(1, [0])])
+    assert sorted(ids(buffer.sample(0))[0]) == [0, 1]
+    assert sorted(ids(buffer.sample(0))[0]) == [0, 1]
+    assert buffer.sample(0) is None
+    assert buffer.stats == {
+        "added": 2, "sampled": 4, "consumed": 2, "held": 0, "dropped_too_old": 0, "dropped_buffer_full": 0
+    }
+
+
+def run_script(buffer: ReplayBuffer, first_version: int = 0) -> list:
+    """A fixed mix of adds and samples over three versions; returns everything sampled."""
+    out = []
+    for version in range(first_version, first_version + 3):
+        buffer.add([make_episode(10 * version + i, [max(0, version - i % 2)]) for i in range(10)])
+        out.append(ids(buffer.sample(version)))
+        out.append(ids(buffer.sample(version)))
+    return out
+
+
+def test_same_seed_same_batches_and_other_seed_differs():
+    def make(seed):
+        return ReplayBuffer(batch_size=4, max_policy_age=1, dp_size=2, max_resample_count=2, seed=seed)
+
+    assert run_script(make(7)) == run_script(make(7))
+    assert run_script(make(7)) != run_script(make(8))
+
+
+def test_state_dict_round_trip_continues_identically():
+    kwargs = dict(batch_size=4, max_policy_age=1, dp_size=2, max_resample_count=2, max_buffer_size=12, seed=3)
+    original = ReplayBuffer(**kwargs)
+    run_script(original)
+    # Through torch.save with weights_only=True, as a checkpoint would go.
+    blob = io.BytesIO()
+    torch.save(original.state_dict(), blob)
+    blob.seek(0)
+    restored = ReplayBuffer(**{**kwargs, "seed": 99})
+    restored.load_state_dict(torch.load(blob, weights_only=True))
+
+    assert restored.stats == original.stats
+    assert restored.state_dict()["entries"] == original.state_dict()["entries"]
+    with pytest.raises(ValueError, match="policy_version=1 is below"):
+        restored.sample(1)  # the last version seen travels with the state
+    assert run_script(restored, first_version=3) == run_script(original, first_version=3)
+    assert restored.stats == original.stats
+
+
+def test_buffer_full_drops_oldest_version_then_earliest_insertion():
+    drops = []
+    buffer = ReplayBuffer(
+        batch_size=1, max_policy_age=5, max_buffer_size=3, on_drop=lambda reason, n: drops.append((reason, n))
+    )
+    buffer.add([make_episode(0, [2]), make_episode(1, [1]), make_episode(2, [1, 2])])
+    buffer.add([make_episode(3, [3])])
+    assert held_ids(buffer) == [0, 2, 3]
+    buffer.add([make_episode(4, [1]), make_episode(5, [4])])
+    # Versions held: 0->2, 2->1, 3->3, 4->1, 5->4; the two oldest are 2 and 4 (2 came first).
+    assert held_ids(buffer) == [0, 3, 5]
+    assert buffer.stats["dropped_buffer_full"] == 3
+    assert drops == [("buffer_full", 1), ("buffer_full", 2)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch_size=0), "batch_size=0: must be an int >= 1"),
+        (dict(batch_size=True), "batch_size=True: must be an int >= 1"),
+        (dict(max_policy_age=-1), "max_policy_age=-1: must be an int >= 0"),
+        (dict(dp_size=0), "dp_size=0: must be an int >= 1"),
+        (dict(dp_size=3), "dp_size=3: must divide batch_size=4"),
+        (dict(max_buffer_size=3), "max_buffer_size=3: must be None or an int >= batch_size=4"),
+        (dict(max_resample_count=0), "max_resample_count=0: must be an int >= 1"),
+        (dict(seed=1.5), "seed=1.5: must be an int"),
+        (dict(on_drop=3), "on_drop=3: must be None or a callable"),
+    ],
+)
+def test_invalid_arguments_name_field_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        ReplayBuffer(**{"batch_size": 4, "max_policy_age": 1, **kwargs})
+
+
+def test_invalid_calls_are_rejected():
+    buffer = ReplayBuffer(batch_size=1, max_policy_age=0)
+    with pytest.raises(ValueError, match=r"episode_id=7 has policy_versions=\[\]"):
+        buffer.add([make_episode(7, [])])
+    with pytest.raises(ValueError, match="policy_version=-1: must be an int >= 0"):
+        buffer.sample(-1)
+    buffer.evict(3)
+    with pytest.raises(ValueError, match="policy_version=2 is below the last one seen"):
+        buffer.evict(2)
+
+
+# An operation: ("add", token lags per episode), ("sample", version step) or ("evict", version step).
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3), max_size=6)),
+        st.tuples(st.sampled_from(["sample", "evict"]), st.integers(0, 2)),
+    ),
+    max_size=25,
+)
+
+
+@st.composite
+def configs(draw):
+    dp_size = draw(st.integers(1, 3))
+    batch_size = dp_size * draw(st.integers(1, 3))
+    max_buffer_size = draw(st.one_of(st.none(), st.integers(batch_size, batch_size + 8)))
+    return dict(
+        batch_size=batch_size,
+        dp_size=dp_size,
+        max_policy_age=draw(st.integers(0, 3)),
+        max_buffer_size=max_buffer_size,
+        max_resample_count=draw(st.integers(1, 3)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(config=configs(), ops=operations)
+def test_age_bound_and_conservation_hold_for_any_call_sequence(config, ops):
+    reported = Counter()
+    buffer = ReplayBuffer(**config, on_drop=lambda reason, n: reported.update({reason: n}))
+    k, limit = config["max_policy_age"], config["max_resample_count"]
+    version, added = 0, set()
+    handed_out = Counter()
+
+    for op, arg in ops:
+        if op == "add":
+            episodes = []
+            for lags in arg:
+                # Episodes come from versions the trainer has already published.
+                episodes.append(make_episode(len(added), sorted(max(0, version - lag) for lag in lags)))
+                added.add(len(added))
+            buffer.add(episodes)
+        else:
+            version += arg
+            too_old_before = buffer.stats["dropped_too_old"]
+            if op == "evict":
+                assert buffer.evict(version) == buffer.stats["dropped_too_old"] - too_old_before
+            else:
+                batch = buffer.sample(version)
+                if batch is not None:
+                    per_rank = config["batch_size"] // config["dp_size"]
+                    assert [len(shard) for shard in batch] == [per_rank] * config["dp_size"]
+                    flat = [e for shard in batch for e in shard]
+                    assert len({e.episode_id for e in flat}) == len(flat)
+                    # (1) the age bound holds for every episode handed out.
+                    assert all(e.oldest_policy_version >= version - k for e in flat)
+                    handed_out.update(e.episode_id for e in flat)
+            assert all(min(e["episode"]["policy_versions"]) >= version - k for e in buffer.state_dict()["entries"])
+
+        # (2) conservation: each added episode is held, consumed or dropped, exactly one of them.
+        held = held_ids(buffer)
+        consumed = {i for i, n in handed_out.items() if n == limit}
+        dropped = added - set(held) - consumed
+        assert len(held) == len(set(held)) and set(held) <= added
+        assert not consumed & set(held)
+        assert max(handed_out.values(), default=0) <= limit
+        stats = buffer.stats
+        assert stats["added"] == len(added)
+        assert stats["held"] == len(held) == len(buffer)
+        assert stats["consumed"] == len(consumed)
+        assert stats["sampled"] == sum(handed_out.values())
+        assert stats["dropped_too_old"] + stats["dropped_buffer_full"] == len(dropped)
+        assert reported["too_old"] == stats["dropped_too_old"]
+        assert reported["buffer_full"] == stats["dropped_buffer_full"]

@@ -1,0 +1,354 @@
+"""Tests for actors.trainer: HF parity, exact gradient accumulation, FSDP parity, checkpoints, export, learning."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from actors.trainer import CHECKSUMS_FILE, TitanTrainer, TrainerConfig, token_entropy
+from forge.tiny_model import build_tiny_checkpoint
+from forge.types import TrainBatch
+
+PROMPT_LEN = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tied"), seed=1, tie_word_embeddings=True)
+
+
+def make_batch(seed: int, *, rows: int = 4, length: int = 12, vocab: int = 99) -> TrainBatch:
+    """Right-padded sequences with responses of different lengths, so a token mean and a sequence mean differ."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (rows, length), generator=gen)
+    response_mask = torch.zeros(rows, length - 1)
+    for row in range(rows):
+        end = length - 1 - 2 * (row % 3)  # responses of 7, 5 and 3 tokens
+        response_mask[row, PROMPT_LEN - 1 : end] = 1
+        input_ids[row, end + 1 :] = 0  # padding after the response
+    return TrainBatch(
+        input_ids=input_ids,
+        response_mask=response_mask,
+        behaviour_logprobs=torch.full((rows, length - 1), -4.0),
+        policy_versions=torch.where(response_mask > 0, 0, -1).long(),
+        advantages=torch.linspace(1.0, -1.0, rows),
+        rewards=torch.linspace(1.0, 0.0, rows),
+    )
+
+
+def trainer_config(path: Path, **overrides) -> TrainerConfig:
+    # Adam's first update is lr * g / (|g| + eps): with the default eps=1e-8 a gradient element near 1e-8
+    # turns float rounding (a different summation order) into weight differences of ~1e-5.
+    return TrainerConfig(**{"model_path": str(path), "lr": 1e-3, "eps": 1e-6, "loss": "dapo", **overrides})
+
+
+def gradients(trainer: TitanTrainer) -> dict[str, torch.Tensor]:
+    """The gradients of the last step (clipped), full tensors in torchtitan names; a collective under FSDP."""
+    grads = {name: p.grad for name, p in trainer.model.named_parameters()}
+    return {name: g.full_tensor() if isinstance(g, DTensor) else g.clone() for name, g in grads.items()}
+
+
+def hf_logprobs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids).logits[:, :-1]
+    return logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Log-probs: the torchtitan model reproduces transformers through the state-dict adapter
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family, fixture", [("qwen3", "checkpoint"), ("qwen3", "tied_checkpoint"),
+                                              ("llama3", "llama_checkpoint")])
+def test_logprobs_equal_transformers(family: str, fixture: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(fixture)
+    batch = make_batch(0)
+    trainer = TitanTrainer(trainer_config(path, family=family, micro_batch_size=3))
+    expected = hf_logprobs(AutoModelForCausalLM.from_pretrained(path), batch.input_ids)
+    torch.testing.assert_close(trainer.logprobs(batch), expected, rtol=0, atol=1e-5)
+
+
+def test_hf_state_dict_has_the_checkpoints_names_and_values(checkpoint: Path) -> None:
+    trainer = TitanTrainer(trainer_config(checkpoint))
+    expected = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+    assert_same_weights(trainer.hf_state_dict(), dict(expected), atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One step
+
+
+def test_micro_batches_give_the_full_batch_step(checkpoint: Path) -> None:
+    # DAPO averages over all response tokens of the batch: weighting micro-batches by rows would be wrong.
+    batch = make_batch(1)
+    whole = TitanTrainer(trainer_config(checkpoint, micro_batch_size=4))
+    split = TitanTrainer(trainer_config(checkpoint, micro_batch_size=1))
+    before = whole.hf_state_dict()
+    whole_metrics, split_metrics = whole.train_step(batch), split.train_step(batch)
+    assert whole_metrics["loss"] == pytest.approx(split_metrics["loss"], abs=1e-6)
+    assert whole_metrics["grad_norm"] == pytest.approx(split_metrics["grad_norm"], rel=1e-5)
+    assert_same_weights(gradients(whole), gradients(split), atol=1e-7)
+    assert_same_weights(whole.hf_state_dict(), split.hf_state_dict(), atol=1e-6)
+    assert not torch.equal(before["lm_head.weight"], whole.hf_state_dict()["lm_head.weight"])
+
+
+def test_step_metrics_and_policy_version(checkpoint: Path) -> None:
+    batch = make_batch(2)
+    trainer = TitanTrainer(trainer_config(checkpoint, warmup_steps=2, max_grad_norm=1e-3, micro_batch_size=2))
+    logits = AutoModelForCausalLM.from_pretrained(checkpoint)(batch.input_ids).logits[:, :-1].detach()
+    mask = batch.response_mask
+    expected_entropy = (token_entropy(logits) * mask).sum() / mask.sum()
+
+    steps = [trainer.train_step(batch) for _ in range(3)]
+
+    assert [m["lr"] for m in steps] == pytest.approx([5e-4, 1e-3, 1e-3])  # linear warmup over 2 steps
+    assert steps[0]["entropy"] == pytest.approx(expected_entropy.item(), abs=1e-5)
+    assert [m["policy_version"] for m in steps] == [1, 2, 3] and trainer.policy_version == trainer.step == 3
+    assert {"loss", "grad_norm", "tokens_per_second", "clip_fraction", "is_weight_mean"} <= steps[0].keys()
+    assert steps[0]["tokens_per_second"] > 0
+    # The norm is reported before clipping; the gradient the optimizer used was clipped to max_grad_norm.
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()]))
+    assert steps[-1]["grad_norm"] > 1e-2 and clipped.item() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_grpo_raises_positive_and_lowers_negative_advantage_tokens(checkpoint: Path) -> None:
+    batch = make_batch(3)
+    batch.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", lr=3e-3, micro_batch_size=2))
+    batch.behaviour_logprobs = trainer.logprobs(batch)  # on-policy samples
+    mask = batch.response_mask
+
+    def sequence_logprobs() -> torch.Tensor:
+        return (trainer.logprobs(batch) * mask).sum(-1)
+
+    before = sequence_logprobs()
+    for _ in range(4):
+        trainer.train_step(batch)
+    change = sequence_logprobs() - before
+    assert (change[batch.advantages > 0] > 0.05).all(), change
+    assert (change[batch.advantages < 0] < -0.05).all(), change
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints and export
+
+
+def test_resume_gives_the_uninterrupted_run(checkpoint: Path, tmp_path: Path) -> None:
+    first, second = make_batch(4), make_batch(5)
+    config = trainer_config(checkpoint, warmup_steps=3, weight_decay=0.1, micro_batch_size=2)
+    uninterrupted = TitanTrainer(config)
+    uninterrupted.train_step(first)
+    saved = uninterrupted.save_checkpoint(tmp_path / "ckpt")
+    expected = uninterrupted.train_step(second)
+
+    resumed = TitanTrainer(config)
+    resumed.load_checkpoint(saved)
+    assert (resumed.step, resumed.policy_version) == (1, 1)
+    metrics = resumed.train_step(second)
+    assert metrics["loss"] == expected["loss"] and metrics["lr"] == expected["lr"]
+    assert_same_weights(resumed.hf_state_dict(), uninterrupted.hf_state_dict(), atol=0)
+
+
+def test_checkpoint_interval_saves_complete_checkpoints(checkpoint: Path, tmp_path: Path) -> None:
+    trainer = TitanTrainer(trainer_config(checkpoint, checkpoint_dir=str(tmp_path), checkpoint_interval=2))
+    for _ in range(3):
+        trainer.train_step(make_batch(6))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
+    assert (tmp_path / "step-2" / CHECKSUMS_FILE).is_file() and (tmp_path / "step-2" / ".metadata").is_file()
+
+
+def test_corrupt_or_incomplete_checkpoint_is_a_clear_error(checkpoint: Path, tmp_path: Path) -> None:
+    trainer = TitanTrainer(trainer_config(checkpoint))
+    saved = Path(trainer.save_checkpoint(tmp_path / "good"))
+    (shard,) = saved.glob("*.distcp")
+
+    truncated = shutil.copytree(saved, tmp_path / "truncated")
+    os.truncate(truncated / shard.name, shard.stat().st_size // 2)
+    with pytest.raises(RuntimeError, match=r"truncated.*corrupt.*distcp"):
+        trainer.load_checkpoint(truncated)
+
+    flipped = shutil.copytree(saved, tmp_path / "flipped")
+    with open(flipped / shard.name, "r+b") as f:  # inside the tensor data, where DCP itself checks nothing
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\x7f" * 16)
+    with pytest.raises(RuntimeError, match="flipped is corrupt"):
+        trainer.load_checkpoint(flipped)
+
+    interrupted = shutil.copytree(saved, tmp_path / "interrupted")
+    (interrupted / CHECKSUMS_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="interrupted is not a complete checkpoint"):
+        trainer.load_checkpoint(interrupted)
+
+
+def test_export_hf_loads_in_transformers_with_identical_logits(checkpoint: Path, tmp_path: Path) -> None:
+    batch = make_batch(7)
+    trainer = TitanTrainer(trainer_config(checkpoint))
+    trainer.train_step(batch)
+    exported = trainer.export_hf(tmp_path / "export")
+
+    model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch.input_ids).logits, trainer.model(batch.input_ids), rtol=0, atol=1e-5)
+    source = AutoTokenizer.from_pretrained(checkpoint)
+    assert AutoTokenizer.from_pretrained(exported)("1+2=3").input_ids == source("1+2=3").input_ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP2 over two CPU processes against one process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        config = trainer_config(Path(path), micro_batch_size=1)  # two micro-batches per rank
+        trainer = TitanTrainer(config, rank=rank, world_size=world_size)
+        first = trainer.train_step(make_batch(8))
+        after_first = trainer.hf_state_dict()
+        first_grads = gradients(trainer)
+        logprobs = trainer.logprobs(make_batch(10))
+        shards = trainer.hf_state_dict_shards()
+        shards_are_sharded = all(isinstance(t, DTensor) for t in shards.values())
+        shards_match = all(torch.equal(t.full_tensor(), after_first[n]) for n, t in shards.items())
+        saved = trainer.save_checkpoint(Path(out_dir) / "ckpt")
+        second = trainer.train_step(make_batch(9))
+        trainer.load_checkpoint(saved)
+        resumed = trainer.train_step(make_batch(9))
+        if rank == 0:
+            torch.save(dict(first=first, first_grads=first_grads, second=second, resumed=resumed, after_first=after_first,
+                            shards_are_sharded=shards_are_sharded, shards_match=shards_match,
+                            logprobs=logprobs), Path(out_dir) / "result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_result(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    # Each rank runs this file as a script (see the bottom): torchmonarch installs a top-level `tests`
+    # package that hides this one, so a spawned process could not unpickle a function defined here.
+    out_dir, port, world_size = tmp_path_factory.mktemp("fsdp"), _free_port(), 2
+    logs = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(world_size), str(port), str(checkpoint),
+                               str(out_dir)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for rank, log in enumerate(logs)]
+    try:
+        for proc in procs:
+            proc.wait(timeout=240)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+    return torch.load(out_dir / "result.pt", weights_only=False)
+
+
+def test_fsdp_two_ranks_match_one_rank(fsdp_result: dict, checkpoint: Path) -> None:
+    single = TitanTrainer(trainer_config(checkpoint, micro_batch_size=4))
+    expected = single.train_step(make_batch(8))
+    assert fsdp_result["first"]["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    assert fsdp_result["first"]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert fsdp_result["first"]["entropy"] == pytest.approx(expected["entropy"], abs=1e-6)
+    assert_same_weights(fsdp_result["first_grads"], gradients(single), atol=1e-7)
+    assert_same_weights(fsdp_result["after_first"], single.hf_state_dict(), atol=1e-6)
+    torch.testing.assert_close(fsdp_result["logprobs"], single.logprobs(make_batch(10)), rtol=0, atol=1e-5)
+
+
+def test_fsdp_shards_are_dtensors_of_the_full_weights(fsdp_result: dict) -> None:
+    assert fsdp_result["shards_are_sharded"] and fsdp_result["shards_match"]
+
+
+def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_result: dict) -> None:
+    assert fsdp_result["resumed"]["loss"] == fsdp_result["second"]["loss"]
+    assert fsdp_result["resumed"]["policy_version"] == fsdp_result["second"]["policy_version"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("overrides, field, allowed", [
+    ({"lr": 0.0}, "lr", "a number > 0"),
+    ({"betas": (0.9, 1.0)}, "betas", "two numbers in [0, 1)"),
+    ({"micro_batch_size": 0}, "micro_batch_size", "an int >= 1"),
+    ({"family": "gpt2"}, "family", "one of qwen3, llama3"),
+    ({"dtype": "float8"}, "dtype", "one of float32, bfloat16"),
+    ({"warmup_steps": 11}, "warmup_steps", "an int in [0, max_steps=10]"),
+    ({"lr_decay": "step"}, "lr_decay", "one of constant, linear, cosine"),
+    ({"checkpoint_interval": 5}, "checkpoint_dir", "a folder when checkpoint_interval=5 > 0"),
+    ({"model_path": "/no/such/folder"}, "model_path", "a Hugging Face checkpoint folder with config.json"),
+])
+def test_config_errors_name_the_field_value_and_allowed(checkpoint: Path, overrides: dict, field: str,
+                                                        allowed: str) -> None:
+    kwargs = {"model_path": str(checkpoint), "max_steps": 10, **overrides}
+    value = kwargs.get(field)
+    expected = re.escape(f"TrainerConfig.{field}={value!r}: must be {allowed}")
+    with pytest.raises(ValueError, match=expected):
+        TrainerConfig(**kwargs)
+
+
+def test_unknown_loss_or_loss_param_is_rejected(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="loss='nope'"):
+        TrainerConfig(model_path=str(checkpoint), loss="nope")
+    with pytest.raises(ValueError, match=r"\['clip_epsilon'\] not taken by loss 'grpo'.*clip_eps"):
+        TrainerConfig(model_path=str(checkpoint), loss="grpo", loss_params={"clip_epsilon": 0.2})
+
+
+def test_tied_embeddings_are_refused_under_fsdp(tied_checkpoint: Path) -> None:
+    with pytest.raises(NotImplementedError, match="tie_word_embeddings=True with world_size=2"):
+        TitanTrainer(trainer_config(tied_checkpoint), rank=0, world_size=2)
+
+
+def test_batch_outside_the_vocabulary_or_context_is_rejected(checkpoint: Path) -> None:
+    trainer = TitanTrainer(trainer_config(checkpoint))
+    batch = make_batch(11)
+    batch.input_ids[0, 5] = 99
+    with pytest.raises(ValueError, match=r"token ids in \[0, 99\]; must be in \[0, 99\)"):
+        trainer.train_step(batch)
+    with pytest.raises(ValueError, match="2 <= T <= 256"):
+        trainer.logprobs(make_batch(12, length=257))
+    assert trainer.step == 0
+
+
+if __name__ == "__main__":  # one rank of the FSDP tests, started by the fsdp_result fixture
+    _fsdp_worker(*map(int, sys.argv[1:4]), *sys.argv[4:])

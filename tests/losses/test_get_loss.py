@@ -1,0 +1,56 @@
+import pytest
+
+from losses import LOSSES, get_loss
+from losses.cispo import cispo
+from losses.dapo import dapo
+from losses.dr_grpo import dr_grpo
+from losses.grpo import grpo
+from losses.gspo import gspo
+
+
+def test_registered_names_resolve_to_their_functions():
+    expected = {"grpo": grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "dr_grpo": dr_grpo}
+    assert LOSSES == expected
+    for name, fn in expected.items():
+        assert get_loss(name) is fn
+
+
+def test_a_callable_is_returned_as_is():
+    def my_loss(logprobs, batch, *, old_logprobs=None):
+        raise AssertionError("not called")
+
+    assert get_loss(my_loss) is my_loss
+
+
+def test_module_function_path_resolves_a_user_loss(tmp_path, monkeypatch):
+    (tmp_path / "my_rl_losses.py").write_text(
+        "from losses.grpo import grpo\n\ndef my_grpo(logprobs, batch, **kw):\n    return grpo(logprobs, batch, **kw)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loss_fn = get_loss("my_rl_losses:my_grpo")
+    assert loss_fn.__name__ == "my_grpo" and loss_fn.__module__ == "my_rl_losses"
+    assert get_loss("losses.dapo:dapo") is dapo
+
+
+def test_unknown_name_lists_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"loss='ppo': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo, or"):
+        get_loss("ppo")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no_such_module_xyz:fn", r"loss='no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
+        (":fn", r"loss=':fn': cannot import module ''"),
+        ("losses.grpo:nope", r"loss='losses.grpo:nope': module 'losses.grpo' has no callable 'nope'"),
+        ("math:pi", r"loss='math:pi': module 'math' has no callable 'pi'"),
+    ],
+)
+def test_bad_module_function_paths(name, message):
+    with pytest.raises(ValueError, match=message):
+        get_loss(name)
+
+
+def test_non_string_non_callable_is_a_type_error():
+    with pytest.raises(TypeError, match=r"loss=42: must be a loss name, a callable or 'package.module:function'"):
+        get_loss(42)
