@@ -286,8 +286,8 @@ def build_model(
     model_state = get_model_state_dict(model)
     # One rank reads alone even when the process has a process group (for other work) of several ranks.
     no_dist = parallel_dims.world_size == 1
-    if init_checkpoint is not None:
-        dcp.load(model_state, checkpoint_id=init_checkpoint, no_dist=no_dist)  # torchtitan's layout: model keys at the top
+    if init_checkpoint is not None:  # torchtitan's layout: the model's keys at the top level
+        dcp.load(model_state, checkpoint_id=init_checkpoint, no_dist=no_dist)
     else:
         # A tied checkpoint has no lm_head.weight: the tied output shares the embedding's storage.
         hf_state = adapter.to_hf({k: v for k, v in model_state.items() if not (tied and k == "output.weight")})

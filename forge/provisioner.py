@@ -29,7 +29,10 @@ forge.native.setup()
 import monarch.actor  # noqa: E402
 from monarch.actor import Actor, HostMesh, ProcMesh, current_rank, endpoint, this_host  # noqa: E402
 
-from forge import metrics  # noqa: E402
+import psutil  # noqa: E402
+import torchstore  # noqa: E402
+
+from forge import metrics, weight_store  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,16 @@ class Provisioner:
 
     def __post_init__(self) -> None:
         self._free_gpus = list(self.gpus)
+        self._weight_store_started = False
         monarch.actor.unhandled_fault_hook = self._on_mesh_failure
+        weight_store.job_id()  # this controller's pid names the job's shared-memory segments
+        weight_store.remove_dead_jobs_segments()
+
+    async def start_weight_store(self) -> None:
+        """Start torchstore's controller and storage volume (once); keys of the weight store live there."""
+        if not self._weight_store_started:
+            await torchstore.initialize()
+            self._weight_store_started = True
 
     async def get_proc_mesh(
         self,
@@ -137,7 +149,12 @@ class Provisioner:
         try:
             proc_mesh = host.spawn_procs(per_host={"procs": procs}, name=name)
             agents = proc_mesh.spawn("proc_agent", ProcAgent)
-            shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(procs)}
+            shared = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(_free_port()),
+                "WORLD_SIZE": str(procs),
+                "FORGE_JOB_ID": weight_store.job_id(),
+            }
             shared.update(env or {})
             per_rank = []
             for rank in range(procs):
@@ -216,14 +233,21 @@ class Provisioner:
         self.meshes.pop(mesh.name, None)
 
     async def shutdown(self) -> None:
-        """Stop every mesh this provisioner made (in parallel); leaves no child processes."""
+        """Stop every mesh this provisioner made (in parallel); leaves no child processes or segments."""
         await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values())))
+        if self._weight_store_started:
+            self._weight_store_started = False
+            try:
+                await asyncio.wait_for(torchstore.shutdown(), timeout=20)
+            except Exception as e:
+                logger.debug("torchstore shutdown: %s", e)
+            torchstore.reset_client()
+        weight_store.remove_job_segments()
+        _kill_leftovers(monarch_children())
 
 
 def _kill_leftovers(pids: list[int]) -> None:
     """A process that ignored the stop request (or a wedged one) is killed outright."""
-    import psutil
-
     for pid in pids:
         try:
             proc = psutil.Process(pid)
@@ -231,6 +255,18 @@ def _kill_leftovers(pids: list[int]) -> None:
                 proc.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def monarch_children() -> list[int]:
+    """Pids of this process's descendants that Monarch started (proc meshes, torchstore volumes)."""
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("monarch" in part for part in child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:
+            pass
+    return pids
 
 
 _provisioner: Provisioner | None = None

@@ -100,9 +100,12 @@ def test_logprobs_equal_transformers(family: str, fixture: str, request: pytest.
     torch.testing.assert_close(trainer.logprobs(batch), expected, rtol=0, atol=1e-5)
 
 
-def test_hf_state_dict_has_the_checkpoints_names_and_values(checkpoint: Path) -> None:
-    trainer = TitanTrainer(trainer_config(checkpoint))
-    expected = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+@pytest.mark.parametrize("family, fixture", [("qwen3", "checkpoint"), ("llama3", "llama_checkpoint")])
+def test_hf_state_dict_has_the_checkpoints_names_and_values(family: str, fixture: str,
+                                                            request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(fixture)
+    trainer = TitanTrainer(trainer_config(path, family=family))
+    expected = AutoModelForCausalLM.from_pretrained(path).state_dict()
     assert_same_weights(trainer.hf_state_dict(), dict(expected), atol=0)
 
 
@@ -181,6 +184,15 @@ def test_resume_gives_the_uninterrupted_run(checkpoint: Path, tmp_path: Path) ->
     assert_same_weights(resumed.hf_state_dict(), uninterrupted.hf_state_dict(), atol=0)
 
 
+def test_init_checkpoint_takes_only_the_weights(checkpoint: Path, tmp_path: Path) -> None:
+    trained = TitanTrainer(trainer_config(checkpoint))
+    trained.train_step(make_batch(4))
+    saved = trained.save_checkpoint(tmp_path / "ckpt")
+    started = TitanTrainer(trainer_config(checkpoint, init_checkpoint=saved))
+    assert_same_weights(started.hf_state_dict(), trained.hf_state_dict(), atol=0)
+    assert (started.step, started.policy_version) == (0, 0)
+
+
 def test_checkpoint_interval_saves_complete_checkpoints(checkpoint: Path, tmp_path: Path) -> None:
     trainer = TitanTrainer(trainer_config(checkpoint, checkpoint_dir=str(tmp_path), checkpoint_interval=2))
     for _ in range(3):
@@ -249,15 +261,18 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         logprobs = trainer.logprobs(make_batch(10))
         shards = trainer.hf_state_dict_shards()
         shards_are_sharded = all(isinstance(t, DTensor) for t in shards.values())
-        shards_match = all(torch.equal(t.full_tensor(), after_first[n]) for n, t in shards.items())
+        shards_match = all([torch.equal(t.full_tensor(), after_first[n]) for n, t in shards.items()])  # every gather
         saved = trainer.save_checkpoint(Path(out_dir) / "ckpt")
         second = trainer.train_step(make_batch(9))
+        after_second = trainer.hf_state_dict()
         trainer.load_checkpoint(saved)
         resumed = trainer.train_step(make_batch(9))
+        after_resumed = trainer.hf_state_dict()
         if rank == 0:
-            torch.save(dict(first=first, first_grads=first_grads, second=second, resumed=resumed, after_first=after_first,
-                            shards_are_sharded=shards_are_sharded, shards_match=shards_match,
-                            logprobs=logprobs), Path(out_dir) / "result.pt")
+            result = dict(first=first, first_grads=first_grads, second=second, resumed=resumed,
+                          after_first=after_first, after_second=after_second, after_resumed=after_resumed, shards_are_sharded=shards_are_sharded,
+                          shards_match=shards_match, logprobs=logprobs)
+            torch.save(result, Path(out_dir) / "result.pt")
     finally:
         dist.destroy_process_group()
 
@@ -301,6 +316,7 @@ def test_fsdp_shards_are_dtensors_of_the_full_weights(fsdp_result: dict) -> None
 def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_result: dict) -> None:
     assert fsdp_result["resumed"]["loss"] == fsdp_result["second"]["loss"]
     assert fsdp_result["resumed"]["policy_version"] == fsdp_result["second"]["policy_version"] == 2
+    assert_same_weights(fsdp_result["after_resumed"], fsdp_result["after_second"], atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------

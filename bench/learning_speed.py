@@ -1,0 +1,252 @@
+"""Learning speed: how fast GRPO lifts held-out accuracy on the tiny arithmetic task, on CPU.
+
+The baseline is a hand loop in one process (`run_hand_loop`): a supervised warm start stopped early at
+a low accuracy, then plain GRPO with the project's own engine, advantages and loss. A full-app runner
+takes the same `LearningSpeedConfig` and returns the same result keys, so `print_results` shows both
+side by side.
+
+    python bench/learning_speed.py --seed 0 --hand-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+# Run as a script from the repository root: make the packages importable without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.engines.hf import HFEngine  # noqa: E402
+from forge.tasks.arithmetic import ArithmeticTask, Problem  # noqa: E402
+from forge.tiny_model import build_tiny_checkpoint  # noqa: E402
+from forge.types import Episode, SamplingParams, TrainBatch  # noqa: E402
+from losses import group_advantages, grpo  # noqa: E402
+
+
+@dataclass
+class LearningSpeedConfig:
+    """Shared by every runner so their numbers are comparable."""
+
+    seed: int = 0
+    num_threads: int = 2
+    # Task: 2-digit addition; answers have at most 3 digits, plus EOS.
+    num_digits: int = 2
+    held_out: int = 500
+    max_tokens: int = 4
+    # Supervised warm start: stop as soon as greedy accuracy on `warm_eval_prompts` reaches the threshold.
+    warm_lr: float = 1e-3
+    warm_batch_size: int = 64
+    warm_threshold: float = 0.20
+    warm_eval_every: int = 10
+    warm_eval_prompts: int = 200
+    warm_max_steps: int = 3000
+    # GRPO.
+    lr: float = 3e-4
+    group_size: int = 16
+    prompts_per_step: int = 16
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    grpo_steps: int = 400
+    max_grpo_seconds: float = 240.0
+    target_accuracy: float = 0.75  # stop GRPO early once held-out accuracy reaches this
+    eval_every: int = 10
+    gain_target: float = 0.30  # report the time to gain this much held-out accuracy
+
+    def __post_init__(self) -> None:
+        if self.lr > 3e-4:
+            raise ValueError(f"LearningSpeedConfig.lr={self.lr}: must be <= 3e-4 (1e-3 collapses GRPO here)")
+        if self.held_out < 500:
+            raise ValueError(f"LearningSpeedConfig.held_out={self.held_out}: must be >= 500 prompts")
+        if self.group_size < 2:
+            raise ValueError(f"LearningSpeedConfig.group_size={self.group_size}: must be >= 2 (group advantages)")
+
+
+def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """log pi(token t+1 | tokens <= t), [B, T-1]: the alignment `TrainBatch` uses.
+
+    Right padding needs no attention mask: causal attention keeps pads from reaching earlier positions.
+    """
+    logits = model(input_ids=input_ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def held_out_accuracy(engine: HFEngine, task: ArithmeticTask, problems: list[Problem], max_tokens: int) -> float:
+    """Greedy exact-match accuracy."""
+    completions = engine.generate([p.prompt for p in problems], SamplingParams(max_tokens=max_tokens, temperature=0))
+    rewards = [task.reward(group[0].text, p.answer) for group, p in zip(completions, problems)]
+    return sum(rewards) / len(rewards)
+
+
+def supervised_batch(problems: list[Problem], engine: HFEngine) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forcing inputs and a [B, T-1] mask on the answer tokens and EOS only."""
+    tokenizer = engine.tokenizer
+    episodes = [
+        Episode(
+            episode_id=i,
+            group_id=i,
+            prompt_ids=tokenizer.encode(p.prompt),
+            completion_ids=tokenizer.encode(p.answer) + [tokenizer.eos_token_id],
+            behaviour_logprobs=[0.0] * (len(p.answer) + 1),
+            policy_versions=[0] * (len(p.answer) + 1),
+            reward=1.0,
+        )
+        for i, p in enumerate(problems)
+    ]
+    batch = TrainBatch.from_episodes(episodes, pad_id=engine.pad_token_id)
+    return batch.input_ids, batch.response_mask
+
+
+def warm_start(
+    model: PreTrainedModel, engine: HFEngine, task: ArithmeticTask, cfg: LearningSpeedConfig, log: Callable[[str], None]
+) -> int:
+    """Supervised steps until greedy accuracy on a held-out slice reaches `cfg.warm_threshold`; returns steps."""
+    examples = task.supervised_examples(cfg.warm_batch_size * cfg.warm_max_steps)
+    probe = task.held_out()[: cfg.warm_eval_prompts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warm_lr)
+    for step in range(1, cfg.warm_max_steps + 1):
+        chunk = examples[(step - 1) * cfg.warm_batch_size : step * cfg.warm_batch_size]
+        input_ids, mask = supervised_batch(chunk, engine)
+        loss = -(completion_logprobs(model, input_ids) * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % cfg.warm_eval_every == 0:
+            engine.load_weights(model.state_dict(), version=0)
+            accuracy = held_out_accuracy(engine, task, probe, cfg.max_tokens)
+            log(f"warm step {step:4d} loss {loss.item():.3f} probe accuracy {accuracy:.1%}")
+            if accuracy >= cfg.warm_threshold:
+                return step
+    return cfg.warm_max_steps
+
+
+def grpo_step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    engine: HFEngine,
+    task: ArithmeticTask,
+    problems: list[Problem],
+    cfg: LearningSpeedConfig,
+) -> dict[str, float]:
+    """Sample a group per prompt with the engine, score, and take one on-policy GRPO step."""
+    params = SamplingParams(n=cfg.group_size, max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+    groups = engine.generate([p.prompt for p in problems], params)
+    episodes = [
+        Episode.from_completion(c, episode_id=g * cfg.group_size + i, group_id=g, reward=task.reward(c.text, p.answer))
+        for g, (group, p) in enumerate(zip(groups, problems))
+        for i, c in enumerate(group)
+    ]
+    rewards = torch.tensor([e.reward for e in episodes])
+    advantages, zero_variance = group_advantages(rewards, torch.tensor([e.group_id for e in episodes]))
+    for episode, advantage in zip(episodes, advantages.tolist()):
+        episode.advantage = advantage
+    batch = TrainBatch.from_episodes(episodes, pad_id=engine.pad_token_id)
+    out = grpo(completion_logprobs(model, batch.input_ids), batch, clip_eps=cfg.clip_eps)
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    optimizer.step()
+    return {"reward": rewards.mean().item(), "zero_variance": zero_variance.float().mean().item(), **out.metrics}
+
+
+def run_hand_loop(cfg: LearningSpeedConfig, log: Callable[[str], None] = print) -> dict[str, float]:
+    """The single-process baseline: warm start, then GRPO with the engine's weights reloaded every step.
+
+    The engine keeps its own copy of the model (as the generator actor does) and receives the trainer's
+    weights through `load_weights` before each sampling step, so sampling never sees a half-made update.
+    """
+    torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    task = ArithmeticTask(seed=cfg.seed, num_digits=cfg.num_digits, held_out=cfg.held_out)
+    held_out = task.held_out()
+    with tempfile.TemporaryDirectory(prefix="forge-learning-speed-") as folder:
+        checkpoint = build_tiny_checkpoint(folder, seed=cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        engine = HFEngine(checkpoint, seed=cfg.seed)
+    model.train()
+
+    start = time.perf_counter()
+    warm_steps = warm_start(model, engine, task, cfg, log)
+    warm_seconds = time.perf_counter() - start
+    engine.load_weights(model.state_dict(), version=0)
+    start_accuracy = held_out_accuracy(engine, task, held_out, cfg.max_tokens)
+    log(f"warm start: {warm_steps} steps, {warm_seconds:.1f}s, held-out accuracy {start_accuracy:.1%}")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    rng = random.Random(f"{cfg.seed}-grpo")
+    accuracy, train_seconds, gain_seconds, steps = start_accuracy, 0.0, float("nan"), 0
+    for steps in range(1, cfg.grpo_steps + 1):
+        tick = time.perf_counter()
+        stats = grpo_step(model, optimizer, engine, task, task.sample_prompts(cfg.prompts_per_step, rng), cfg)
+        engine.load_weights(model.state_dict(), version=steps)
+        train_seconds += time.perf_counter() - tick
+        if steps % cfg.eval_every == 0 or train_seconds >= cfg.max_grpo_seconds:
+            accuracy = held_out_accuracy(engine, task, held_out, cfg.max_tokens)
+            if accuracy - start_accuracy >= cfg.gain_target and gain_seconds != gain_seconds:
+                gain_seconds = train_seconds
+            log(
+                f"grpo step {steps:4d} {train_seconds:6.1f}s reward {stats['reward']:.3f} "
+                f"zero-variance groups {stats['zero_variance']:.0%} held-out accuracy {accuracy:.1%}"
+            )
+            if accuracy >= cfg.target_accuracy or train_seconds >= cfg.max_grpo_seconds:
+                break
+    if steps % cfg.eval_every != 0 and train_seconds < cfg.max_grpo_seconds:
+        accuracy = held_out_accuracy(engine, task, held_out, cfg.max_tokens)
+    return {
+        "warm_steps": warm_steps,
+        "warm_seconds": warm_seconds,
+        "start_accuracy": start_accuracy,
+        "final_accuracy": accuracy,
+        "grpo_steps": steps,
+        "grpo_seconds": train_seconds,
+        "seconds_to_gain": gain_seconds,
+    }
+
+
+RESULT_COLUMNS = (
+    ("runner", "{}"),
+    ("seed", "{}"),
+    ("warm_steps", "{:d}"),
+    ("start_accuracy", "{:.1%}"),
+    ("final_accuracy", "{:.1%}"),
+    ("grpo_steps", "{:d}"),
+    ("grpo_seconds", "{:.1f}"),
+    ("seconds_to_gain", "{:.1f}"),
+)
+
+
+def print_results(rows: list[dict[str, object]]) -> None:
+    """One line per (runner, seed) run."""
+    cells = [[name for name, _ in RESULT_COLUMNS]]
+    cells += [[fmt.format(row[name]) for name, fmt in RESULT_COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(RESULT_COLUMNS))]
+    for line in cells:
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, nargs="+", default=[0])
+    parser.add_argument("--hand-only", action="store_true", help="run only the single-process hand loop")
+    for field in dataclasses.fields(LearningSpeedConfig):
+        if field.name != "seed":
+            parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    args = parser.parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(LearningSpeedConfig) if f.name != "seed"}
+    rows = []
+    for seed in args.seed:
+        cfg = LearningSpeedConfig(seed=seed, **overrides)
+        rows.append({"runner": "hand loop", "seed": seed, **run_hand_loop(cfg)})
+    print_results(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Versioned policy weights: published by trainers, fetched by generators, from any actor in any process.
+
+    store = WeightStore()
+    await store.publish(hf_state_dict, version=3)     # trainer (every rank, if the state dict is sharded)
+    v = await store.latest_version()                  # generator: is there something newer?
+    weights = await store.fetch(v)                    # {hf_name: tensor}; or fetch(v, into=existing)
+    await store.delete(1)
+
+Keys and metadata live in torchstore (its controller is reachable from every process of the job). The
+tensor bytes take one of two paths:
+- "shm" (one host): the publisher writes every tensor once into one shared-memory segment in /dev/shm;
+  readers on the host map it and copy straight into their own tensors; no per-tensor RPC at all.
+- "torchstore" (across hosts): `torchstore.put_state_dict` / `get_state_dict`, which uses RDMA where
+  Monarch has it.
+With transport="auto" a version goes through shared memory, and readers on another host fall back to
+torchstore when the publisher also put it there (`cross_host=True`).
+
+Segments are named `forge-<job>-<namespace>-v<version>` where <job> is the controller's pid
+(FORGE_JOB_ID): `delete` removes one, `remove_job_segments` (run at shutdown, and for dead jobs at
+start-up) removes whatever a crash left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+import forge.native
+
+forge.native.setup()
+
+import torchstore as ts  # noqa: E402
+
+SHM_DIR = Path(os.environ.get("FORGE_SHM_DIR", "/dev/shm"))
+_ALIGN = 64
+Transport = Literal["auto", "shm", "torchstore"]
+
+
+class WeightVersionError(LookupError):
+    """The requested policy version does not exist (never published, or already deleted)."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    host: str
+    segment: str | None  # shared-memory file name, when the bytes went through shm
+    in_torchstore: bool
+    entries: dict[str, TensorEntry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+
+def job_id() -> str:
+    """Identifies this job's segments; set by the provisioner for every process it spawns."""
+    return os.environ.setdefault("FORGE_JOB_ID", str(os.getpid()))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """DTensor shards are gathered into the full tensor (a collective: every rank must call publish)."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu", non_blocking=False).contiguous()
+
+
+def _is_rank_zero() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
+
+
+class WeightStore:
+    def __init__(self, namespace: str = "policy", *, transport: Transport = "auto", cross_host: bool = False) -> None:
+        if transport not in ("auto", "shm", "torchstore"):
+            raise ValueError(f"transport={transport!r}: must be one of 'auto', 'shm', 'torchstore'")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
+            raise ValueError(f"namespace={namespace!r}: use letters, digits, '_', '.', '-'")
+        self.namespace = namespace
+        self.transport = transport
+        self.cross_host = cross_host
+        self.host = socket.gethostname()
+        self._maps: dict[str, mmap.mmap] = {}
+
+    # --- keys ---------------------------------------------------------------------------------------
+    def _manifest_key(self, version: int) -> str:
+        return f"{self.namespace}/manifest/{version}"
+
+    def _tensors_key(self, version: int) -> str:
+        return f"{self.namespace}/tensors/{version}"
+
+    def _latest_key(self) -> str:
+        return f"{self.namespace}/latest"
+
+    def segment_name(self, version: int) -> str:
+        return f"forge-{job_id()}-{self.namespace}-v{version}"
+
+    # --- publishing ---------------------------------------------------------------------------------
+    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> Manifest | None:
+        """Make `state_dict` (HF names) available as `version`; returns the manifest on the writing rank."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version={version!r}: must be an int >= 0")
+        full = {name: _full(t) for name, t in state_dict.items()}
+        if not _is_rank_zero():
+            return None
+        use_shm = self.transport in ("auto", "shm")
+        use_ts = self.transport == "torchstore" or (self.transport == "auto" and self.cross_host)
+        entries, offset = {}, 0
+        for name, tensor in full.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            entries[name] = TensorEntry(_dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes)
+            offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        segment = None
+        if use_shm:
+            segment = self.segment_name(version)
+            await asyncio.to_thread(_write_segment, SHM_DIR / segment, full, entries, offset)
+        if use_ts:
+            await ts.put_state_dict(full, self._tensors_key(version))
+        manifest = Manifest(version, self.host, segment, use_ts, entries)
+        await ts.put(self._manifest_key(version), manifest)
+        # `latest` only moves forward, and only after the bytes are in place.
+        latest = await self.latest_version()
+        if latest is None or version > latest:
+            await ts.put(self._latest_key(), version)
+        return manifest
+
+    # --- reading ------------------------------------------------------------------------------------
+    async def latest_version(self) -> int | None:
+        """The newest published version, or None before the first publish."""
+        if not await ts.exists(self._latest_key()):
+            return None
+        return await ts.get(self._latest_key())
+
+    async def versions(self) -> list[int]:
+        prefix = f"{self.namespace}/manifest/"
+        return sorted(int(k[len(prefix) :]) for k in await _keys_with_prefix(prefix) if k[len(prefix) :].isdigit())
+
+    async def manifest(self, version: int) -> Manifest:
+        key = self._manifest_key(version)
+        if not await ts.exists(key):
+            raise WeightVersionError(
+                f"policy version {version} is not in the weight store ({self.namespace!r}); "
+                f"available versions: {await self.versions()}"
+            )
+        return await ts.get(key)
+
+    async def fetch(self, version: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Version `version` as {name: tensor}: copied into `into`'s tensors when given (names and shapes must
+        match), else fresh tensors."""
+        manifest = await self.manifest(version)
+        if into is not None:
+            check_compatible(manifest, {n: (tuple(t.shape), t.dtype) for n, t in into.items()})
+        if manifest.segment is not None and manifest.host == self.host:
+            try:
+                return await asyncio.to_thread(_read_segment, SHM_DIR / manifest.segment, manifest, into)
+            except FileNotFoundError:
+                raise WeightVersionError(
+                    f"policy version {version} was deleted while being fetched; available versions: {await self.versions()}"
+                ) from None
+        if manifest.in_torchstore:
+            return await ts.get_state_dict(self._tensors_key(version), user_state_dict=into)
+        raise WeightVersionError(
+            f"policy version {version} was published to shared memory on host {manifest.host!r} only; this process "
+            f"is on {self.host!r}. Publish with WeightStore(cross_host=True) (or transport='torchstore') for multi-host jobs."
+        )
+
+    # --- deleting -----------------------------------------------------------------------------------
+    async def delete(self, version: int) -> None:
+        manifest = await self.manifest(version)
+        await ts.delete(self._manifest_key(version))
+        if manifest.segment is not None and manifest.host == self.host:
+            (SHM_DIR / manifest.segment).unlink(missing_ok=True)
+        if manifest.in_torchstore:
+            for key in await _keys_with_prefix(self._tensors_key(version) + "/"):
+                await ts.delete(key)
+
+    async def delete_older_than(self, version: int) -> list[int]:
+        """Delete every version below `version` (what no generator or trainer can still need)."""
+        old = [v for v in await self.versions() if v < version]
+        for v in old:
+            await self.delete(v)
+        return old
+
+
+async def _keys_with_prefix(prefix: str) -> list[str]:
+    # torchstore 0.1.2's keys(prefix) returns [] for any prefix (its trie lookup misses); filter here.
+    return [k for k in await ts.keys() if k.startswith(prefix)]
+
+
+def check_compatible(manifest: Manifest, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Refuse weights whose names or shapes differ from the receiver's, listing the first mismatches."""
+    problems = []
+    for name in sorted(set(specs) - set(manifest.entries))[:5]:
+        problems.append(f"missing {name}")
+    for name in sorted(set(manifest.entries) - set(specs))[:5]:
+        problems.append(f"unexpected {name}")
+    for name in sorted(set(specs) & set(manifest.entries)):
+        if tuple(specs[name][0]) != tuple(manifest.entries[name].shape):
+            problems.append(f"{name}: shape {list(manifest.entries[name].shape)} vs expected {list(specs[name][0])}")
+        if len(problems) >= 10:
+            break
+    if problems:
+        raise ValueError(f"policy version {manifest.version} does not match the model: " + "; ".join(problems))
+
+
+def _write_segment(path: Path, tensors: dict[str, torch.Tensor], entries: dict[str, TensorEntry], size: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w+b") as f:
+        f.truncate(max(size, 1))
+        with mmap.mmap(f.fileno(), max(size, 1)) as mm:
+            buffer = torch.frombuffer(mm, dtype=torch.uint8)
+            for name, tensor in tensors.items():
+                entry = entries[name]
+                if entry.nbytes:
+                    buffer[entry.offset : entry.offset + entry.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+            del buffer
+    os.replace(tmp, path)  # readers never see a half-written segment
+
+
+def _read_segment(path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            # A read-only buffer: torch warns that it is not writable; we only copy out of it.
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                buffer = torch.frombuffer(mm, dtype=torch.uint8)
+            out = {}
+            for name, entry in manifest.entries.items():
+                dtype = getattr(torch, entry.dtype)
+                source = buffer[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+                if into is not None:
+                    with torch.no_grad():
+                        into[name].copy_(source)
+                    out[name] = into[name]
+                else:
+                    out[name] = source.clone()
+            del buffer, source
+    return out
+
+
+def remove_job_segments(job: str | None = None) -> list[Path]:
+    """Unlink every shared-memory segment of `job` (default: this job). Run at shutdown."""
+    job = job or job_id()
+    removed = []
+    for path in SHM_DIR.glob(f"forge-{job}-*"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def remove_dead_jobs_segments() -> list[Path]:
+    """Segments left by jobs whose controller process is gone (a crash, a SIGKILL)."""
+    import psutil
+
+    removed = []
+    for path in SHM_DIR.glob("forge-*-*"):
+        match = re.match(r"forge-(\d+)-", path.name)
+        if match and not psutil.pid_exists(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

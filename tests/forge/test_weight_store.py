@@ -1,0 +1,87 @@
+"""The weight store across real processes: publish in one, fetch in another, delete, and stay flat."""
+
+import os
+
+import pytest
+import torch
+
+from forge.actor import ForgeActor
+from forge.provisioner import get_provisioner
+from forge.testing import ShardedPublisher, WeightReader, constant_state_dict as _state_dict
+from forge.weight_store import SHM_DIR, WeightStore, WeightVersionError, job_id
+
+
+@pytest.fixture(scope="module")
+async def store():
+    await get_provisioner().start_weight_store()
+    return WeightStore("test-policy")
+
+
+async def test_publish_fetch_round_trip_in_process(store):
+    await store.publish(_state_dict(0), version=0)
+    assert await store.latest_version() == 0
+    fetched = await store.fetch(0)
+    for name, tensor in _state_dict(0).items():
+        assert fetched[name].dtype == tensor.dtype
+        assert torch.equal(fetched[name], tensor)
+
+
+async def test_fetch_into_existing_tensors(store):
+    await store.publish(_state_dict(1), version=1)
+    into = {k: torch.zeros_like(v) for k, v in _state_dict(0).items()}
+    out = await store.fetch(1, into=into)
+    assert all(out[k] is into[k] for k in into)
+    assert torch.equal(into["lm_head.weight"], torch.full((32, 16), -1.0))
+
+
+async def test_missing_version_error_names_version_and_available(store):
+    with pytest.raises(WeightVersionError, match=r"policy version 99 is not in the weight store.*available versions: \[0, 1"):
+        await store.fetch(99)
+
+
+async def test_mismatched_receiver_is_refused_listing_mismatches(store):
+    into = {k: torch.zeros_like(v) for k, v in _state_dict(0).items()}
+    into["lm_head.weight"] = torch.zeros(31, 16)
+    into["extra.weight"] = torch.zeros(1)
+    before = into["model.embed_tokens.weight"].clone()
+    with pytest.raises(ValueError, match=r"missing extra.weight.*lm_head.weight: shape \[32, 16\] vs expected \[31, 16\]"):
+        await store.fetch(1, into=into)
+    assert torch.equal(into["model.embed_tokens.weight"], before)  # nothing was copied
+
+
+async def test_delete_removes_key_and_segment(store):
+    await store.publish(_state_dict(2), version=2)
+    segment = SHM_DIR / store.segment_name(2)
+    assert segment.exists()
+    await store.delete(2)
+    assert not segment.exists()
+    with pytest.raises(WeightVersionError, match="policy version 2 is not in the weight store"):
+        await store.fetch(2)
+
+
+async def test_cross_process_fetch_of_fsdp_sharded_publish(store):
+    publisher = await ShardedPublisher.options(procs=2).as_actor()
+    reader = await WeightReader.options(procs=1).as_actor()
+    try:
+        await publisher.publish_sharded.call("sharded", 7)
+        result = await reader.read.call_one("sharded", 7)
+        assert result["latest"] == 7 and result["pid"] != os.getpid()
+        expected = {k: float(v.float().sum()) for k, v in _state_dict(7).items() if v.shape[0] % 2 == 0}
+        assert result["sums"] == expected
+    finally:
+        await ForgeActor.shutdown(publisher)
+        await ForgeActor.shutdown(reader)
+        await WeightStore("sharded").delete(7)
+
+
+async def test_shared_memory_stays_flat_over_many_publishes(store):
+    keep = 2
+    sizes = []
+    for version in range(10, 1010):
+        await store.publish(_state_dict(version), version)
+        await store.delete_older_than(version - keep + 1)
+        if version % 250 == 0:
+            sizes.append(sum(p.stat().st_size for p in SHM_DIR.glob(f"forge-{job_id()}-test-policy-*")))
+    assert await store.versions() == [1008, 1009]
+    assert len(set(sizes)) == 1, sizes  # the same bytes held after 250 publishes as after 1000
+    assert len(list(SHM_DIR.glob(f"forge-{job_id()}-test-policy-*"))) == keep
