@@ -52,7 +52,7 @@ class ReferenceModel:
     """
 
     def __init__(self, config: ReferenceConfig, *, rank: int = 0, world_size: int = 1) -> None:
-        self.config, self.rank = config, rank
+        self.config = config
         self.device = device_for(config.device)
         parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1,
                                      world_size=world_size)

@@ -1,6 +1,6 @@
 """A staleness-bounded replay buffer: the hand-off between rollout loops and the trainer.
 
-Plain Python, no Monarch: the actor wraps it. Policy versions are those of `forge.types.Episode`
+`ReplayBuffer` is plain Python; `ReplayBufferActor` serves it on a proc mesh. Policy versions are those of `forge.types.Episode`
 (one per generated token); an episode is as old as its oldest token.
 """
 
@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from forge.actor import ForgeActor, endpoint
+from forge.metrics import record_metric
 from forge.types import Episode
 
 DROP_REASONS = ("too_old", "buffer_full")
@@ -192,3 +194,60 @@ class ReplayBuffer:
         self._counts[f"dropped_{reason}"] += count
         if self._on_drop is not None:
             self._on_drop(reason, count)
+
+
+@dataclass
+class ReplayBufferConfig:
+    batch_size: int = 16
+    max_policy_age: int = 1  # 0 = strictly on-policy (synchronous)
+    dp_size: int = 1
+    max_buffer_size: int | None = None
+    max_resample_count: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Same checks as the buffer itself, so a bad config fails before any process is spawned.
+        ReplayBuffer(**asdict(self))
+
+
+class ReplayBufferActor(ForgeActor):
+    """The replay buffer as an actor: rollout loops `add`, the training loop `sample`s."""
+
+    def __init__(self, config: ReplayBufferConfig | dict | None = None, **overrides) -> None:
+        if isinstance(config, dict) or config is None:
+            config = ReplayBufferConfig(**{**(config or {}), **overrides})
+        self.buffer = ReplayBuffer(**asdict(config), on_drop=self._on_drop)
+
+    def _on_drop(self, reason: str, count: int) -> None:
+        record_metric(f"buffer/dropped_{reason}", count, "sum")
+
+    @endpoint
+    async def add(self, episodes: list[Episode]) -> int:
+        self.buffer.add(episodes)
+        record_metric("buffer/size", len(self.buffer), "max")
+        return len(self.buffer)
+
+    @endpoint
+    async def sample(self, policy_version: int) -> list[list[Episode]] | None:
+        batch = self.buffer.sample(policy_version)
+        if batch is not None:
+            ages = [policy_version - e.oldest_policy_version for shard in batch for e in shard]
+            record_metric("buffer/sampled_age_mean", sum(ages) / len(ages))
+            record_metric("buffer/sampled_age_max", max(ages), "max")
+        return batch
+
+    @endpoint
+    async def evict(self, policy_version: int) -> int:
+        return self.buffer.evict(policy_version)
+
+    @endpoint
+    async def stats(self) -> dict[str, int]:
+        return self.buffer.stats
+
+    @endpoint
+    async def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    @endpoint
+    async def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)

@@ -75,17 +75,18 @@ def check_model_fields(config: Any) -> None:
     they run (model_path, family, init_checkpoint, dtype, device, temperature)."""
     path = config.model_path
     is_local = isinstance(path, str) and Path(path).exists()
-    require_field(config, "model_path", isinstance(path, str) and (
-        Path(path, "config.json").is_file() if is_local else bool(_HUB_ID.match(path))),
-        "a Hugging Face checkpoint folder with config.json, or a hub id 'org/name'")
+    has_config = Path(path, "config.json").is_file() if is_local else bool(_HUB_ID.match(str(path)))
+    is_valid_path = isinstance(path, str) and has_config
+    require_field(config, "model_path", is_valid_path,
+                  "a Hugging Face checkpoint folder with config.json, or a hub id 'org/name'")
     require_field(config, "family", config.family in FAMILIES, f"one of {', '.join(FAMILIES)}")
     init = config.init_checkpoint
     require_field(config, "init_checkpoint", init is None or Path(init, ".metadata").is_file(),
-             "None or a torchtitan/DCP checkpoint folder (with .metadata)")
+                  "None or a torchtitan/DCP checkpoint folder (with .metadata)")
     require_field(config, "dtype", config.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
     require_field(config, "device", config.device in DEVICES, f"one of {', '.join(DEVICES)}")
     require_field(config, "temperature", _is_number(config.temperature) and config.temperature > 0,
-             "a number > 0 (the generator's sampling temperature)")
+                  "a number > 0 (the generator's sampling temperature)")
 
 
 @dataclass
@@ -116,29 +117,29 @@ class TrainerConfig:
         check_model_fields(self)
         require_field(self, "lr", _is_number(self.lr) and self.lr > 0, "a number > 0")
         betas = self.betas
-        require_field(self, "betas", isinstance(betas, (tuple, list)) and len(betas) == 2
-                 and all(_is_number(b) and 0 <= b < 1 for b in betas), "two numbers in [0, 1)")
+        valid_betas = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            _is_number(b) and 0 <= b < 1 for b in betas)
+        require_field(self, "betas", valid_betas, "two numbers in [0, 1)")
         self.betas = tuple(betas)
         require_field(self, "eps", _is_number(self.eps) and self.eps > 0, "a number > 0")
-        require_field(self, "weight_decay", _is_number(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
+        require_field(self, "weight_decay", _is_number(self.weight_decay) and self.weight_decay >= 0,
+                      "a number >= 0")
         require_field(self, "max_steps", _is_int(self.max_steps) and self.max_steps >= 1, "an int >= 1")
         require_field(self, "warmup_steps", _is_int(self.warmup_steps) and 0 <= self.warmup_steps <= self.max_steps,
-                 f"an int in [0, max_steps={self.max_steps}]")
+                      f"an int in [0, max_steps={self.max_steps}]")
         require_field(self, "lr_decay", self.lr_decay in LR_DECAYS, f"one of {', '.join(LR_DECAYS)}")
         require_field(self, "max_grad_norm", _is_number(self.max_grad_norm) and self.max_grad_norm > 0,
-                 "a number > 0 (inf: never clip)")
-        require_field(self, "micro_batch_size", _is_int(self.micro_batch_size) and self.micro_batch_size >= 1,
-                 "an int >= 1")
-        require_field(self, "tensor_parallel_degree", _is_int(self.tensor_parallel_degree)
-                 and self.tensor_parallel_degree >= 1, "an int >= 1")
+                      "a number > 0 (inf: never clip)")
+        for name in ("micro_batch_size", "tensor_parallel_degree"):
+            require_field(self, name, _is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
         require_field(self, "activation_checkpoint", self.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES,
-                 f"one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}")
+                      f"one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}")
         require_field(self, "checkpoint_interval", _is_int(self.checkpoint_interval) and self.checkpoint_interval >= 0,
-                 "an int >= 0")
+                      "an int >= 0")
         require_field(self, "checkpoint_dir", self.checkpoint_dir is not None or self.checkpoint_interval == 0,
-                 f"a folder when checkpoint_interval={self.checkpoint_interval} > 0")
-        loss_fn = get_loss(self.loss)  # raises a ValueError naming the loss when it is unknown
+                      f"a folder when checkpoint_interval={self.checkpoint_interval} > 0")
         require_field(self, "loss_params", isinstance(self.loss_params, dict), "a dict of the loss's hyperparameters")
+        loss_fn = get_loss(self.loss)  # raises a ValueError naming the loss when it is unknown
         _check_loss_params(loss_fn, self.loss_params)
 
 
@@ -486,7 +487,7 @@ class TitanTrainer:
             raise ValueError(f"loss {self.config.loss!r} returned a loss that does not depend on the log-probs")
         (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
         # FSDP averages gradients over data-parallel ranks, but each rank's share is already exact: undo it.
-        local_grad = loss_grad[start : start + local_logprobs.shape[0]] * self.dp_degree
+        local_grad = loss_grad[start : start + local_logprobs.shape[0]]
         if keep_graph:
             local_logprobs.backward(local_grad)
         else:

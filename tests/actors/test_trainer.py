@@ -261,7 +261,8 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         logprobs = trainer.logprobs(make_batch(10))
         shards = trainer.hf_state_dict_shards()
         shards_are_sharded = all(isinstance(t, DTensor) for t in shards.values())
-        shards_match = all([torch.equal(t.full_tensor(), after_first[n]) for n, t in shards.items()])  # every gather
+        # A list, not a generator: every rank must take part in every gather.
+        shards_match = all([torch.equal(t.full_tensor(), after_first[n]) for n, t in shards.items()])
         saved = trainer.save_checkpoint(Path(out_dir) / "ckpt")
         second = trainer.train_step(make_batch(9))
         after_second = trainer.hf_state_dict()
@@ -269,9 +270,9 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         resumed = trainer.train_step(make_batch(9))
         after_resumed = trainer.hf_state_dict()
         if rank == 0:
-            result = dict(first=first, first_grads=first_grads, second=second, resumed=resumed,
-                          after_first=after_first, after_second=after_second, after_resumed=after_resumed, shards_are_sharded=shards_are_sharded,
-                          shards_match=shards_match, logprobs=logprobs)
+            result = dict(first=first, second=second, resumed=resumed, first_grads=first_grads,
+                          after_first=after_first, after_second=after_second, after_resumed=after_resumed,
+                          shards_are_sharded=shards_are_sharded, shards_match=shards_match, logprobs=logprobs)
             torch.save(result, Path(out_dir) / "result.pt")
     finally:
         dist.destroy_process_group()

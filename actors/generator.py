@@ -1,0 +1,173 @@
+"""The Generator actor: an engine behind endpoints, batching concurrent requests, following the trainer's
+published policy versions.
+
+Weight updates: a background task watches the weight store; when a newer version appears it fetches it
+(while generation goes on) and stages it in the engine, which swaps it in at the next safe point (the hf
+engine between decode steps, vLLM between batches). Every generated token records the version that made
+it. A replica that starts late (or is restarted after a crash) loads the newest version before serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.engines import make_engine
+from forge.actor import ForgeActor, endpoint
+from forge.metrics import record_metric
+from forge.types import Completion, SamplingParams
+from forge.weight_store import WeightStore, WeightVersionError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GeneratorConfig:
+    model: str = "???"  # HF checkpoint directory or hub id
+    engine: str = "hf"  # "hf" (transformers, CPU/GPU) or "vllm" (GPU)
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_batch_size: int = 256  # sequences (prompts x n) per engine call
+    batch_wait_s: float = 0.002  # how long a request waits for company before the batch runs
+    weight_poll_s: float = 0.05  # how often the weight store is checked for a newer version
+    torch_threads: int = 1  # CPU threads per generator process (0 = torch's default)
+    weight_namespace: str = "policy"
+    engine_args: dict = field(default_factory=dict)  # passed to the engine (e.g. vLLM's gpu_memory_utilization)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size}: must be >= 1")
+        if self.batch_wait_s < 0 or self.weight_poll_s <= 0:
+            raise ValueError("batch_wait_s must be >= 0 and weight_poll_s > 0")
+
+
+@dataclass
+class _Request:
+    prompt: str | list[int]
+    params: SamplingParams
+    future: asyncio.Future
+
+
+class Generator(ForgeActor):
+    def __init__(self, config: GeneratorConfig | dict | None = None, **overrides) -> None:
+        if isinstance(config, dict) or config is None:
+            config = GeneratorConfig(**{**(config or {}), **overrides})
+        self.config = config
+        self.engine = None
+        self._queue: asyncio.Queue[_Request] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.swaps = 0
+
+    @endpoint
+    async def setup(self) -> None:
+        cfg = self.config
+        if cfg.torch_threads and cfg.device == "cpu":
+            torch.set_num_threads(cfg.torch_threads)
+        self.engine = await asyncio.to_thread(
+            make_engine, cfg.engine, model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, **cfg.engine_args
+        )
+        self.store = WeightStore(cfg.weight_namespace)
+        latest = await self.store.latest_version()
+        if latest is not None:  # a (re)started replica serves the current policy from its first token
+            await self._load(latest, stage=False)
+        self._queue = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._batch_loop()), asyncio.ensure_future(self._follow_weights())]
+
+    # --- endpoints ----------------------------------------------------------------------------------
+    @endpoint
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[Completion]:
+        """`params.n` completions of one prompt; concurrent calls are batched into one engine call."""
+        return await self._submit(prompt, params or SamplingParams())
+
+    @endpoint
+    async def generate_batch(self, prompts: list, params: SamplingParams | None = None) -> list[list[Completion]]:
+        """Several prompts in one call (one engine batch)."""
+        params = params or SamplingParams()
+        return list(await asyncio.gather(*(self._submit(p, params) for p in prompts)))
+
+    @endpoint
+    async def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @endpoint
+    async def update_weights(self, version: int) -> int:
+        """Fetch `version` and swap it in now (between batches); returns the engine's version."""
+        await self._load(version, stage=False)
+        return self.engine.policy_version
+
+    @endpoint
+    async def stats(self) -> dict:
+        return {"policy_version": self.engine.policy_version, "swaps": self.swaps}
+
+    # --- internals ----------------------------------------------------------------------------------
+    async def _submit(self, prompt: str | list[int], params: SamplingParams) -> list[Completion]:
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Request(prompt, params, future))
+        return await future
+
+    async def _load(self, version: int, *, stage: bool) -> None:
+        start = time.perf_counter()
+        weights = await self.store.fetch(version)
+        if stage:
+            await asyncio.to_thread(self.engine.stage_weights, weights, version)
+        else:
+            await asyncio.to_thread(self.engine.load_weights, weights, version)
+        self.swaps += 1
+        record_metric("generator/weight_fetch_s", time.perf_counter() - start)
+
+    async def _follow_weights(self) -> None:
+        while True:
+            try:
+                latest = await self.store.latest_version()
+                if latest is not None and latest > self.engine.policy_version:
+                    await self._load(latest, stage=True)
+            except WeightVersionError:
+                pass  # deleted between listing and fetching: a newer one exists; try again
+            except Exception:
+                logger.exception("generator: weight update failed")
+            await asyncio.sleep(self.config.weight_poll_s)
+
+    async def _batch_loop(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if self.config.batch_wait_s:
+                await asyncio.sleep(self.config.batch_wait_s)
+            batch = [first]
+            while not self._queue.empty() and sum(r.params.n for r in batch) < self.config.max_batch_size:
+                batch.append(self._queue.get_nowait())
+            # Requests with the same sampling parameters share one engine call.
+            groups: dict[str, list[_Request]] = {}
+            for request in batch:
+                groups.setdefault(repr(request.params), []).append(request)
+            for requests in groups.values():
+                await self._run(requests)
+
+    async def _run(self, requests: list[_Request]) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = await asyncio.to_thread(self.engine.generate, [r.prompt for r in requests], requests[0].params)
+        except ValueError:
+            # One bad prompt must not fail its batch-mates: run each alone so only it gets the error.
+            for request in requests:
+                try:
+                    (out,) = await asyncio.to_thread(self.engine.generate, [request.prompt], request.params)
+                    request.future.set_result(out)
+                except Exception as e:
+                    request.future.set_exception(e)
+            return
+        except Exception as e:
+            for request in requests:
+                request.future.set_exception(e)
+            return
+        tokens = sum(len(c.token_ids) for out in outputs for c in out)
+        elapsed = time.perf_counter() - start
+        record_metric("generator/tokens_per_s", tokens / max(elapsed, 1e-9))
+        record_metric("generator/batch_sequences", sum(len(out) for out in outputs))
+        record_metric("generator/busy_s", elapsed, "sum")
+        for request, out in zip(requests, outputs):
+            request.future.set_result(out)
