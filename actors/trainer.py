@@ -487,7 +487,7 @@ class TitanTrainer:
             raise ValueError(f"loss {self.config.loss!r} returned a loss that does not depend on the log-probs")
         (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
         # FSDP averages gradients over data-parallel ranks, but each rank's share is already exact: undo it.
-        local_grad = loss_grad[start : start + local_logprobs.shape[0]]
+        local_grad = loss_grad[start : start + local_logprobs.shape[0]] * self.dp_degree
         if keep_graph:
             local_logprobs.backward(local_grad)
         else:

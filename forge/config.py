@@ -114,9 +114,10 @@ def _apply_override(cfg: DictConfig, override: str) -> None:
             f"override {override!r}: {key!r} is not a key; a key is dot-separated names such as trainer.lr"
         )
     exists = _has_key(cfg, key)
-    if op in ("", "~") and not exists:
-        hint = f" To add it, write +{key}={value}" if op == "" else ""
-        raise ConfigError(f"override {override!r}: there is no key {key!r}.{_did_you_mean(key, _keys(cfg))}{hint}")
+    # A plain `a.b=v` may set a key the file leaves to its schema default; a typo is still caught by
+    # `validate`, which names the key and suggests the closest one.
+    if op == "~" and not exists:
+        raise ConfigError(f"override {override!r}: there is no key {key!r}.{_did_you_mean(key, _keys(cfg))}")
     if op == "+" and exists:
         raise ConfigError(f"override {override!r}: {key!r} already exists; to change it write {key}={value}")
     if op == "~":
@@ -189,6 +190,11 @@ def _build(value: Any, tp: Any, path: str) -> Any:
             raise _type_error(value, tp, path)
         item = args[0] if args else Any
         return [_build(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple or tp is tuple:
+        if not isinstance(value, (list, tuple)) or (args and args[-1] is not Ellipsis and len(value) != len(args)):
+            raise _type_error(value, tp, path)
+        items = [args[0]] * len(value) if not args or args[-1] is Ellipsis else list(args)
+        return tuple(_build(v, t if t is not Ellipsis else Any, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, items)))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise _type_error(value, tp, path)

@@ -138,14 +138,27 @@ def test_bad_override_syntax(config_file, override, expected):
     assert expected in str(info.value) and repr(override) in str(info.value)
 
 
-def test_override_of_unknown_key_suggests_and_says_how_to_add(config_file):
-    with pytest.raises(ConfigError) as info:
-        load_config(config_file, ["trainer.lrr=1"])
-    message = str(info.value)
-    assert message == (
-        "override 'trainer.lrr=1': there is no key 'trainer.lrr'. Did you mean 'trainer.lr'? "
-        "To add it, write +trainer.lrr=1"
-    )
+def test_override_of_unknown_key_is_caught_by_validation_with_a_suggestion(config_file):
+    cfg = load_config(config_file, ["trainer.lrr=1"])
+    with pytest.raises(ConfigError, match=r"trainer.lrr=1: unknown key. Did you mean 'trainer.lr'\?"):
+        validate(cfg, AppConfig)
+
+
+def test_plain_override_sets_a_key_the_file_leaves_to_its_default(config_file):
+    cfg = load_config(config_file, ["replay_buffer.max_policy_age=3"])
+    assert validate(cfg, AppConfig).replay_buffer.max_policy_age == 3
+
+
+def test_tuple_fields_are_checked_by_length_and_item_type():
+    @dataclass
+    class Betas:
+        betas: tuple[float, float] = (0.9, 0.99)
+
+    assert validate({"betas": [0.5, 1]}, Betas).betas == (0.5, 1.0)
+    with pytest.raises(ConfigError, match=r"betas"):
+        validate({"betas": [0.5]}, Betas)
+    with pytest.raises(ConfigError, match=r"betas\[1\]"):
+        validate({"betas": [0.5, "x"]}, Betas)
 
 
 def test_adding_an_existing_key_and_deleting_an_absent_one_fail(config_file):
