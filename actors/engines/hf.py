@@ -33,10 +33,22 @@ class HFEngine:
     def __init__(self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"HFEngine.dtype={dtype!r}: allowed {list(DTYPES)}")
-        self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype]).to(self.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        loaded = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype]).to(torch.device(device))
+        self._attach(loaded, tokenizer, seed=seed)
         self.model.requires_grad_(False)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer, *, seed: int = 0) -> HFEngine:
+        """An engine over a model already in memory (e.g. one being trained): no copy is made."""
+        engine = cls.__new__(cls)
+        engine._attach(model, tokenizer, seed=seed)
+        return engine
+
+    def _attach(self, model: torch.nn.Module, tokenizer, *, seed: int) -> None:
+        self.device = next(model.parameters()).device
+        self.tokenizer = tokenizer
+        self.model = model.eval()
         self.max_model_len: int = self.model.config.max_position_embeddings
         eos = self.model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
