@@ -12,6 +12,9 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 
+from forge.actor import ForgeActor, endpoint
+from forge.distributed import init_from_environment
+from forge.types import Episode, TrainBatch
 from actors.trainer import (
     build_job_config,
     build_model,
@@ -83,3 +86,26 @@ class ReferenceModel:
             del logits  # free this chunk's [rows, T, vocab] before the next forward pass
         return gather_rows(torch.cat(chunks), self.dp_degree, self.dp_group).cpu()
 
+
+
+class ReferenceActor(ForgeActor):
+    """The reference model on a proc mesh; `logprobs` runs on every rank and returns the whole batch's."""
+
+    def __init__(self, config: ReferenceConfig | dict) -> None:
+        self.config = config if isinstance(config, ReferenceConfig) else ReferenceConfig(**config)
+
+    @endpoint
+    async def setup(self) -> None:
+        rank, world_size = init_from_environment(self.config.device)
+        self.model = ReferenceModel(self.config, rank=rank, world_size=world_size)
+
+    @endpoint
+    async def logprobs(self, episodes: list[Episode], pad_id: int) -> list[list[float]]:
+        """log pi_ref of each episode's completion tokens."""
+        batch = TrainBatch.from_episodes(episodes, pad_id)
+        logprobs = self.model.logprobs(batch.input_ids)
+        out = []
+        for row, e in enumerate(episodes):
+            start = len(e.prompt_ids) - 1
+            out.append(logprobs[row, start : start + len(e.completion_ids)].tolist())
+        return out

@@ -41,7 +41,10 @@ from torchtitan.protocols import BaseModelArgs, BaseStateDictAdapter
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.utils import set_default_dtype
 
-from forge.types import TrainBatch
+from forge.actor import ForgeActor, endpoint
+from forge.distributed import init_from_environment
+from forge.types import Episode, TrainBatch
+from forge.weight_store import WeightStore
 from losses import LossOutput, get_loss
 
 FAMILIES = ("qwen3", "llama3")
@@ -654,3 +657,61 @@ def _move_into_place(staging: Path, path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
     os.rename(staging, path)
+
+
+class TrainerActor(ForgeActor):
+    """The trainer on a proc mesh of `procs` data-parallel ranks: every endpoint runs on every rank.
+
+    After each optimizer step the new weights (HF names) are published to the weight store as the next
+    policy version; versions older than `keep_versions` are deleted, so the store stays flat.
+    """
+
+    def __init__(self, config: TrainerConfig | dict, weight_namespace: str = "policy", keep_versions: int = 3) -> None:
+        self.config = config if isinstance(config, TrainerConfig) else TrainerConfig(**config)
+        self.weight_namespace = weight_namespace
+        self.keep_versions = keep_versions
+
+    @endpoint
+    async def setup(self) -> None:
+        rank, world_size = init_from_environment(self.config.device)
+        self.trainer = TitanTrainer(self.config, rank=rank, world_size=world_size)
+        self.store = WeightStore(self.weight_namespace)
+
+    @endpoint
+    async def publish_weights(self) -> int:
+        """Publish the current weights as the current policy version (e.g. version 0 before any rollout)."""
+        return await self._publish()
+
+    async def _publish(self) -> int:
+        version = self.trainer.policy_version
+        await self.store.publish(self.trainer.hf_state_dict(), version)
+        if self.trainer.rank == 0:
+            await self.store.delete_older_than(version - self.keep_versions + 1)
+        return version
+
+    @endpoint
+    async def train_step(self, episodes: list[Episode], pad_id: int) -> dict[str, float]:
+        """One optimizer step on the whole batch (each rank trains its slice), then publish the new version."""
+        batch = TrainBatch.from_episodes(episodes, pad_id)
+        metrics = self.trainer.train_step(batch)
+        start = time.perf_counter()
+        metrics["policy_version"] = float(await self._publish())
+        metrics["publish_s"] = time.perf_counter() - start
+        return metrics
+
+    @endpoint
+    async def policy_version(self) -> int:
+        return self.trainer.policy_version
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> str:
+        return self.trainer.save_checkpoint(path)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> int:
+        self.trainer.load_checkpoint(path)
+        return self.trainer.policy_version
+
+    @endpoint
+    async def export_hf(self, path: str) -> str:
+        return self.trainer.export_hf(path)

@@ -1,0 +1,1 @@
+"""Runnable forge apps: `python -m apps.grpo` and small examples of custom apps (apps.examples)."""

@@ -1,0 +1,1 @@
+"""Small custom apps built from forge's building blocks, each runnable with `python -m apps.examples.<name>`."""

@@ -1,0 +1,1 @@
+"""Asynchronous GRPO (`python -m apps.grpo --config configs/grpo_tiny.yaml`)."""

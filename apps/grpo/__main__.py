@@ -1,0 +1,5 @@
+import sys
+
+from apps.grpo.main import main
+
+sys.exit(main())

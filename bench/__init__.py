@@ -1,0 +1,1 @@
+"""Benchmarks that print ratios measured side by side in one run (`python -m bench.<name>`)."""

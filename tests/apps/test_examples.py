@@ -1,0 +1,107 @@
+"""apps/examples: the best-of-n app runs end to end, leaves no processes behind and rejects bad configs."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from apps.examples.best_of_n import BestOfNConfig, main
+from apps.examples.scorer import closeness_reward
+from forge.config import load_config, validate
+from forge.tasks.arithmetic import ArithmeticTask
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "example_best_of_n.yaml"
+RESULT_LINE = re.compile(r"^(\S+) \(answer (-?\d+)\): best (.+) reward ([\d.]+) \| mean ([\d.]+) over (\d+)$", re.M)
+
+
+def _run_app(*overrides: str, timeout: float) -> tuple[int, subprocess.CompletedProcess]:
+    """Runs the app to completion, reading all its output; returns its pid (the job id) and the result."""
+    command = [sys.executable, "-m", "apps.examples.best_of_n", "--config", str(CONFIG), *overrides]
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"the app ran past {timeout}s:\n{stdout}\n{stderr}")
+    return proc.pid, subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def _job_processes(controller_pid: int) -> list[int]:
+    """Monarch processes of the job whose controller had `controller_pid`, wherever they were re-parented.
+
+    The provisioner tags every process it spawns with FORGE_JOB_ID=<controller pid>; an orphan left by
+    a dead controller is re-parented to init, so looking only at our descendants would miss it.
+    """
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("FORGE_JOB_ID") == str(controller_pid) and any("monarch" in p for p in proc.cmdline()):
+                pids.append(proc.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def test_closeness_reward():
+    assert closeness_reward("46", "46", 10.0) == 1.0
+    assert closeness_reward(" 56x", "46", 10.0) == 0.5  # a leading integer 10 off: half credit
+    assert closeness_reward("-4", "4", 2.0) == pytest.approx(0.2)
+    assert closeness_reward("x46", "46", 10.0) == 0.0  # no leading integer
+
+
+def test_shipped_config_is_valid():
+    cfg = validate(load_config(CONFIG), BestOfNConfig)
+    assert cfg.replicas == 2 and cfg.sampling.n > 1
+
+
+@pytest.mark.slow
+def test_best_of_n_runs_and_stops_every_process(tmp_path):
+    num_prompts, n = 2, 4
+    pid, result = _run_app(f"generator.model={tmp_path / 'tiny'}", f"task.num_prompts={num_prompts}", f"sampling.n={n}",
+                      timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "generator replicas: 2, policy versions [0, 0]" in result.stdout  # both replicas served
+
+    rows = RESULT_LINE.findall(result.stdout)
+    expected = [p.prompt for p in ArithmeticTask(0, 2, held_out=num_prompts).held_out()]
+    assert [row[0] for row in rows] == expected, output
+    best_rewards = []
+    for prompt, answer, text, reward, mean, samples in rows:
+        # The reported best is the user's reward of the reported text, and no worse than the average sample.
+        assert float(reward) == pytest.approx(closeness_reward(ast.literal_eval(text), answer, 10.0), abs=1e-3)
+        assert float(mean) <= float(reward) and int(samples) == n
+        best_rewards.append(float(reward))
+    summary = re.search(r"best-of-(\d+) over (\d+) prompts: mean best reward ([\d.]+)", result.stdout)
+    assert summary and summary.group(1, 2) == (str(n), str(num_prompts)), output
+    assert float(summary.group(3)) == pytest.approx(sum(best_rewards) / num_prompts, abs=2e-3)
+    # Metrics recorded inside the scorer's process reached the controller's logger.
+    assert f"scorer/samples={num_prompts * n} " in result.stdout, output
+
+    assert (tmp_path / "tiny" / "model.safetensors").is_file()  # the tiny model was built on first use
+    assert _job_processes(pid) == []
+
+
+def test_unknown_key_fails_before_spawning():
+    pid, result = _run_app("task.num_promts=3", timeout=120)
+    assert result.returncode != 0
+    assert "task.num_promts=3: unknown key. Did you mean 'task.num_prompts'?" in result.stderr, result.stderr
+    assert "provisioned mesh" not in result.stderr + result.stdout
+    assert _job_processes(pid) == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("sampling.n=0", "sampling.n=0: must be >= 1"), ("scorer.distance_scale=-1", "scorer.distance_scale=-1.0: must be > 0"),
+     ("task.num_prompts=60", "task.num_prompts=60: must be in [1, 50] for num_digits=1")],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(CONFIG), "task.num_digits=1", override])
+    assert message in str(exit_info.value.code)
