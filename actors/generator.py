@@ -118,6 +118,7 @@ class Generator(ForgeActor):
         else:
             await asyncio.to_thread(self.engine.load_weights, weights, version)
         self.swaps += 1
+        record_metric("generator/weight_swaps", 1, "sum")
         record_metric("generator/weight_fetch_s", time.perf_counter() - start)
 
     async def _follow_weights(self) -> None:
@@ -156,13 +157,13 @@ class Generator(ForgeActor):
             for request in requests:
                 try:
                     (out,) = await asyncio.to_thread(self.engine.generate, [request.prompt], request.params)
-                    request.future.set_result(out)
+                    _resolve(request.future, out)
                 except Exception as e:
-                    request.future.set_exception(e)
+                    _resolve(request.future, error=e)
             return
         except Exception as e:
             for request in requests:
-                request.future.set_exception(e)
+                _resolve(request.future, error=e)
             return
         tokens = sum(len(c.token_ids) for out in outputs for c in out)
         elapsed = time.perf_counter() - start
@@ -170,4 +171,14 @@ class Generator(ForgeActor):
         record_metric("generator/batch_sequences", sum(len(out) for out in outputs))
         record_metric("generator/busy_s", elapsed, "sum")
         for request, out in zip(requests, outputs):
-            request.future.set_result(out)
+            _resolve(request.future, out)
+
+
+def _resolve(future: asyncio.Future, result: object = None, error: BaseException | None = None) -> None:
+    """A caller that went away (cancelled) leaves a done future behind: skip it."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -237,8 +237,8 @@ def stall_in_window(steps: list[tuple[float, float, float]], start: float, end: 
 class Bench:
     """One publisher and one 2-process reader mesh, reused for every dtype and path."""
 
-    def __init__(self, publisher: Publisher, readers: Reader, shapes: dict, dtype: str) -> None:
-        self.publisher, self.readers, self.shapes, self.dtype = publisher, readers, shapes, dtype
+    def __init__(self, publisher: Publisher, readers: Reader, dtype: str) -> None:
+        self.publisher, self.readers, self.dtype = publisher, readers, dtype
         self.version = 0
         self.namespace = f"bench-{dtype}"
 
@@ -321,7 +321,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
         shapes = state_dict_shapes(args.size_gb, DTYPES[dtype])
         nbytes = await publisher.build.call_one(shapes, dtype)
         await readers.allocate.call(shapes, dtype)
-        bench = Bench(publisher, readers, shapes, dtype)
+        bench = Bench(publisher, readers, dtype)
         await bench.forge_once()  # warm-up: first-touch of the readers' tensors, connections
         forge = median_split([await bench.forge_once() for _ in range(args.repeats)])
         torchstore = median_split([await bench.torchstore_once() for _ in range(args.ts_repeats or args.repeats)])

@@ -15,10 +15,13 @@ to end the job fast with the root cause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,7 +41,15 @@ logger = logging.getLogger(__name__)
 
 
 class ProcAgent(Actor):
-    """One per process of every provisioned mesh: environment set-up and metric hand-off."""
+    """One per process of every provisioned mesh: environment set-up, metric hand-off, and a watchdog.
+
+    The watchdog exists because Monarch 0.1.2's host process outlives a controller that dies without
+    cleaning up (SIGKILL, OOM kill): when the controller is gone, the first agent to notice kills the
+    whole tree under the host process, so a crash leaves no orphans.
+    """
+
+    def __init__(self, controller_pid: int) -> None:
+        threading.Thread(target=_exit_with_controller, args=(controller_pid,), daemon=True).start()
 
     @endpoint
     def set_environment(self, shared: dict[str, str], per_rank: list[dict[str, str]]) -> int:
@@ -148,7 +159,7 @@ class Provisioner:
         host = self.host_mesh if self.host_mesh is not None else this_host()
         try:
             proc_mesh = host.spawn_procs(per_host={"procs": procs}, name=name)
-            agents = proc_mesh.spawn("proc_agent", ProcAgent)
+            agents = proc_mesh.spawn("proc_agent", ProcAgent, os.getpid())
             shared = {
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(_free_port()),
@@ -244,6 +255,19 @@ class Provisioner:
             torchstore.reset_client()
         weight_store.remove_job_segments()
         _kill_leftovers(monarch_children())
+
+
+def _exit_with_controller(controller_pid: int, poll_s: float = 1.0) -> None:
+    while psutil.pid_exists(controller_pid):
+        time.sleep(poll_s)
+    me = psutil.Process()
+    host = me.parent()
+    tree = [host, *host.children(recursive=True)] if host and "bootstrap_main" in " ".join(host.cmdline()) else [me]
+    for proc in tree:
+        if proc.pid != me.pid:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    os._exit(1)
 
 
 def _kill_leftovers(pids: list[int]) -> None:

@@ -291,6 +291,7 @@ class GRPOJob:
                 "train/wait_s": waited,
                 "train/episodes_per_s": len(episodes) / elapsed,
                 "step_s": elapsed,
+                "policy_version": float(self.version),
                 **metrics,
             }
             record = logger.log(self.step, await get_provisioner().collect_metrics(), extra)

@@ -1,0 +1,105 @@
+"""apps.grpo end to end, as a user runs it: a subprocess, then assertions on what it wrote."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _grpo_command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "apps.grpo", "--config", "configs/grpo_tiny.yaml", f"run_dir={run_dir}",
+            "warm_start.enabled=false", "eval.num_prompts=32", "rollout.concurrency=2",
+            "replay_buffer.batch_size=32", "trainer.micro_batch_size=32", *overrides]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _processes_left(mark: str, timeout: float = 30.0) -> list[str]:
+    """Processes whose environment carries this run's mark (Monarch's processes inherit the controller's)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.environ().get("FORGE_TEST_MARK") == mark:
+                    left.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}")
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _env(mark: str) -> dict[str, str]:
+    return {**os.environ, "FORGE_TEST_MARK": mark}
+
+
+def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(_grpo_command(run_dir, "steps=5", "replay_buffer.max_policy_age=1"), cwd=ROOT,
+                            capture_output=True, text=True, timeout=600, env=_env(str(run_dir)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "=== GRPO run summary ===" in result.stdout
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [int(r["policy_version"]) for r in rows] == [1, 2, 3, 4, 5]  # one published version per step
+    assert sum(r.get("generator/weight_swaps", 0) for r in rows) >= 2  # generators swapped in new weights
+    assert all(r["train/version_lag"] <= 1 for r in rows)  # max_policy_age=1 held for every trained batch
+    assert all("reward/mean" in r and "loss" in r and "grad_norm" in r for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    e = summary["episodes"]
+    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
+        e["dropped_zero_variance"]
+    assert (run_dir / "hf_model" / "model.safetensors").exists()
+    assert not _processes_left(str(run_dir))
+
+
+def test_synchronous_mode_trains_strictly_on_policy(tmp_path):
+    run_dir = tmp_path / "sync"
+    result = subprocess.run(_grpo_command(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "eval.at_start=false",
+                                          "checkpoint.final=false", "checkpoint.interval=0"),
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(run_dir)
+    assert len(rows) == 3 and all(r["train/version_lag"] == 0 for r in rows)
+
+
+def test_kill_and_resume_continues_step_and_version(tmp_path):
+    run_dir = tmp_path / "resume"
+    command = _grpo_command(run_dir, "steps=6", "checkpoint.interval=2", "eval.at_start=false", "eval.at_end=false")
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(str(run_dir)))
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "step_000002" / "job_state.pkl").exists():
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows_before = len(_metrics(run_dir))
+    checkpointed = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*[0-9]")
+                       if (p / "job_state.pkl").exists())
+    assert not _processes_left(str(run_dir)), "processes outlived a killed controller"
+
+    result = subprocess.run(command + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints'}/step_{checkpointed:06d}: step {checkpointed}" in result.stdout
+    resumed = _metrics(run_dir)[rows_before:]
+    # Step and policy version continue from the checkpoint: no step repeated from 1, none skipped.
+    assert [r["step"] for r in resumed] == list(range(checkpointed + 1, 7))
+    assert [int(r["policy_version"]) for r in resumed] == list(range(checkpointed + 1, 7))
