@@ -116,7 +116,6 @@ class Provisioner:
     def __post_init__(self) -> None:
         self._free_gpus = list(self.gpus)
         self._weight_store_started = False
-        monarch.actor.unhandled_fault_hook = self._on_mesh_failure
         weight_store.job_id()  # this controller's pid names the job's shared-memory segments
         weight_store.remove_dead_jobs_segments()
 
@@ -301,6 +300,7 @@ def get_provisioner() -> Provisioner:
     global _provisioner
     if _provisioner is None:
         _provisioner = Provisioner()
+        monarch.actor.unhandled_fault_hook = _provisioner._on_mesh_failure
     return _provisioner
 
 
