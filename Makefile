@@ -22,5 +22,22 @@ $(STAMP): pyproject.toml
 grpo: $(STAMP)
 	$(PY) -m apps.grpo --config configs/grpo_tiny.yaml $(ARGS)
 
+# Each test module that starts Monarch processes runs in its own pytest process, so one module's
+# runtime state (meshes, the torchstore controller, late replies) cannot leak into the next; the
+# rest run together. `make test ARGS=...` runs pytest once with your arguments instead.
+MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples)|start_weight_store" tests --include='test_*.py' | sort)
+
 test: $(STAMP)
+ifeq ($(strip $(ARGS)),)
+	@status=0; \
+	echo "== pytest (no Monarch processes)"; \
+	$(PY) -m pytest tests $(addprefix --ignore=,$(MONARCH_TESTS)) || status=1; \
+	for module in $(MONARCH_TESTS); do \
+		echo "== pytest $$module"; \
+		$(PY) -m pytest $$module || status=1; \
+	done; \
+	if [ $$status -ne 0 ]; then echo "TESTS FAILED"; else echo "ALL TESTS PASSED"; fi; \
+	exit $$status
+else
 	$(PY) -m pytest $(ARGS)
+endif

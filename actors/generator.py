@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engines import make_engine
+from actors.engines import ENGINE_KINDS, make_engine
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from forge.types import Completion, SamplingParams
@@ -40,6 +40,12 @@ class GeneratorConfig:
     engine_args: dict = field(default_factory=dict)  # passed to the engine (e.g. vLLM's gpu_memory_utilization)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine={self.engine!r}: must be one of {', '.join(ENGINE_KINDS)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}: must be one of float32, bfloat16, float16")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size}: must be >= 1")
         if self.batch_wait_s < 0 or self.weight_poll_s <= 0:
@@ -76,7 +82,8 @@ class Generator(ForgeActor):
         if latest is not None:  # a (re)started replica serves the current policy from its first token
             await self._load(latest, stage=False)
         self._queue = asyncio.Queue()
-        self._tasks = [asyncio.ensure_future(self._batch_loop()), asyncio.ensure_future(self._follow_weights())]
+        self._stopping = False
+        self._tasks = [asyncio.ensure_future(self._follow_weights()), asyncio.ensure_future(self._batch_loop())]
 
     # --- endpoints ----------------------------------------------------------------------------------
     @endpoint
@@ -101,6 +108,20 @@ class Generator(ForgeActor):
         return self.engine.policy_version
 
     @endpoint
+    async def teardown(self) -> None:
+        """Stop following weights and serving. A store request in flight is allowed to finish (cancelling it
+        would leave the store replying to a port that no longer exists, a supervision failure in Monarch)."""
+        self._stopping = True
+        follow, batches = self._tasks
+        batches.cancel()  # waits on the local queue only
+        try:
+            await asyncio.wait_for(asyncio.shield(follow), timeout=10)
+        except asyncio.TimeoutError:
+            follow.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    @endpoint
     async def stats(self) -> dict:
         return {"policy_version": self.engine.policy_version, "swaps": self.swaps}
 
@@ -122,7 +143,7 @@ class Generator(ForgeActor):
         record_metric("generator/weight_fetch_s", time.perf_counter() - start)
 
     async def _follow_weights(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 latest = await self.store.latest_version()
                 if latest is not None and latest > self.engine.policy_version:

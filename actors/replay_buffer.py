@@ -207,7 +207,10 @@ class ReplayBufferConfig:
 
     def __post_init__(self) -> None:
         # Same checks as the buffer itself, so a bad config fails before any process is spawned.
-        ReplayBuffer(**asdict(self))
+        try:
+            ReplayBuffer(**asdict(self))
+        except ValueError as e:
+            raise ValueError(str(e).removeprefix("ReplayBuffer.")) from None
 
 
 class ReplayBufferActor(ForgeActor):

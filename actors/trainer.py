@@ -108,6 +108,7 @@ class TrainerConfig:
     max_steps: int = 1_000_000  # the LR schedule's length; training past it is an error
     max_grad_norm: float = 1.0  # float("inf"): report the norm, never clip
     micro_batch_size: int = 8  # sequences per forward/backward pass on each rank
+    minibatches: int = 1  # optimizer steps per train_step, each on 1/minibatches of the batch's rows
     temperature: float = 1.0  # the generator's sampling temperature: log-probs are of logits / temperature
     loss: Any = "grpo"  # a name in losses.LOSSES, a callable, or "package.module:function"
     loss_params: dict[str, Any] = field(default_factory=dict)
@@ -133,7 +134,7 @@ class TrainerConfig:
         require_field(self, "lr_decay", self.lr_decay in LR_DECAYS, f"one of {', '.join(LR_DECAYS)}")
         require_field(self, "max_grad_norm", _is_number(self.max_grad_norm) and self.max_grad_norm > 0,
                       "a number > 0 (inf: never clip)")
-        for name in ("micro_batch_size", "tensor_parallel_degree"):
+        for name in ("micro_batch_size", "minibatches", "tensor_parallel_degree"):
             require_field(self, name, _is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
         require_field(self, "activation_checkpoint", self.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES,
                       f"one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}")
@@ -268,8 +269,8 @@ def build_model(
     if tied and parallel_dims.world_size > 1:
         # parallelize_fn ties on the meta device and the tie does not survive materialization
         # (pytorch/torchtitan#2252): the output layer would train as a separate, stale copy.
-        raise NotImplementedError(f"config.json tie_word_embeddings=True with world_size={parallel_dims.world_size}: "
-                                  "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
+        raise ValueError(f"config.json tie_word_embeddings=True with world_size={parallel_dims.world_size}: "
+                         "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
     if parallel_dims.world_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"world_size={parallel_dims.world_size}: initialize torch.distributed first")
     if parallel_dims.world_size > 1:
@@ -468,12 +469,35 @@ class TitanTrainer:
     # -- training ---------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the whole batch (every rank passes the same one); returns its metrics."""
+        """`minibatches` optimizer steps, one per contiguous slice of the batch (every rank passes the same
+        batch), as one policy version; returns the slices' metrics averaged. The LR schedule advances once."""
         if self.step >= self.config.max_steps:
             raise RuntimeError(f"train_step: step {self.step} reached TrainerConfig.max_steps={self.config.max_steps}")
         started = time.perf_counter()
         check_input_ids(batch.input_ids, self.model_args)
+        count, rows = self.config.minibatches, batch.num_sequences
+        if rows % (count * self.dp_degree):
+            raise ValueError(f"batch of {rows} sequences: must be a multiple of TrainerConfig.minibatches={count} "
+                             f"x the data-parallel degree {self.dp_degree}")
         batch = _to_device(batch, self.device)
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        size = rows // count
+        # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
+        # samples are off-policy and the loss's clip bounds the update.
+        per_slice = [self._optimizer_step(batch.slice(s, s + size)) for s in range(0, rows, size)]
+        self.lr_schedulers.step()
+        self.train_state.step += 1
+        self.train_state.policy_version += 1
+        metrics = {key: sum(m[key] for m in per_slice) / count for key in per_slice[0]}
+        metrics.update(lr=lr, tokens_per_second=batch.input_ids.numel() / (time.perf_counter() - started),
+                       policy_version=float(self.policy_version))
+        interval = self.config.checkpoint_interval
+        if interval and self.step % interval == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the whole (mini)batch; each rank back-propagates its own rows."""
         start, micro = self._local_micro_batches(batch)
         self.optimizers.zero_grad()
 
@@ -501,26 +525,14 @@ class TitanTrainer:
                 offset += mb.num_sequences
 
         grad_norm = titan_dist.clip_grad_norm_(list(self.model.parameters()), self.config.max_grad_norm, foreach=True)
-        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         self.optimizers.step()
-        self.lr_schedulers.step()
-        self.train_state.step += 1
-        self.train_state.policy_version += 1
-
         mask = batch.response_mask
-        metrics = {
+        return {
             **out.metrics,
             "loss": out.loss.item(),
             "grad_norm": grad_norm.item(),
-            "lr": lr,
             "entropy": ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
-            "tokens_per_second": batch.input_ids.numel() / (time.perf_counter() - started),
-            "policy_version": float(self.policy_version),
         }
-        interval = self.config.checkpoint_interval
-        if interval and self.step % interval == 0:
-            self.save_checkpoint()
-        return metrics
 
     # -- weights in Hugging Face names --------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
 The baseline is a hand loop in one process (`run_hand_loop`): a supervised warm start stopped early at
 a low accuracy, then plain GRPO with the project's own engine, advantages and loss. A full-app runner
-takes the same `LearningSpeedConfig` and returns the same result keys, so `print_results` shows both
-side by side.
+(`run_app`) starts `python -m apps.grpo` with the same `LearningSpeedConfig` as overrides of the tiny
+default and reads its run folder back into the same result keys, so `print_results` shows both side by side.
 
+    python bench/learning_speed.py --seed 0 1 2            # the hand loop, then the app, per seed
     python bench/learning_speed.py --seed 0 --hand-only
 """
 
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import random
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 # Run as a script from the repository root: make the packages importable without installing.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from actors.engines.hf import HFEngine  # noqa: E402
 from forge.tasks.arithmetic import ArithmeticTask, Problem  # noqa: E402
@@ -226,6 +231,68 @@ def run_hand_loop(cfg: LearningSpeedConfig, log: Callable[[str], None] = print) 
     }
 
 
+def app_overrides(cfg: LearningSpeedConfig, run_dir: Path) -> list[str]:
+    """`key=value` overrides that give the app the hand loop's task, warm start and GRPO settings."""
+    return [
+        f"run_dir={run_dir}", f"seed={cfg.seed}", f"steps={cfg.grpo_steps}",
+        f"task.num_digits={cfg.num_digits}", f"task.held_out={cfg.held_out}", f"eval.num_prompts={cfg.held_out}",
+        f"eval.every={cfg.eval_every}",
+        f"warm_start.lr={cfg.warm_lr}", f"warm_start.batch_size={cfg.warm_batch_size}",
+        f"warm_start.target_accuracy={cfg.warm_threshold}", f"warm_start.eval_every={cfg.warm_eval_every}",
+        f"warm_start.eval_prompts={cfg.warm_eval_prompts}", f"warm_start.max_steps={cfg.warm_max_steps}",
+        f"rollout.group_size={cfg.group_size}", f"rollout.max_tokens={cfg.max_tokens}",
+        f"rollout.temperature={cfg.temperature}", f"trainer.temperature={cfg.temperature}",
+        f"replay_buffer.batch_size={cfg.group_size * cfg.prompts_per_step}",
+        f"trainer.lr={cfg.lr}", f"trainer.minibatches={cfg.minibatches}",
+        f"trainer.loss_params.clip_eps={cfg.clip_eps}",
+    ]
+
+
+# The app prints each held-out evaluation; its metrics.jsonl holds the per-step times.
+EVAL_LINE = re.compile(r"eval \((start|step (\d+)|end), policy version \d+\): held-out greedy accuracy ([\d.]+)%")
+
+
+def run_app(cfg: LearningSpeedConfig, config: str = "configs/grpo_tiny.yaml",
+            log: Callable[[str], None] = print) -> dict[str, float]:
+    """The full app as a subprocess: rollout actors, replay buffer and trainer, with `cfg`'s settings.
+
+    GRPO time is the sum of the app's `step_s` (held-out evaluations run between steps, outside it);
+    `total_seconds` is the whole command, process start-up and warm start included.
+    """
+    with tempfile.TemporaryDirectory(prefix="forge-learning-speed-app-") as folder:
+        run_dir = Path(folder)
+        command = [sys.executable, "-m", "apps.grpo", "--config", config, *app_overrides(cfg, run_dir)]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        total_seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_seconds = {row["step"]: row["step_s"] for row in steps}
+    start_accuracy, gain_seconds = summary["accuracy_start"], math.nan
+    for match in EVAL_LINE.finditer(done.stdout):
+        label, step, percent = match.groups()
+        if not step:
+            continue
+        log(f"app step {step}: held-out accuracy {percent}%")
+        if float(percent) / 100 - start_accuracy >= cfg.gain_target and math.isnan(gain_seconds):
+            gain_seconds = sum(s for k, s in step_seconds.items() if k <= int(step))
+    if summary["accuracy_end"] - start_accuracy >= cfg.gain_target and math.isnan(gain_seconds):
+        gain_seconds = sum(step_seconds.values())
+    warm = re.findall(r"warm start: (\d+) steps", done.stdout)
+    return {
+        "warm_steps": int(warm[-1]) if warm else -1,  # -1: a cached warm start was reused
+        "warm_seconds": math.nan,
+        "start_accuracy": start_accuracy,
+        "final_accuracy": summary["accuracy_end"],
+        "grpo_steps": summary["steps"],
+        "grpo_seconds": sum(step_seconds.values()),
+        "seconds_to_gain": gain_seconds,
+        "total_seconds": total_seconds,
+    }
+
+
 RESULT_COLUMNS = (
     ("runner", "{}"),
     ("seed", "{}"),
@@ -252,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, nargs="+", default=[0])
     parser.add_argument("--hand-only", action="store_true", help="run only the single-process hand loop")
+    parser.add_argument("--app-only", action="store_true", help="run only the full app (python -m apps.grpo)")
+    parser.add_argument("--config", default="configs/grpo_tiny.yaml", help="the app's base config")
     for field in dataclasses.fields(LearningSpeedConfig):
         if field.name != "seed":
             parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
@@ -260,7 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for seed in args.seed:
         cfg = LearningSpeedConfig(seed=seed, **overrides)
-        rows.append({"runner": "hand loop", "seed": seed, **run_hand_loop(cfg)})
+        if not args.app_only:
+            rows.append({"runner": "hand loop", "seed": seed, **run_hand_loop(cfg)})
+        if not args.hand_only:
+            rows.append({"runner": "app", "seed": seed, **run_app(cfg, args.config)})
     print_results(rows)
 
 

@@ -80,6 +80,7 @@ class ProvisionedMesh:
     pids: list[int]
     on_failure: Callable[[MeshFailure], None] | None = None
     stopped: bool = False
+    actors: list[Any] = field(default_factory=list)  # actors here that define `teardown`: called before the stop
 
 
 def _free_port() -> int:
@@ -234,11 +235,18 @@ class Provisioner:
             return
         mesh.stopped = True
         self._retired.add(mesh.name)
+        # Let actors finish what they are doing (background tasks, in-flight store requests): a reply sent
+        # to an actor that is already gone is a supervision failure in Monarch 0.1.2.
+        for actor in mesh.actors:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(actor.teardown.call(), timeout=10)
         try:
             await asyncio.wait_for(mesh.procs.stop(), timeout=timeout)
         except Exception as e:
             logger.debug("stopping mesh %s: %s", mesh.name, e)
-        _kill_leftovers(mesh.pids)
+            # Only a mesh that did not stop cleanly is killed: killing processes Monarch is still winding
+            # down leaves its agent with undeliverable messages, which it treats as fatal.
+            _kill_leftovers(mesh.pids)
         self._free_gpus = sorted(self._free_gpus + mesh.gpus)
         self.meshes.pop(mesh.name, None)
 

@@ -9,7 +9,9 @@
 Keys and metadata live in torchstore (its controller is reachable from every process of the job). The
 tensor bytes take one of two paths:
 - "shm" (one host): the publisher writes every tensor once into one shared-memory segment in /dev/shm;
-  readers on the host map it and copy straight into their own tensors; no per-tensor RPC at all.
+  readers on the host read it straight into their own tensors (preadv); no per-tensor RPC at all. The
+  file of a deleted version is kept as a spare and rewritten by the next publish: fresh shared-memory
+  pages cost more to fault in than the copy itself.
 - "torchstore" (across hosts): `torchstore.put_state_dict` / `get_state_dict`, which uses RDMA where
   Monarch has it.
 With transport="auto" a version goes through shared memory, and readers on another host fall back to
@@ -23,10 +25,11 @@ start-up) removes whatever a crash left behind.
 from __future__ import annotations
 
 import asyncio
-import mmap
+import contextlib
 import os
 import re
 import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -38,6 +41,13 @@ import forge.native
 forge.native.setup()
 
 import torchstore as ts  # noqa: E402
+from torchstore.controller import Controller as _TorchStoreController  # noqa: E402
+from torchstore.storage_volume import StorageVolume as _TorchStoreVolume  # noqa: E402
+
+# A reply to a caller that has died (a killed generator replica) is not the store's failure; without this,
+# Monarch 0.1.2 turns it into a supervision failure of the store, which takes the whole job down.
+_TorchStoreController._handle_undeliverable_message = lambda self, message: True
+_TorchStoreVolume._handle_undeliverable_message = lambda self, message: True
 
 SHM_DIR = Path(os.environ.get("FORGE_SHM_DIR", "/dev/shm"))
 _ALIGN = 64
@@ -99,7 +109,6 @@ class WeightStore:
         self.transport = transport
         self.cross_host = cross_host
         self.host = socket.gethostname()
-        self._maps: dict[str, mmap.mmap] = {}
 
     # --- keys ---------------------------------------------------------------------------------------
     def _manifest_key(self, version: int) -> str:
@@ -113,6 +122,9 @@ class WeightStore:
 
     def segment_name(self, version: int) -> str:
         return f"forge-{job_id()}-{self.namespace}-v{version}"
+
+    def _spare_path(self) -> Path:
+        return SHM_DIR / f"forge-{job_id()}-{self.namespace}-spare"
 
     # --- publishing ---------------------------------------------------------------------------------
     async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> Manifest | None:
@@ -132,7 +144,9 @@ class WeightStore:
         segment = None
         if use_shm:
             segment = self.segment_name(version)
-            await asyncio.to_thread(_write_segment, SHM_DIR / segment, full, entries, offset)
+            spare = self._spare_path()
+            await asyncio.to_thread(_write_segment, SHM_DIR / segment, full, entries, offset, version,
+                                    spare if spare.exists() else None)
         if use_ts:
             await ts.put_state_dict(full, self._tensors_key(version))
         manifest = Manifest(version, self.host, segment, use_ts, entries)
@@ -188,7 +202,12 @@ class WeightStore:
         manifest = await self.manifest(version)
         await ts.delete(self._manifest_key(version))
         if manifest.segment is not None and manifest.host == self.host:
-            (SHM_DIR / manifest.segment).unlink(missing_ok=True)
+            segment = SHM_DIR / manifest.segment
+            if self._spare_path().exists():
+                segment.unlink(missing_ok=True)
+            else:  # kept (under another name) for the next publish to write into
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(segment, self._spare_path())
         if manifest.in_torchstore:
             for key in await _keys_with_prefix(self._tensors_key(version) + "/"):
                 await ts.delete(key)
@@ -222,42 +241,66 @@ def check_compatible(manifest: Manifest, specs: dict[str, tuple[tuple[int, ...],
         raise ValueError(f"policy version {manifest.version} does not match the model: " + "; ".join(problems))
 
 
-def _write_segment(path: Path, tensors: dict[str, torch.Tensor], entries: dict[str, TensorEntry], size: int) -> None:
+_HEADER = 64  # the segment starts with its version (int64), written last and checked by readers
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_segment(path: Path, tensors: dict[str, torch.Tensor], entries: dict[str, TensorEntry], size: int,
+                   version: int, spare: Path | None) -> None:
+    """One pwrite per tensor into a segment file. Reusing a deleted version's file (`spare`) skips the page
+    faults and zeroing of fresh shared memory, the slow part of writing a new file through mmap."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w+b") as f:
-        f.truncate(max(size, 1))
-        with mmap.mmap(f.fileno(), max(size, 1)) as mm:
-            buffer = torch.frombuffer(mm, dtype=torch.uint8)
-            for name, tensor in tensors.items():
-                entry = entries[name]
-                if entry.nbytes:
-                    buffer[entry.offset : entry.offset + entry.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
-            del buffer
-    os.replace(tmp, path)  # readers never see a half-written segment
+    if spare is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(spare, tmp)
+    fd = os.open(tmp, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.pwrite(fd, struct.pack("<q", -1), 0)  # a reader still on the reused file fails its version check
+        os.ftruncate(fd, _HEADER + max(size, 1))
+        for name, tensor in tensors.items():
+            data, offset, done = _bytes_of(tensor), _HEADER + entries[name].offset, 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+        os.pwrite(fd, struct.pack("<q", version), 0)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)  # readers never see a half-written segment under its real name
 
 
 def _read_segment(path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-            # A read-only buffer: torch warns that it is not writable; we only copy out of it.
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                buffer = torch.frombuffer(mm, dtype=torch.uint8)
-            out = {}
-            for name, entry in manifest.entries.items():
-                dtype = getattr(torch, entry.dtype)
-                source = buffer[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
-                if into is not None:
-                    with torch.no_grad():
-                        into[name].copy_(source)
-                    out[name] = into[name]
-                else:
-                    out[name] = source.clone()
-            del buffer, source
+    """preadv straight into the destination tensors (fresh ones, or `into`'s when they are plain CPU tensors)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check_header(fd, manifest.version)
+        out = {}
+        for name, entry in manifest.entries.items():
+            dtype = getattr(torch, entry.dtype)
+            target = into[name] if into is not None else torch.empty(entry.shape, dtype=dtype)
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+            buffer = target if direct else torch.empty(entry.shape, dtype=dtype)
+            view, done = _bytes_of(buffer), 0
+            while done < entry.nbytes:
+                read = os.preadv(fd, [view[done:]], _HEADER + entry.offset + done)
+                if read == 0:
+                    raise WeightVersionError(f"policy version {manifest.version}: segment {path.name} is truncated")
+                done += read
+            if not direct:
+                with torch.no_grad():
+                    target.copy_(buffer)
+            out[name] = target
+        _check_header(fd, manifest.version)  # the file was not recycled while we read it
+    finally:
+        os.close(fd)
     return out
+
+
+def _check_header(fd: int, version: int) -> None:
+    (found,) = struct.unpack("<q", os.pread(fd, 8, 0))
+    if found != version:
+        raise WeightVersionError(f"policy version {version} was deleted while being fetched")
 
 
 def remove_job_segments(job: str | None = None) -> list[Path]:

@@ -122,10 +122,16 @@ class HFEngine:
             )
 
     def _copy_in(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Caller holds the weights lock."""
+        """Caller holds the weights lock. Tensors that already have the parameter's dtype, device and layout
+        are taken over by pointer (the engine owns them from now on): the swap then costs microseconds, not
+        a copy of the whole model under the lock. Others are copied."""
         with torch.no_grad():
             for name, tensor in state_dict.items():
-                self._targets[name].copy_(tensor)
+                target = self._targets[name]
+                if tensor.dtype == target.dtype and tensor.device == target.device and tensor.is_contiguous():
+                    target.data = tensor
+                else:
+                    target.copy_(tensor)
         self._version = version
 
     def _apply_staged(self) -> None:

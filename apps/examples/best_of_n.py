@@ -32,7 +32,9 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        most = 10 ** (2 * self.num_digits) // 2 if self.num_digits >= 1 else 0
+        if self.num_digits < 1:
+            raise ValueError(f"num_digits={self.num_digits}: must be >= 1")
+        most = 10 ** (2 * self.num_digits) // 2  # the task holds out at most half of its problems
         if not 1 <= self.num_prompts <= most:
             raise ValueError(f"num_prompts={self.num_prompts}: must be in [1, {most}] for num_digits={self.num_digits}")
 

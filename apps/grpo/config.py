@@ -6,7 +6,9 @@ Each actor's section is that actor's own config dataclass; `model` fills the mod
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from actors.generator import GeneratorConfig
@@ -149,5 +151,17 @@ class GRPOConfig:
                 f"trainer.temperature={self.trainer.temperature}: must equal rollout.temperature="
                 f"{self.rollout.temperature} (log-probs are compared at the sampling temperature)"
             )
+        tied = _tied_embeddings(self.trainer.model_path)
+        if tied and (dp > 1 or self.reference.enabled and self.resources.reference_procs > 1):
+            raise ValueError(
+                f"resources.trainer_procs={dp}: {self.trainer.model_path} ties its input and output embeddings, which "
+                "torchtitan 0.2.0 cannot shard (pytorch/torchtitan#2252); use trainer_procs=1 or an untied checkpoint"
+            )
         if self.trainer.max_steps < self.steps:
             raise ValueError(f"trainer.max_steps={self.trainer.max_steps}: must be >= steps={self.steps}")
+
+
+def _tied_embeddings(model_path: str) -> bool:
+    """From a local checkpoint's config.json (a hub id is checked when the trainer loads it)."""
+    config = Path(model_path) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))

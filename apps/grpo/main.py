@@ -54,7 +54,6 @@ def load_job_config(argv: list[str]) -> tuple[GRPOConfig, bool]:
         tiny = ensure_tiny_checkpoint(Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3")
         cfg = load_config(path, [*overrides, f"model={tiny}"])
     job = validate(cfg, GRPOConfig)
-    check_resources(job)
     return job, bool(args.resume or job.resume)
 
 
@@ -455,6 +454,7 @@ async def main_async(cfg: GRPOConfig, resume: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, resume = load_job_config(sys.argv[1:] if argv is None else argv)
+        check_resources(cfg)
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -127,6 +127,21 @@ def test_micro_batches_give_the_full_batch_step(checkpoint: Path) -> None:
     assert not torch.equal(before["lm_head.weight"], whole.hf_state_dict()["lm_head.weight"])
 
 
+def test_minibatches_are_successive_optimizer_steps_in_one_version(checkpoint: Path) -> None:
+    # Two slices of rows, two Adam steps (the second off-policy), but one published policy version.
+    batch = make_batch(4)
+    sliced = TitanTrainer(trainer_config(checkpoint, loss="grpo", minibatches=2))
+    by_hand = TitanTrainer(trainer_config(checkpoint, loss="grpo"))
+    metrics = sliced.train_step(batch)
+    halves = [by_hand.train_step(batch.slice(0, 2)), by_hand.train_step(batch.slice(2, 4))]
+    assert_same_weights(sliced.hf_state_dict(), by_hand.hf_state_dict(), atol=1e-6)
+    assert sliced.policy_version == sliced.step == 1 and metrics["policy_version"] == 1
+    assert metrics["loss"] == pytest.approx((halves[0]["loss"] + halves[1]["loss"]) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match=r"batch of 3 sequences: must be a multiple of TrainerConfig.minibatches=2"):
+        sliced.train_step(batch.slice(0, 3))
+    assert sliced.step == 1
+
+
 def test_step_metrics_and_policy_version(checkpoint: Path) -> None:
     batch = make_batch(2)
     trainer = TitanTrainer(trainer_config(checkpoint, warmup_steps=2, max_grad_norm=1e-3, micro_batch_size=2))
@@ -328,6 +343,7 @@ def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_result: dict) -> None:
     ({"lr": 0.0}, "lr", "a number > 0"),
     ({"betas": (0.9, 1.0)}, "betas", "two numbers in [0, 1)"),
     ({"micro_batch_size": 0}, "micro_batch_size", "an int >= 1"),
+    ({"minibatches": 0}, "minibatches", "an int >= 1"),
     ({"family": "gpt2"}, "family", "one of qwen3, llama3"),
     ({"dtype": "float8"}, "dtype", "one of float32, bfloat16"),
     ({"warmup_steps": 11}, "warmup_steps", "an int in [0, max_steps=10]"),
@@ -352,7 +368,7 @@ def test_unknown_loss_or_loss_param_is_rejected(checkpoint: Path) -> None:
 
 
 def test_tied_embeddings_are_refused_under_fsdp(tied_checkpoint: Path) -> None:
-    with pytest.raises(NotImplementedError, match="tie_word_embeddings=True with world_size=2"):
+    with pytest.raises(ValueError, match="tie_word_embeddings=True with world_size=2"):
         TitanTrainer(trainer_config(tied_checkpoint), rank=0, world_size=2)
 
 

@@ -63,8 +63,8 @@ def test_shipped_config_is_valid():
 @pytest.mark.slow
 def test_best_of_n_runs_and_stops_every_process(tmp_path):
     num_prompts, n = 2, 4
-    pid, result = _run_app(f"generator.model={tmp_path / 'tiny'}", f"task.num_prompts={num_prompts}", f"sampling.n={n}",
-                      timeout=240)
+    overrides = [f"generator.model={tmp_path / 'tiny'}", f"task.num_prompts={num_prompts}", f"sampling.n={n}"]
+    pid, result = _run_app(*overrides, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "generator replicas: 2, policy versions [0, 0]" in result.stdout  # both replicas served
@@ -99,7 +99,8 @@ def test_unknown_key_fails_before_spawning():
 @pytest.mark.parametrize(
     "override, message",
     [("sampling.n=0", "sampling.n=0: must be >= 1"), ("scorer.distance_scale=-1", "scorer.distance_scale=-1.0: must be > 0"),
-     ("task.num_prompts=60", "task.num_prompts=60: must be in [1, 50] for num_digits=1")],
+     ("task.num_prompts=60", "task.num_prompts=60: must be in [1, 50] for num_digits=1"),
+     ("task.num_digits=0", "task.num_digits=0: must be >= 1")],
 )
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,0 +1,60 @@
+"""Every shipped GRPO config parses and validates on a CPU machine; bad configs fail before any process starts."""
+
+from pathlib import Path
+
+import pytest
+
+from apps.grpo.config import GRPOConfig
+from apps.grpo.main import check_resources, load_job_config
+from forge.config import ConfigError, load_config, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("example_"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_validates(path):
+    cfg, _ = load_job_config(["--config", str(path)])
+    assert cfg.trainer.model_path == cfg.model and cfg.generator.model == cfg.model
+    assert cfg.replay_buffer.batch_size % cfg.resources.trainer_procs == 0
+
+
+def test_gpu_layouts_need_their_gpus():
+    cfg = validate(load_config(ROOT / "configs/qwen3_8b.yaml"), GRPOConfig)
+    with pytest.raises(ConfigError, match=r"the layout needs 8 GPUs .* but 0 are visible"):
+        check_resources(cfg)
+
+
+BAD = [
+    ("replay_buffer.max_policy_age=-1", r"replay_buffer.max_policy_age=-1"),
+    ("replay_buffer.batch_sise=8", r"replay_buffer.batch_sise=8: unknown key. Did you mean 'replay_buffer.batch_size'"),
+    ("trainer.lr=fast", r"trainer.lr='fast'"),
+    ("trainer.lr=-1", r"trainer.lr=-1"),
+    ("rollout.group_size=1", r"rollout.group_size=1: must be >= 2"),
+    ("steps=0", r"steps=0: must be >= 1"),
+    ("resources.trainer_procs=3", r"replay_buffer.batch_size=\d+: must be divisible by resources.trainer_procs=3"),
+    ("task.name=chess", r"task.name='chess': must be one of 'arithmetic', 'gsm8k'"),
+    ("task.reward=not_a_reference", r"task.reward='not_a_reference': must be 'package.module:function'"),
+    ("trainer.loss=ppo2", r"loss='ppo2'"),
+    ("generator.engine=sglang", r"generator.engine='sglang': must be one of hf, vllm"),
+    ("model=/no/such/model", r"model_path='/no/such/model'"),
+    ("trainer.temperature=0.5", r"trainer.temperature=0.5: must equal rollout.temperature=1.0"),
+    ("replay_buffer.max_buffer_size=8", r"max_buffer_size=8"),
+    ("eval.num_prompts=0", r"num_prompts=0"),
+    ("warm_start.target_accuracy=1.5", r"warm_start.target_accuracy=1.5: must be in \(0, 1\]"),
+    ("trainer.micro_batch_size=0", r"micro_batch_size=0"),
+    ("rollout.max_tokens=-4", r"rollout.max_tokens=-4: must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_is_refused_with_the_key_and_value(override, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), override])
+        check_resources(cfg)
+
+
+def test_asking_for_gpus_on_a_cpu_host_fails_naming_the_layout():
+    cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "resources.with_gpus=true"])
+    with pytest.raises(ConfigError, match=r"needs 2 GPUs \(generator_replicas=1 x generator_procs=1 \+ trainer_procs=1\) but 0"):
+        check_resources(cfg)
