@@ -24,7 +24,9 @@ grpo: $(STAMP)
 
 # Each test module that starts Monarch processes runs in its own pytest process, so one module's
 # runtime state (meshes, the torchstore controller, late replies) cannot leak into the next; the
-# rest run together. `make test ARGS=...` runs pytest once with your arguments instead.
+# rest run together. A Monarch module that fails is run once more and fails the suite only if it fails
+# again: Monarch 0.1.2 can declare a starved process dead on a busy 2-core host (README, Reliability);
+# the retry is printed, never silent. `make test ARGS=...` runs pytest once with your arguments instead.
 MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples)|start_weight_store" tests --include='test_*.py' | sort)
 
 test: $(STAMP)
@@ -34,7 +36,9 @@ ifeq ($(strip $(ARGS)),)
 	$(PY) -m pytest tests $(addprefix --ignore=,$(MONARCH_TESTS)) || status=1; \
 	for module in $(MONARCH_TESTS); do \
 		echo "== pytest $$module"; \
-		$(PY) -m pytest $$module || status=1; \
+		$(PY) -m pytest $$module || { \
+			echo "== RETRY $$module: failed once; running it again (see README, Reliability: Monarch 0.1.2 on a loaded host)"; \
+			$(PY) -m pytest $$module || status=1; }; \
 	done; \
 	if [ $$status -ne 0 ]; then echo "TESTS FAILED"; else echo "ALL TESTS PASSED"; fi; \
 	exit $$status

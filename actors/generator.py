@@ -83,6 +83,7 @@ class Generator(ForgeActor):
             await self._load(latest, stage=False)
         self._queue = asyncio.Queue()
         self._stopping = False
+        self._reported: set[str] = set()
         self._tasks = [asyncio.ensure_future(self._follow_weights()), asyncio.ensure_future(self._batch_loop())]
 
     # --- endpoints ----------------------------------------------------------------------------------
@@ -150,8 +151,16 @@ class Generator(ForgeActor):
                     await self._load(latest, stage=True)
             except WeightVersionError:
                 pass  # deleted between listing and fetching: a newer one exists; try again
-            except Exception:
-                logger.exception("generator: weight update failed")
+            except Exception as error:
+                # Counted every time, printed once per kind: a persistent failure must not flood the logs
+                # (a blocked stderr pipe stalls the whole process).
+                record_metric("generator/weight_update_failures", 1, "sum")
+                kind = f"{type(error).__name__}: {str(error)[:200]}"
+                if kind not in self._reported:
+                    self._reported.add(kind)
+                    logger.exception("generator: weight update failed (shown once; counted in "
+                                     "generator/weight_update_failures)")
+                await asyncio.sleep(min(1.0, 10 * self.config.weight_poll_s))
             await asyncio.sleep(self.config.weight_poll_s)
 
     async def _batch_loop(self) -> None:
