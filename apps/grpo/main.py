@@ -190,6 +190,7 @@ class GRPOJob:
         completions = [out[0] for part_out in outputs for out in part_out]
         scores = [await self.score(c.text, p.answer) for c, p in zip(completions, problems)]
         accuracy = sum(scores) / len(scores)
+        record_metric("eval/accuracy", accuracy)
         print(f"eval ({label}, policy version {self.version}): held-out greedy accuracy {accuracy:.1%} "
               f"on {len(problems)} prompts", flush=True)
         return accuracy
@@ -260,10 +261,14 @@ class GRPOJob:
             step_start = time.perf_counter()
             batch = await self.buffer.sample.call_one(self.version)
             while batch is None:
+                # sample() may have evicted stale episodes: refresh the held count, or rollouts would keep
+                # waiting for capacity that is already free while this loop waits for a batch.
+                held = (await self.buffer.stats.call_one())["held"]
                 async with self.capacity:
-                    with_timeout = asyncio.wait_for(self.capacity.wait(), timeout=0.05)
+                    self.held_episodes = held
+                    self.capacity.notify_all()
                     try:
-                        await with_timeout
+                        await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
                     except asyncio.TimeoutError:
                         pass
                 batch = await self.buffer.sample.call_one(self.version)
