@@ -703,7 +703,8 @@ class TrainerActor(ForgeActor):
 
     @endpoint
     async def train_step(self, episodes: list[Episode], pad_id: int) -> dict[str, float]:
-        """One optimizer step on the whole batch (each rank trains its slice), then publish the new version."""
+        """One training step on the whole batch (each rank trains its slice; `minibatches` optimizer steps),
+        then publish the new weights as the next policy version."""
         batch = TrainBatch.from_episodes(episodes, pad_id)
         metrics = self.trainer.train_step(batch)
         start = time.perf_counter()

@@ -11,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = pytest.mark.slow
+# Whole-app runs: on a loaded 2-core host Monarch start-up alone has taken minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
