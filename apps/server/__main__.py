@@ -1,0 +1,5 @@
+import sys
+
+from apps.server.main import main
+
+sys.exit(main())

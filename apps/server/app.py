@@ -1,0 +1,151 @@
+"""The training service's HTTP API (FastAPI): thin routes over `TrainingService`. The OpenAPI schema is
+served at /openapi.json (interactive docs at /docs)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from apps.server.auth import require_key
+from apps.server.runtime import TrainingService
+from apps.server.schemas import (
+    ChunkAccepted,
+    CheckpointInfo,
+    CheckpointList,
+    CheckpointResponse,
+    CreateSessionRequest,
+    DeleteCheckpointResponse,
+    ErrorResponse,
+    ForwardBackwardRequest,
+    ForwardBackwardResponse,
+    ForwardRequest,
+    HealthResponse,
+    HeartbeatResponse,
+    LoadStateRequest,
+    LoadStateResponse,
+    OptimStepRequest,
+    OptimStepResponse,
+    SampleRequest,
+    SampleResponse,
+    SaveStateRequest,
+    SaveWeightsRequest,
+    ServerInfo,
+    SessionInfo,
+    SessionList,
+    SessionRequest,
+    SyncWeightsRequest,
+    SyncWeightsResponse,
+    UnloadResponse,
+)
+from apps.server.serving import install_error_handlers
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 408, 409, 429, 500, 504)}
+_CHUNKED = {**_ERRORS, 202: {"model": ChunkAccepted, "description": "a chunk stored; the request runs when all arrive"}}
+
+
+def _accepted_or(result: object) -> object:
+    if isinstance(result, ChunkAccepted):
+        return JSONResponse(status_code=202, content=result.model_dump())
+    return result
+
+
+def build_app(service: TrainingService) -> FastAPI:
+    app = FastAPI(title="forge training service",
+                  description="Tinker-style training API over forge's trainer and generator actors.", version="1")
+    install_error_handlers(app)
+
+    def authorized(request: Request) -> None:
+        if service.cfg.http.api_key is not None:
+            require_key(request, service.cfg.http.api_key)
+
+    @app.get("/health", response_model=HealthResponse, tags=["service"])
+    async def health() -> HealthResponse:
+        return service.health()
+
+    api = APIRouter(prefix="/api/v1", dependencies=[Depends(authorized)], responses=_ERRORS)
+
+    @api.get("/health", response_model=HealthResponse, tags=["service"])
+    async def api_health() -> HealthResponse:
+        return service.health()
+
+    @api.get("/get_server_info", response_model=ServerInfo, tags=["service"])
+    async def server_info() -> ServerInfo:
+        return service.info()
+
+    # sessions
+    @api.post("/create_session", response_model=SessionInfo, tags=["sessions"])
+    async def create_session(body: CreateSessionRequest) -> SessionInfo:
+        return await service.create_session(body)
+
+    @api.post("/create_model", response_model=SessionInfo, tags=["sessions"], summary="create_session (xorl name)")
+    async def create_model(body: CreateSessionRequest) -> SessionInfo:
+        return await service.create_session(body)
+
+    @api.post("/unload_model", response_model=UnloadResponse, tags=["sessions"])
+    async def unload_model(body: SessionRequest) -> UnloadResponse:
+        await service.unload(body.model_id)
+        return UnloadResponse(session_id=body.model_id, unloaded=True)
+
+    @api.post("/session_heartbeat", response_model=HeartbeatResponse, tags=["sessions"])
+    async def heartbeat(body: SessionRequest) -> HeartbeatResponse:
+        session = service.session(body.model_id)
+        return HeartbeatResponse(session_id=session.session_id, expires_in_s=session.expires_in())
+
+    @api.get("/sessions", response_model=SessionList, tags=["sessions"])
+    async def list_sessions() -> SessionList:
+        return SessionList(sessions=[s.info() for s in service.sessions.values()])
+
+    @api.get("/sessions/{session_id}", response_model=SessionInfo, tags=["sessions"])
+    async def get_session(session_id: str) -> SessionInfo:
+        return service.session(session_id).info()
+
+    # training
+    @api.post("/forward_backward", response_model=ForwardBackwardResponse, responses=_CHUNKED, tags=["training"])
+    async def forward_backward(body: ForwardBackwardRequest) -> object:
+        return _accepted_or(await service.forward_backward(body))
+
+    @api.post("/forward", response_model=ForwardBackwardResponse, responses=_CHUNKED, tags=["training"])
+    async def forward(body: ForwardRequest) -> object:
+        return _accepted_or(await service.forward(body))
+
+    @api.post("/optim_step", response_model=OptimStepResponse, tags=["training"])
+    async def optim_step(body: OptimStepRequest) -> OptimStepResponse:
+        return await service.optim_step(body)
+
+    @api.post("/save_state", response_model=CheckpointResponse, tags=["checkpoints"])
+    async def save_state(body: SaveStateRequest) -> CheckpointResponse:
+        return await service.save_state(body)
+
+    @api.post("/load_state", response_model=LoadStateResponse, tags=["checkpoints"])
+    async def load_state(body: LoadStateRequest) -> LoadStateResponse:
+        return await service.load_state(body)
+
+    @api.post("/save_weights_for_sampler", response_model=CheckpointResponse, tags=["checkpoints"])
+    async def save_weights_for_sampler(body: SaveWeightsRequest) -> CheckpointResponse:
+        return await service.save_weights_for_sampler(body)
+
+    @api.post("/sync_inference_weights", response_model=SyncWeightsResponse, tags=["training"])
+    async def sync_inference_weights(body: SyncWeightsRequest) -> SyncWeightsResponse:
+        return await service.sync_inference_weights(body)
+
+    # sampling
+    @api.post("/sample", response_model=SampleResponse, tags=["sampling"])
+    async def sample(body: SampleRequest) -> SampleResponse:
+        return await service.sample(body)
+
+    # checkpoints
+    @api.get("/checkpoints", response_model=CheckpointList, tags=["checkpoints"])
+    async def list_checkpoints() -> CheckpointList:
+        return CheckpointList(checkpoints=service.checkpoints.list())
+
+    @api.get("/checkpoints/{checkpoint_id}", response_model=CheckpointInfo, tags=["checkpoints"])
+    async def get_checkpoint(checkpoint_id: str) -> CheckpointInfo:
+        return service.checkpoints.get(checkpoint_id)
+
+    @api.delete("/checkpoints/{checkpoint_id}", response_model=DeleteCheckpointResponse, tags=["checkpoints"])
+    async def delete_checkpoint(checkpoint_id: str) -> DeleteCheckpointResponse:
+        service.checkpoints.delete(checkpoint_id)
+        return DeleteCheckpointResponse(checkpoint_id=checkpoint_id, deleted=True)
+
+    app.include_router(api)
+    return app

@@ -1,0 +1,63 @@
+"""The served model: `tiny` resolved to forge's built checkpoint, warm-started the way apps.grpo does it.
+
+Shared by the training service and the online-RL gateway.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+from omegaconf import DictConfig
+
+from forge.config import load_config, validate
+from forge.tasks.arithmetic import ArithmeticTask
+from forge.tiny_model import ensure_tiny_checkpoint
+from forge.warm_start import WarmStartConfig, warm_start
+
+T = TypeVar("T")
+TINY = "tiny"
+
+
+def load_app_config(path: Path | None, overrides: Sequence[str], schema: type[T]) -> T:
+    """Load, resolve `model: tiny` to the built checkpoint (its path fills `${model}`), validate."""
+    cfg: DictConfig = load_config(path, overrides)
+    if cfg.get("model", TINY) == TINY:
+        tiny = ensure_tiny_checkpoint(Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3")
+        cfg = load_config(path, [*overrides, f"model={tiny}"])
+    return validate(cfg, schema)
+
+
+def is_tiny(model: str, model_cache: str) -> bool:
+    return Path(model).resolve() == (Path(model_cache) / "tiny-qwen3").resolve()
+
+
+def warm_started_model(model: str, model_cache: str, config: WarmStartConfig, *, seed: int,
+                       max_tokens: int = 4) -> tuple[str, float | None]:
+    """The checkpoint to serve: for forge's tiny model with `config.enabled`, its supervised warm start on
+    2-digit addition (the same call, arguments and cache as apps.grpo, so one warm start serves both);
+    otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
+    if not (config.enabled and is_tiny(model, model_cache)):
+        return model, None
+    task = ArithmeticTask(seed=seed, num_digits=2, held_out=500)
+    eval_problems = task.sample_prompts(config.eval_prompts, random.Random(f"{seed}-warm-start-eval"))
+    train_rng = random.Random(f"{seed}-warm-start")
+    path, accuracy = warm_start(model, Path(model_cache) / "warm_start",
+                                train_problems=lambda n: task.sample_prompts(n, train_rng),
+                                eval_problems=eval_problems, reward=task.reward, config=config, seed=seed,
+                                max_tokens=max_tokens)
+    return str(path), accuracy
+
+
+def tokenizer_info(model_path: str) -> dict[str, Any]:
+    """What a client needs to build token sequences: pad and EOS ids, vocabulary size, window."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    config = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path, "config.json").is_file() else {}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return {"tokenizer": tokenizer, "pad_id": pad, "eos_id": tokenizer.eos_token_id, "vocab_size": len(tokenizer),
+            "max_model_len": int(config.get("max_position_embeddings", tokenizer.model_max_length))}

@@ -1,0 +1,376 @@
+"""The training service's state and operations: the generator service, the sessions (one trainer actor
+mesh each), the checkpoint catalogue and the policy version counter. The HTTP layer (app.py) only
+translates requests into these calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from actors.generator import Generator
+from apps.server.batches import build_batch, check_loss, concat_batches
+from apps.server.checkpoints import CheckpointStore
+from apps.server.config import ServerConfig
+from apps.server.errors import ServiceError, field_error, not_found
+from apps.server.model import tokenizer_info
+from apps.server.schemas import (
+    ChunkAccepted,
+    CheckpointResponse,
+    CreateSessionRequest,
+    ForwardBackwardRequest,
+    ForwardBackwardResponse,
+    ForwardRequest,
+    HealthResponse,
+    LoadStateRequest,
+    LoadStateResponse,
+    LossFnOutput,
+    OptimStepRequest,
+    OptimStepResponse,
+    SampledSequence,
+    SampleRequest,
+    SampleResponse,
+    SaveStateRequest,
+    SaveWeightsRequest,
+    SequencedRequest,
+    ServerInfo,
+    SessionInfo,
+    SyncWeightsRequest,
+    SyncWeightsResponse,
+)
+from apps.server.sequencer import Sequencer
+from apps.server.sessions import Session
+from apps.server.training_actor import ServerTrainerActor
+from forge.actor import EndpointError, ForgeActor
+from forge.provisioner import get_provisioner
+from forge.service import NoHealthyReplicaError
+from forge.types import SamplingParams
+from losses import LOSSES
+
+logger = logging.getLogger(__name__)
+WEIGHTS = "policy"
+
+
+def _rank0(values: Any) -> Any:
+    return next(iter(values.values())) if hasattr(values, "values") and not isinstance(values, dict) else values
+
+
+def endpoint_failure(error: EndpointError) -> ServiceError:
+    """An actor endpoint's exception as an HTTP error: the caller's mistake (400) or the server's (500)."""
+    head = str(error).split("\n--- remote traceback", 1)[0]
+    message = head.split(" raised ", 1)[-1]
+    client_errors = ("ValueError", "RuntimeError", "FileNotFoundError", "KeyError", "TypeError")
+    return ServiceError(400 if message.startswith(client_errors) else 500, message)
+
+
+class TrainingService:
+    def __init__(self, cfg: ServerConfig, model_path: str, warm_start_accuracy: float | None = None) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.warm_start_accuracy = warm_start_accuracy
+        info = tokenizer_info(model_path)
+        self.pad_id, self.eos_id = info["pad_id"], info["eos_id"]
+        self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
+        self.checkpoints = CheckpointStore(Path(cfg.run_dir) / "checkpoints")
+        self.sessions: dict[str, Session] = {}
+        self.ended: dict[str, str] = {}  # session id -> why it is gone
+        self.creating = 0
+        self.version = 0  # the generators serve the base weights as version 0 until the first sync
+        self._publish_lock = asyncio.Lock()
+        self.started_at = time.time()
+        self.generators: Any = None
+        self._reaper: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await get_provisioner().start_weight_store()
+        generator_cfg = replace(self.cfg.generator, model=self.model_path, weight_namespace=WEIGHTS)
+        self.generators = await Generator.options(num_replicas=self.cfg.generator_replicas,
+                                                  mesh_name="generator").as_service(generator_cfg)
+        self._reaper = asyncio.ensure_future(self._reap())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for session_id in list(self.sessions):
+            with contextlib.suppress(Exception):
+                await self.unload(session_id, "the server is shutting down")
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for session in list(self.sessions.values()):
+                if session.idle_for() > session.idle_timeout_s:
+                    logger.warning("session %s idle for %.1fs: unloading", session.session_id, session.idle_for())
+                    with contextlib.suppress(Exception):
+                        await self.unload(session.session_id, f"no request or heartbeat for {session.idle_timeout_s}s "
+                                                              "(idle_timeout_s)")
+
+    # -- service -------------------------------------------------------------------------------------
+    def health(self) -> HealthResponse:
+        healthy = len(self.generators.healthy_replicas()) if self.generators is not None else 0
+        return HealthResponse(status="ok", model=self.model_path, policy_version=self.version,
+                              sessions=len(self.sessions), max_sessions=self.cfg.sessions.max_sessions,
+                              generator_replicas_healthy=healthy, uptime_s=time.time() - self.started_at)
+
+    def info(self) -> ServerInfo:
+        return ServerInfo(model=self.model_path, pad_id=self.pad_id, eos_id=self.eos_id, vocab_size=self.vocab_size,
+                          max_model_len=self.max_model_len, policy_version=self.version, loss_fns=list(LOSSES),
+                          warm_start_accuracy=self.warm_start_accuracy)
+
+    # -- sessions ------------------------------------------------------------------------------------
+    def session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            if session_id in self.ended:
+                raise ServiceError(404, f"session {session_id!r} was unloaded: {self.ended[session_id]}")
+            raise not_found("session", session_id, list(self.sessions))
+        session.touch()
+        return session
+
+    def _served_names(self) -> list[str]:
+        names = [self.model_path, str(Path(self.model_path).resolve())]
+        configured = self.cfg.model
+        names += [configured, str(Path(configured).resolve())] if configured else []
+        if Path(configured).name == "tiny-qwen3":
+            names.append("tiny")
+        return names
+
+    async def create_session(self, request: CreateSessionRequest) -> SessionInfo:
+        limits = self.cfg.sessions
+        if request.base_model is not None and request.base_model not in self._served_names():
+            raise field_error(["base_model"], request.base_model,
+                              f"this server trains only {self.model_path!r} (or 'tiny' / the configured model "
+                              f"{self.cfg.model!r}); omit base_model to use it")
+        idle = request.idle_timeout_s or limits.idle_timeout_s
+        if idle > limits.max_idle_timeout_s:
+            raise field_error(["idle_timeout_s"], idle, f"must be <= {limits.max_idle_timeout_s} (max_idle_timeout_s)")
+        checkpoint = None
+        if request.from_checkpoint is not None:
+            checkpoint = self._loadable(request.from_checkpoint, request.with_optimizer, ["from_checkpoint"])
+        if len(self.sessions) + self.creating >= limits.max_sessions:
+            raise ServiceError(429, f"{len(self.sessions) + self.creating} sessions open: the server allows "
+                                    f"max_sessions={limits.max_sessions}; unload one or retry later")
+        session_id = f"s-{secrets.token_hex(6)}"
+        self.creating += 1
+        try:
+            trainer_cfg = replace(self.cfg.trainer, model_path=self.model_path)
+            spawn = ServerTrainerActor.options(procs=limits.trainer_procs, mesh_name=f"trainer-{session_id}").as_actor(
+                trainer_cfg, weight_namespace=WEIGHTS)
+            try:
+                trainer = await asyncio.wait_for(spawn, limits.spawn_timeout_s)
+            except asyncio.TimeoutError:
+                raise ServiceError(504, f"the session's trainer did not start within spawn_timeout_s="
+                                        f"{limits.spawn_timeout_s}s") from None
+            session = Session(session_id, self.model_path, trainer, Sequencer(session_id, limits.sequence_gap_timeout_s),
+                              idle, metadata=request.metadata)
+            if checkpoint is not None:
+                try:
+                    state = await self._call(session, "load_state", checkpoint.path, request.with_optimizer)
+                except Exception:
+                    await ForgeActor.shutdown(trainer)
+                    raise
+                session.step, session.loaded_from = int(state["step"]), checkpoint.checkpoint_id
+            self.sessions[session_id] = session
+        finally:
+            self.creating -= 1
+        logger.info("session %s created", session_id)
+        return session.info()
+
+    async def unload(self, session_id: str, reason: str = "unloaded by the client") -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            self.session(session_id)  # raises the 404
+            return
+        self.ended[session_id] = reason
+        await session.sequencer.close(f"session {session_id!r} was unloaded: {reason}")
+        await ForgeActor.shutdown(session.trainer)
+
+    # -- calls into a session's trainer --------------------------------------------------------------
+    async def _call(self, session: Session, endpoint: str, *args: Any) -> Any:
+        timeout = self.cfg.sessions.call_timeout_s
+        session.busy += 1
+        try:
+            return _rank0(await asyncio.wait_for(getattr(session.trainer, endpoint).call(*args), timeout))
+        except asyncio.TimeoutError:
+            raise ServiceError(504, f"{endpoint} did not finish within call_timeout_s={timeout}s") from None
+        except EndpointError as e:
+            raise endpoint_failure(e) from None
+        finally:
+            session.busy -= 1
+            session.touch()
+
+    async def _sequenced(self, request: SequencedRequest, kind: str, execute: Callable[[Session, int, list], Awaitable[Any]],
+                         part: Any = None, *, chunk_index: int = 0, num_chunks: int = 1, signature: Any = None) -> Any:
+        session = self.session(request.model_id)
+        if num_chunks > self.cfg.sessions.max_chunks:
+            raise field_error(["num_chunks"], num_chunks, f"must be <= max_chunks={self.cfg.sessions.max_chunks}")
+        submitted = session.sequencer.submit(request.seq_id, kind, lambda seq, parts: execute(session, seq, parts),
+                                             part, chunk_index=chunk_index, num_chunks=num_chunks, signature=signature)
+        if not submitted.complete:
+            return ChunkAccepted(model_id=session.session_id, seq_id=submitted.seq_id,
+                                 chunks_received=submitted.chunks_received, num_chunks=num_chunks)
+        limits = self.cfg.sessions
+        session.busy += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(submitted.future),
+                                          limits.sequence_gap_timeout_s + limits.call_timeout_s + 30)
+        except asyncio.TimeoutError:
+            raise ServiceError(504, f"seq_id={submitted.seq_id}: no result in time") from None
+        finally:
+            session.busy -= 1
+            session.touch()
+
+    # -- training ------------------------------------------------------------------------------------
+    def _batch_part(self, request: ForwardRequest | ForwardBackwardRequest, needs_rl_inputs: bool) -> tuple:
+        batch = build_batch(request.data, pad_id=self.pad_id, vocab_size=self.vocab_size, max_len=self.max_model_len,
+                            needs_rl_inputs=needs_rl_inputs)
+        return batch, [len(d.model_input.tokens()) for d in request.data]
+
+    def _check_loss(self, name: str, params: dict) -> None:
+        check_loss(name, params, allow_custom=False)
+
+    async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResponse | ChunkAccepted:
+        self._check_loss(request.loss_fn, request.loss_fn_params)
+        part = self._batch_part(request, needs_rl_inputs=True)
+
+        async def execute(session: Session, seq_id: int, parts: list) -> ForwardBackwardResponse:
+            batch = concat_batches([p[0] for p in parts], self.pad_id)
+            lengths = [n for p in parts for n in p[1]]
+            out = await self._call(session, "forward_backward", batch, request.loss_fn, dict(request.loss_fn_params))
+            return ForwardBackwardResponse(model_id=session.session_id, seq_id=seq_id, num_datums=len(lengths),
+                                           loss=out["loss"], metrics=out["metrics"],
+                                           loss_fn_outputs=_per_datum(out["logprobs"], lengths))
+
+        signature = ("forward_backward", request.loss_fn, json.dumps(request.loss_fn_params, sort_keys=True))
+        return await self._sequenced(request, "forward_backward", execute, part, chunk_index=request.chunk_index,
+                                     num_chunks=request.num_chunks, signature=signature)
+
+    async def forward(self, request: ForwardRequest) -> ForwardBackwardResponse | ChunkAccepted:
+        if request.loss_fn is not None:
+            self._check_loss(request.loss_fn, request.loss_fn_params)
+        part = self._batch_part(request, needs_rl_inputs=request.loss_fn is not None)
+
+        async def execute(session: Session, seq_id: int, parts: list) -> ForwardBackwardResponse:
+            batch = concat_batches([p[0] for p in parts], self.pad_id)
+            lengths = [n for p in parts for n in p[1]]
+            out = await self._call(session, "forward", batch, request.loss_fn, dict(request.loss_fn_params))
+            return ForwardBackwardResponse(model_id=session.session_id, seq_id=seq_id, num_datums=len(lengths),
+                                           loss=out["loss"], metrics=out["metrics"],
+                                           loss_fn_outputs=_per_datum(out["logprobs"], lengths))
+
+        signature = ("forward", request.loss_fn, json.dumps(request.loss_fn_params, sort_keys=True))
+        return await self._sequenced(request, "forward", execute, part, chunk_index=request.chunk_index,
+                                     num_chunks=request.num_chunks, signature=signature)
+
+    async def optim_step(self, request: OptimStepRequest) -> OptimStepResponse:
+        adam = request.adam_params
+
+        async def execute(session: Session, seq_id: int, parts: list) -> OptimStepResponse:
+            out = await self._call(session, "optim_step", adam.learning_rate, (adam.beta1, adam.beta2), adam.eps,
+                                   adam.weight_decay, adam.grad_clip_norm)
+            session.step = int(out["step"])
+            return OptimStepResponse(model_id=session.session_id, seq_id=seq_id, step=session.step,
+                                     grad_norm=out["grad_norm"], learning_rate=out["lr"],
+                                     accumulated_batches=int(out["accumulated_batches"]))
+
+        return await self._sequenced(request, "optim_step", execute)
+
+    # -- checkpoints and weights ---------------------------------------------------------------------
+    def _loadable(self, name: str, with_optimizer: bool, loc: list) -> Any:
+        info = self.checkpoints.get(name)  # 404 when unknown
+        if info.checkpoint_type != "state":
+            raise field_error(loc, name, "is a save_weights_for_sampler export; load_state takes save_state checkpoints")
+        if with_optimizer and not info.with_optimizer:
+            raise field_error(["with_optimizer"], True, f"checkpoint {name!r} was saved without the optimizer; "
+                                                        "load it with with_optimizer=false")
+        return info
+
+    async def save_state(self, request: SaveStateRequest) -> CheckpointResponse:
+        path = self.checkpoints.path_for(request.path)
+
+        async def execute(session: Session, seq_id: int, parts: list) -> CheckpointResponse:
+            out = await self._call(session, "save_state", str(path), request.with_optimizer)
+            info = self.checkpoints.record(request.path, "state", session.session_id, int(out["step"]),
+                                           request.with_optimizer)
+            return CheckpointResponse(model_id=session.session_id, seq_id=seq_id, checkpoint=info)
+
+        return await self._sequenced(request, "save_state", execute)
+
+    async def load_state(self, request: LoadStateRequest) -> LoadStateResponse:
+        info = self._loadable(request.path, request.with_optimizer, ["path"])
+
+        async def execute(session: Session, seq_id: int, parts: list) -> LoadStateResponse:
+            out = await self._call(session, "load_state", info.path, request.with_optimizer)
+            session.step = int(out["step"])
+            return LoadStateResponse(model_id=session.session_id, seq_id=seq_id, checkpoint_id=info.checkpoint_id,
+                                     with_optimizer=request.with_optimizer, step=session.step)
+
+        return await self._sequenced(request, "load_state", execute)
+
+    async def save_weights_for_sampler(self, request: SaveWeightsRequest) -> CheckpointResponse:
+        path = self.checkpoints.path_for(request.path)
+
+        async def execute(session: Session, seq_id: int, parts: list) -> CheckpointResponse:
+            await self._call(session, "export_hf", str(path))
+            info = self.checkpoints.record(request.path, "sampler", session.session_id, session.step, False)
+            return CheckpointResponse(model_id=session.session_id, seq_id=seq_id, checkpoint=info)
+
+        return await self._sequenced(request, "save_weights_for_sampler", execute)
+
+    async def sync_inference_weights(self, request: SyncWeightsRequest) -> SyncWeightsResponse:
+        async def execute(session: Session, seq_id: int, parts: list) -> SyncWeightsResponse:
+            async with self._publish_lock:  # versions reach the generators in order
+                version = self.version + 1
+                await self._call(session, "publish_as", version)
+                self.version = version
+                try:
+                    versions = await asyncio.wait_for(self.generators.update_weights.fanout(version),
+                                                      self.cfg.sessions.call_timeout_s)
+                except asyncio.TimeoutError:
+                    raise ServiceError(504, f"generators did not load policy version {version} in time") from None
+                except EndpointError as e:
+                    raise endpoint_failure(e) from None
+            return SyncWeightsResponse(model_id=session.session_id, seq_id=seq_id, policy_version=version,
+                                       generator_versions=list(versions))
+
+        return await self._sequenced(request, "sync_inference_weights", execute)
+
+    # -- sampling ------------------------------------------------------------------------------------
+    async def sample(self, request: SampleRequest) -> SampleResponse:
+        p = request.sampling_params
+        params = SamplingParams(n=request.num_samples, max_tokens=p.max_tokens, temperature=p.temperature,
+                                top_p=p.top_p, top_k=p.top_k, stop_token_ids=list(p.stop_token_ids), seed=p.seed)
+        prompts = request.all_prompts()
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list) and any(not 0 <= t < self.vocab_size for t in prompt):
+                raise field_error(["prompts" if request.prompts is not None else "prompt", i], prompt[:8],
+                                  f"token ids must be in [0, {self.vocab_size})")
+        try:
+            outputs = await asyncio.wait_for(self.generators.generate_batch.route(prompts, params),
+                                             self.cfg.sessions.call_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServiceError(504, f"sampling did not finish within call_timeout_s={self.cfg.sessions.call_timeout_s}s") from None
+        except EndpointError as e:
+            raise endpoint_failure(e) from None
+        except NoHealthyReplicaError as e:
+            raise ServiceError(503, str(e)) from None
+        versions = [v for out in outputs for c in out for v in c.policy_versions]
+        return SampleResponse(
+            policy_version=max(versions) if versions else self.version,
+            prompt_tokens=[out[0].prompt_ids if out else [] for out in outputs],
+            samples=[[SampledSequence(tokens=c.token_ids, logprobs=c.logprobs, text=c.text,
+                                      finish_reason=c.finish_reason, policy_versions=c.policy_versions) for c in out]
+                     for out in outputs])
+
+
+def _per_datum(logprobs: Any, lengths: list[int]) -> list[LossFnOutput]:
+    rows = logprobs.tolist()
+    return [LossFnOutput(logprobs=row[: n - 1]) for row, n in zip(rows, lengths)]

@@ -1,0 +1,317 @@
+"""Every request and response body of the training service, as pydantic models (they make the OpenAPI schema).
+
+Tinker-style aliases are accepted where the Tinker protocol uses other names: `session_id` for `model_id`,
+`loss_fn_config` for `loss_fn_params`, `model_input.chunks[].tokens` for `model_input.input_ids`,
+`labels` for `target_tokens`, `weights` for `mask`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+CheckpointName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class _Strict(BaseModel):
+    """Unknown fields are an error (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def _model_id() -> Any:
+    return Field(validation_alias=AliasChoices("model_id", "session_id"),
+                 description="the session (Tinker clients may send it as session_id)")
+
+
+class SessionRequest(_Strict):
+    model_id: SessionId = _model_id()
+
+
+class SequencedRequest(SessionRequest):
+    seq_id: int | None = Field(None, ge=0, description="execution order within the session; None: after every "
+                               "request already received")
+
+
+# --- sessions ---------------------------------------------------------------------------------------
+class CreateSessionRequest(_Strict):
+    base_model: str | None = Field(None, description="must name the served model (or be omitted)")
+    from_checkpoint: CheckpointName | None = Field(
+        None, validation_alias=AliasChoices("from_checkpoint", "checkpoint_id"),
+        description="start from a save_state checkpoint instead of the base weights")
+    with_optimizer: bool = Field(True, description="with from_checkpoint: also restore the optimizer state")
+    idle_timeout_s: float | None = Field(None, gt=0, description="unload after this long without a request or "
+                                         "heartbeat (default: the server's sessions.idle_timeout_s)")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    model_id: str
+    base_model: str
+    created_at: float
+    last_seen: float
+    idle_timeout_s: float
+    next_seq_id: int
+    step: int
+    loaded_from: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionInfo]
+
+
+class HeartbeatResponse(BaseModel):
+    session_id: str
+    expires_in_s: float
+
+
+class UnloadResponse(BaseModel):
+    session_id: str
+    unloaded: bool
+
+
+# --- training data ----------------------------------------------------------------------------------
+class EncodedChunk(_Strict):
+    tokens: list[int] = Field(min_length=1)
+    type: Literal["encoded_text"] = "encoded_text"
+
+
+class ModelInput(_Strict):
+    input_ids: list[int] | None = Field(None, description="the full sequence: prompt + completion")
+    chunks: list[EncodedChunk] | None = Field(None, description="Tinker form: concatenated chunks' tokens")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> ModelInput:
+        if (self.input_ids is None) == (self.chunks is None):
+            raise ValueError("give exactly one of input_ids or chunks")
+        return self
+
+    def tokens(self) -> list[int]:
+        if self.input_ids is not None:
+            return list(self.input_ids)
+        return [t for chunk in self.chunks or [] for t in chunk.tokens]
+
+
+class LossFnInputs(_Strict):
+    """Per-token lists have length len(input_ids) - 1: position t is about predicting input_ids[t + 1]."""
+
+    logprobs: list[float] | None = Field(None, description="behaviour (sampling) log-probs; 0 off the completion")
+    advantages: float | list[float] | None = Field(
+        None, description="one number per sequence, or per token (0 on prompt positions; constant on the mask)")
+    mask: list[float] | None = Field(None, validation_alias=AliasChoices("mask", "weights"),
+                                     description="1 on trained positions (default: where per-token advantages != 0)")
+    target_tokens: list[int] | None = Field(None, validation_alias=AliasChoices("target_tokens", "labels"),
+                                            description="optional check: must equal input_ids[1:]")
+    policy_versions: list[int] | None = None
+    ref_logprobs: list[float] | None = None
+    reward: float = 0.0
+
+
+class Datum(_Strict):
+    model_input: ModelInput
+    loss_fn_inputs: LossFnInputs = Field(default_factory=LossFnInputs)
+
+
+LossParams = dict[str, float | int | str | bool | None]
+
+
+class ChunkedRequest(SequencedRequest):
+    data: list[Datum] = Field(min_length=1)
+    chunk_index: int = Field(0, ge=0, description="this part of a batch sent in num_chunks requests")
+    num_chunks: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _chunk_in_range(self) -> ChunkedRequest:
+        if self.chunk_index >= self.num_chunks:
+            raise ValueError(f"chunk_index={self.chunk_index}: must be < num_chunks={self.num_chunks}")
+        return self
+
+
+class ForwardBackwardRequest(ChunkedRequest):
+    loss_fn: str = Field("grpo", description="a loss of forge's `losses` (grpo, dapo, gspo, cispo, dr_grpo)")
+    loss_fn_params: LossParams = Field(default_factory=dict,
+                                       validation_alias=AliasChoices("loss_fn_params", "loss_fn_config"))
+
+
+class ForwardRequest(ChunkedRequest):
+    loss_fn: str | None = Field(None, description="also compute this loss's value (no gradients)")
+    loss_fn_params: LossParams = Field(default_factory=dict,
+                                       validation_alias=AliasChoices("loss_fn_params", "loss_fn_config"))
+
+
+class LossFnOutput(BaseModel):
+    logprobs: list[float]
+
+
+class ForwardBackwardResponse(BaseModel):
+    model_id: str
+    seq_id: int
+    num_datums: int
+    loss: float | None
+    metrics: dict[str, float]
+    loss_fn_outputs: list[LossFnOutput]
+
+
+class ChunkAccepted(BaseModel):
+    model_id: str
+    seq_id: int
+    status: Literal["accepted"] = "accepted"
+    chunks_received: int
+    num_chunks: int
+
+
+# --- optimizer --------------------------------------------------------------------------------------
+class AdamParams(_Strict):
+    learning_rate: float = Field(1e-4, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float | None = Field(None, gt=0, description="None: the trainer's max_grad_norm")
+
+
+class OptimStepRequest(SequencedRequest):
+    adam_params: AdamParams = Field(default_factory=AdamParams)
+
+
+class OptimStepResponse(BaseModel):
+    model_id: str
+    seq_id: int
+    step: int
+    grad_norm: float
+    learning_rate: float
+    accumulated_batches: int
+
+
+# --- checkpoints and weights ------------------------------------------------------------------------
+class SaveStateRequest(SequencedRequest):
+    path: CheckpointName = Field(validation_alias=AliasChoices("path", "name", "checkpoint_id"),
+                                 description="the checkpoint's name (its id)")
+    with_optimizer: bool = True
+
+
+class LoadStateRequest(SequencedRequest):
+    path: CheckpointName = Field(validation_alias=AliasChoices("path", "name", "checkpoint_id"))
+    with_optimizer: bool = True
+
+
+class SaveWeightsRequest(SequencedRequest):
+    path: CheckpointName = Field(validation_alias=AliasChoices("path", "name", "checkpoint_id"))
+
+
+class CheckpointInfo(BaseModel):
+    checkpoint_id: str
+    checkpoint_type: Literal["state", "sampler"]
+    path: str
+    session_id: str
+    step: int
+    with_optimizer: bool
+    created_at: float
+    size_bytes: int
+
+
+class CheckpointList(BaseModel):
+    checkpoints: list[CheckpointInfo]
+
+
+class CheckpointResponse(BaseModel):
+    model_id: str
+    seq_id: int
+    checkpoint: CheckpointInfo
+
+
+class LoadStateResponse(BaseModel):
+    model_id: str
+    seq_id: int
+    checkpoint_id: str
+    with_optimizer: bool
+    step: int
+
+
+class DeleteCheckpointResponse(BaseModel):
+    checkpoint_id: str
+    deleted: bool
+
+
+class SyncWeightsRequest(SequencedRequest):
+    pass
+
+
+class SyncWeightsResponse(BaseModel):
+    model_id: str
+    seq_id: int
+    policy_version: int
+    generator_versions: list[int]
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+class SamplingParamsModel(_Strict):
+    max_tokens: int = Field(16, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0: no top-k")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+
+
+Prompt = str | list[int]
+
+
+class SampleRequest(_Strict):
+    prompt: Prompt | None = Field(None, description="one prompt: text or token ids")
+    prompts: list[Prompt] | None = Field(None, min_length=1, max_length=1024, description="several prompts")
+    num_samples: int = Field(1, ge=1, le=256)
+    sampling_params: SamplingParamsModel = Field(default_factory=SamplingParamsModel)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SampleRequest:
+        if (self.prompt is None) == (self.prompts is None):
+            raise ValueError("give exactly one of prompt or prompts")
+        return self
+
+    def all_prompts(self) -> list[Prompt]:
+        return [self.prompt] if self.prompts is None else list(self.prompts)
+
+
+class SampledSequence(BaseModel):
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    policy_versions: list[int]
+
+
+class SampleResponse(BaseModel):
+    policy_version: int
+    prompt_tokens: list[list[int]]
+    samples: list[list[SampledSequence]] = Field(description="samples[i]: num_samples sequences of prompt i")
+
+
+# --- service ----------------------------------------------------------------------------------------
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+    model: str
+    policy_version: int
+    sessions: int
+    max_sessions: int
+    generator_replicas_healthy: int
+    uptime_s: float
+
+
+class ServerInfo(BaseModel):
+    model: str
+    pad_id: int
+    eos_id: int | None
+    vocab_size: int
+    max_model_len: int
+    policy_version: int
+    loss_fns: list[str]
+    warm_start_accuracy: float | None = None
+
+
+class ErrorResponse(BaseModel):
+    detail: Any

@@ -1,0 +1,40 @@
+"""A training session: one client's model (a trainer actor mesh), its request order and its idle clock."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from apps.server.schemas import SessionInfo
+from apps.server.sequencer import Sequencer
+
+
+@dataclass
+class Session:
+    session_id: str
+    base_model: str
+    trainer: Any  # ServerTrainerActor handle
+    sequencer: Sequencer
+    idle_timeout_s: float
+    loaded_from: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    step: int = 0
+    busy: int = 0  # requests in progress: a session working on a long request is not idle
+
+    def touch(self) -> None:
+        self.last_seen = time.time()
+
+    def idle_for(self) -> float:
+        return 0.0 if self.busy else time.time() - self.last_seen
+
+    def expires_in(self) -> float:
+        return max(0.0, self.idle_timeout_s - self.idle_for())
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(session_id=self.session_id, model_id=self.session_id, base_model=self.base_model,
+                           created_at=self.created_at, last_seen=self.last_seen, idle_timeout_s=self.idle_timeout_s,
+                           next_seq_id=self.sequencer.next_free(), step=self.step,
+                           loaded_from=self.loaded_from, metadata=self.metadata)

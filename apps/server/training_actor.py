@@ -1,0 +1,166 @@
+"""The training service's trainer: forge's TitanTrainer / TrainerActor with the Tinker-style primitives a
+remote client drives step by step.
+
+- `forward_backward`: loss on the whole request's batch, gradients accumulated (no optimizer step);
+  exact over micro-batches for any loss, like `TitanTrainer.train_step`.
+- `forward`: per-token log-probs (and the loss's value when one is named), no gradients.
+- `optim_step`: one AdamW step with the request's parameters on the accumulated gradients, then zero them.
+- `save_state` / `load_state` with or without the optimizer; `export_hf` and `publish` are TrainerActor's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torchtitan.distributed import utils as titan_dist
+
+from actors.trainer import TitanTrainer, TrainerActor, check_input_ids, gather_rows
+from forge.actor import endpoint
+from forge.distributed import init_from_environment
+from forge.types import TrainBatch
+from forge.weight_store import WeightStore
+from losses import get_loss
+
+_OPTIMIZER_KEYS = ("optimizer", "lr_scheduler")
+
+
+def _on_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return TrainBatch(**{k: None if v is None else v.to(device) for k, v in values.items()})
+
+
+class ServerTrainer(TitanTrainer):
+    """TitanTrainer split into forward_backward / optim_step, with weights-only checkpoints."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.accumulated = 0  # forward_backward calls since the last optimizer step
+        self._model_only = False
+
+    def forward_backward(self, batch: TrainBatch, loss: str, loss_params: dict[str, Any]) -> dict[str, Any]:
+        """Accumulate d(loss)/d(params) for the whole batch; returns the loss, its metrics and the log-probs."""
+        check_input_ids(batch.input_ids, self.model_args)
+        loss_fn = get_loss(loss)
+        batch = _on_device(batch, self.device)
+        start, micro = self._local_micro_batches(batch)
+        keep_graph = len(micro) == 1
+        with torch.set_grad_enabled(keep_graph):
+            parts = [self._forward(mb.input_ids, with_entropy=False)[0] for mb in micro]
+        local = torch.cat(parts)
+        logprobs = gather_rows(local.detach(), self.dp_degree, self.dp_group).requires_grad_()
+        out = loss_fn(logprobs, batch, **loss_params)
+        if not out.loss.requires_grad:
+            raise ValueError(f"loss_fn={loss!r} returned a loss that does not depend on the log-probs")
+        (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
+        local_grad = loss_grad[start : start + local.shape[0]] * self.dp_degree  # FSDP averages over ranks
+        if keep_graph:
+            local.backward(local_grad)
+        else:
+            offset = 0
+            for mb in micro:
+                mb_logprobs, _ = self._forward(mb.input_ids, with_entropy=False)
+                mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
+                offset += mb.num_sequences
+        self.accumulated += 1
+        return {"loss": out.loss.item(), "metrics": dict(out.metrics), "logprobs": logprobs.detach().cpu()}
+
+    @torch.no_grad()
+    def forward_only(self, batch: TrainBatch, loss: str | None, loss_params: dict[str, Any]) -> dict[str, Any]:
+        logprobs = self.logprobs(batch)
+        result: dict[str, Any] = {"logprobs": logprobs, "loss": None, "metrics": {}}
+        if loss is not None:
+            out = get_loss(loss)(logprobs, batch, **loss_params)
+            result.update(loss=out.loss.item(), metrics=dict(out.metrics))
+        return result
+
+    def optim_step(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                   max_grad_norm: float | None) -> dict[str, float]:
+        """One AdamW step on the accumulated gradients with these hyperparameters; gradients are then zeroed."""
+        for optimizer in self.optimizers.optimizers:
+            for group in optimizer.param_groups:
+                group.update(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        clip = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
+        params = [p for p in self.model.parameters()]
+        grad_norm = titan_dist.clip_grad_norm_(params, clip, foreach=True)
+        accumulated, self.accumulated = self.accumulated, 0
+        self.optimizers.step()
+        self.optimizers.zero_grad()
+        self.train_state.step += 1
+        return {"step": float(self.step), "grad_norm": float(grad_norm.item()), "lr": lr,
+                "accumulated_batches": float(accumulated)}
+
+    # -- checkpoints with or without the optimizer --------------------------------------------------
+    def _checkpoint_states(self) -> dict[str, Any]:
+        states = super()._checkpoint_states()
+        if self._model_only:
+            for key in _OPTIMIZER_KEYS:
+                states.pop(key)
+        return states
+
+    def save_state(self, path: str, with_optimizer: bool) -> str:
+        self._model_only = not with_optimizer
+        try:
+            return self.save_checkpoint(path)
+        finally:
+            self._model_only = False
+
+    def load_state(self, path: str, with_optimizer: bool) -> None:
+        if with_optimizer:
+            self.load_checkpoint(path)
+            return
+        self._model_only = True
+        try:
+            self.load_checkpoint(path)
+        finally:
+            self._model_only = False
+
+
+class ServerTrainerActor(TrainerActor):
+    """TrainerActor serving one training session of the REST service. Publishing stays TrainerActor's own
+    path (`_publish`: WeightStore, old versions deleted); the server picks the version number, so versions
+    keep growing across sessions."""
+
+    @endpoint
+    async def setup(self) -> None:
+        rank, world_size = init_from_environment(self.config.device)
+        self.trainer = ServerTrainer(self.config, rank=rank, world_size=world_size)
+        self.store = WeightStore(self.weight_namespace)
+
+    @endpoint
+    async def forward_backward(self, batch: TrainBatch, loss: str, loss_params: dict) -> dict:
+        started = time.perf_counter()
+        out = self.trainer.forward_backward(batch, loss, loss_params)
+        out["seconds"] = time.perf_counter() - started
+        return out
+
+    @endpoint
+    async def forward(self, batch: TrainBatch, loss: str | None, loss_params: dict) -> dict:
+        return self.trainer.forward_only(batch, loss, loss_params)
+
+    @endpoint
+    async def optim_step(self, lr: float, betas: tuple, eps: float, weight_decay: float,
+                         max_grad_norm: float | None) -> dict:
+        return self.trainer.optim_step(lr, tuple(betas), eps, weight_decay, max_grad_norm)
+
+    @endpoint
+    async def save_state(self, path: str, with_optimizer: bool) -> dict:
+        self.trainer.save_state(path, with_optimizer)
+        return {"path": path, "step": self.trainer.step}
+
+    @endpoint
+    async def load_state(self, path: str, with_optimizer: bool) -> dict:
+        self.trainer.load_state(path, with_optimizer)
+        return {"path": path, "step": self.trainer.step}
+
+    @endpoint
+    async def publish_as(self, version: int) -> int:
+        """Publish the current weights as policy `version` (chosen by the server; must grow)."""
+        self.trainer.train_state.policy_version = version
+        return await self._publish()
+
+    @endpoint
+    async def state(self) -> dict:
+        return {"step": self.trainer.step, "accumulated_batches": self.trainer.accumulated}
