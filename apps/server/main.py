@@ -20,6 +20,8 @@ from apps.server.serving import serve
 from forge.config import ConfigError, parse_args, to_yaml
 from forge.provisioner import get_provisioner, shutdown
 
+STARTUP_TIMEOUT_S = 600.0  # spawning the generators; Monarch start-up on a loaded 2-core host has taken minutes
+
 
 async def run(cfg: ServerConfig) -> int:
     model_path, accuracy = await asyncio.to_thread(warm_started_model, cfg.model, cfg.model_cache, cfg.warm_start,
@@ -27,7 +29,10 @@ async def run(cfg: ServerConfig) -> int:
     service = TrainingService(cfg, model_path, accuracy)
     fatal = asyncio.ensure_future(get_provisioner().wait_for_fatal_failure())
     try:
-        await service.start()
+        try:
+            await asyncio.wait_for(service.start(), STARTUP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"the generators did not start within {STARTUP_TIMEOUT_S}s") from None
 
         def started(port: int) -> None:
             print(f"forge training service listening on http://{cfg.http.host}:{port} "

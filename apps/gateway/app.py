@@ -1,0 +1,81 @@
+"""The gateway's HTTP API (FastAPI): OpenAI-compatible chat completions (session keys) and the /rl session API
+(admin key to start sessions). The OpenAPI schema is served at /openapi.json."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+
+from apps.gateway.runtime import Gateway
+from apps.gateway.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    EndSessionRequest,
+    EndSessionResponse,
+    GatewayHealth,
+    GatewayStats,
+    ModelCard,
+    ModelList,
+    SetRewardRequest,
+    SetRewardResponse,
+    StartSessionRequest,
+    StartSessionResponse,
+)
+from apps.server.auth import presented_key, require_key
+from apps.server.errors import ServiceError
+from apps.server.schemas import ErrorResponse
+from apps.server.serving import install_error_handlers
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 409, 429, 502, 504)}
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="forge online-RL gateway",
+                  description="OpenAI-compatible chat completions whose interactions become RL training data.",
+                  version="1", responses=_ERRORS)
+    install_error_handlers(app)
+    admin_key = gateway.cfg.rl.admin_api_key
+
+    def session_of(request: Request):
+        key = presented_key(request)
+        if key is None:
+            raise ServiceError(401, "missing session API key: send 'Authorization: Bearer <key>' (from /rl/start_session)")
+        return gateway.session(key)
+
+    @app.get("/health", response_model=GatewayHealth, tags=["service"])
+    async def health() -> GatewayHealth:
+        return gateway.health()
+
+    async def chat(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
+        return await gateway.chat(session_of(request), body)
+
+    for path in ("/v1/chat/completions", "/chat/completions"):
+        app.post(path, response_model=ChatCompletionResponse, tags=["openai"], name=f"chat{path.replace('/', '_')}")(chat)
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
+    async def models(request: Request) -> ModelList:
+        key = presented_key(request)
+        if key != admin_key:
+            session_of(request)
+        return ModelList(data=[ModelCard(id=gateway.cfg.chat.served_model_name, created=int(time.time()))])
+
+    @app.post("/rl/start_session", response_model=StartSessionResponse, tags=["rl"])
+    async def start_session(body: StartSessionRequest, request: Request) -> StartSessionResponse:
+        require_key(request, admin_key, "admin API key")
+        return await gateway.start_session(body)
+
+    @app.post("/rl/set_reward", response_model=SetRewardResponse, tags=["rl"])
+    async def set_reward(body: SetRewardRequest, request: Request) -> SetRewardResponse:
+        return gateway.reward(session_of(request), body)
+
+    @app.post("/rl/end_session", response_model=EndSessionResponse, tags=["rl"])
+    async def end_session(request: Request, body: EndSessionRequest | None = None) -> EndSessionResponse:
+        return await gateway.end(session_of(request), "ended by the client")
+
+    @app.get("/rl/stats", response_model=GatewayStats, tags=["rl"])
+    async def stats(request: Request) -> GatewayStats:
+        require_key(request, admin_key, "admin API key")
+        return await gateway.stats()
+
+    return app

@@ -1,0 +1,131 @@
+"""Online-RL sessions: per-session API keys, every interaction's tokens, log-probs and policy versions, rewards,
+and the trajectory each session exports as replay-buffer episodes when it ends. Plain Python (no actors)."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from apps.server.errors import ServiceError
+from forge.types import Episode
+
+
+@dataclass
+class Interaction:
+    interaction_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    trainable: bool  # sampled at the trainer's temperature (log-probs comparable)
+    reward: float | None = None
+
+
+@dataclass
+class RLSession:
+    session_id: str
+    api_key: str
+    timeout_s: float
+    start_version: int
+    created_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    interactions: list[Interaction] = field(default_factory=list)
+    busy: int = 0  # chat requests in progress
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def idle_for(self) -> float:
+        return 0.0 if self.busy else time.monotonic() - self.last_active
+
+
+def new_api_key() -> str:
+    return f"sk-sess-{secrets.token_urlsafe(18)}"
+
+
+class SessionStore:
+    """Active sessions by key and by id. Ending a session removes it (its key stops working) and returns it."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, RLSession] = {}
+        self.by_id: dict[str, RLSession] = {}
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def lookup(self, api_key: str) -> RLSession:
+        session = self.by_key.get(api_key)
+        if session is None:
+            raise ServiceError(401, "invalid session API key: no active session holds it (it may have ended or "
+                                    "timed out; start a new one with /rl/start_session)")
+        return session
+
+    def check_new(self, task_id: str | None, api_key: str | None, refresh: bool) -> RLSession | None:
+        """The session a start_session would end (a refresh), or None; 409 for the conflicts."""
+        bound = self.by_key.get(api_key) if api_key else None
+        if bound is not None and not refresh:
+            raise ServiceError(409, f"api_key is already bound to session {bound.session_id!r}; end that session "
+                                    "first or start with refresh=true")
+        if task_id is not None and task_id in self.by_id and self.by_id[task_id] is not bound:
+            raise ServiceError(409, f"task_id={task_id!r}: session {task_id!r} is active and bound to another API "
+                                    "key; end it first, or refresh it with its own key")
+        return bound
+
+    def start(self, task_id: str | None, api_key: str | None, timeout_s: float, version: int) -> RLSession:
+        session_id = task_id or f"sess-{next(self._ids)}-{secrets.token_hex(4)}"
+        session = RLSession(session_id, api_key or new_api_key(), timeout_s, version)
+        self.by_key[session.api_key] = session
+        self.by_id[session_id] = session
+        return session
+
+    def remove(self, session: RLSession) -> None:
+        if self.by_key.get(session.api_key) is session:
+            del self.by_key[session.api_key]
+        if self.by_id.get(session.session_id) is session:
+            del self.by_id[session.session_id]
+
+    def expired(self) -> list[RLSession]:
+        return [s for s in self.by_id.values() if s.idle_for() > s.timeout_s]
+
+
+def set_reward(session: RLSession, reward: float, interaction_id: str | None) -> Interaction:
+    if not session.interactions:
+        raise ServiceError(409, f"session {session.session_id!r} has no interaction yet; call /chat/completions first")
+    if interaction_id is None:
+        target = session.interactions[-1]
+    else:
+        target = next((i for i in session.interactions if i.interaction_id == interaction_id), None)
+        if target is None:
+            known = [i.interaction_id for i in session.interactions][-10:]
+            raise ServiceError(404, f"interaction_id={interaction_id!r} is not in session {session.session_id!r}; "
+                                    f"its interactions: {known}")
+    target.reward = reward
+    return target
+
+
+def trajectory_episodes(session: RLSession, *, discount: float, group_id: int,
+                        first_episode_id: int) -> tuple[list[Episode], int]:
+    """One episode per trainable interaction with at least one generated token; returns (episodes, skipped).
+
+    An interaction without its own reward takes the next interaction's (effective) reward times `discount`;
+    the last one without a reward gets 0.
+    """
+    rewards: list[float] = [0.0] * len(session.interactions)
+    following: float | None = None
+    for index in range(len(session.interactions) - 1, -1, -1):
+        own = session.interactions[index].reward
+        following = own if own is not None else (following * discount if following is not None else None)
+        rewards[index] = following if following is not None else 0.0
+    episodes, skipped = [], 0
+    for interaction, reward in zip(session.interactions, rewards):
+        if not interaction.trainable or not interaction.completion_ids:
+            skipped += 1
+            continue
+        episodes.append(Episode(episode_id=first_episode_id + len(episodes), group_id=group_id,
+                                prompt_ids=list(interaction.prompt_ids), completion_ids=list(interaction.completion_ids),
+                                behaviour_logprobs=list(interaction.logprobs),
+                                policy_versions=list(interaction.policy_versions), reward=float(reward)))
+    return episodes, skipped
