@@ -137,11 +137,12 @@ def _datum_json(datum: Datum | dict) -> dict[str, Any]:
 
 # --- transport ---------------------------------------------------------------------------------------
 class _Transport:
-    def __init__(self, base_url: str | None, api_key: str | None, timeout: float, max_workers: int) -> None:
+    def __init__(self, base_url: str | None, api_key: str | None, timeout: float, max_workers: int,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = (base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL).rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="forge-client")
 
     def request(self, method: str, path: str, body: dict | None = None) -> Result:
@@ -171,11 +172,12 @@ class ServiceClient:
     """Entry point: connects to the server and makes the other clients.
 
     `base_url` defaults to $FORGE_BASE_URL (else http://127.0.0.1:8000), `api_key` to $FORGE_API_KEY.
+    `transport` is an optional httpx transport (tests use `httpx.MockTransport`).
     """
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 900.0,
-                 max_workers: int = 32) -> None:
-        self._transport = _Transport(base_url, api_key, timeout, max_workers)
+                 max_workers: int = 32, transport: httpx.BaseTransport | None = None) -> None:
+        self._transport = _Transport(base_url, api_key, timeout, max_workers, transport)
 
     @property
     def base_url(self) -> str:

@@ -1,0 +1,400 @@
+"""apps.server, the REST training service, over real HTTP on localhost: every endpoint and error code.
+
+One server (`python -m apps.server`, a subprocess) is started for the module; it starts Monarch processes
+(a Generator as_service, trainer actors per session), so `make test` runs this module in its own pytest
+process. The request-ordering and batch-building pieces are also tested on their own, without processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from apps.server.batches import build_batch
+from apps.server.errors import ServiceError
+from apps.server.schemas import Datum
+from apps.server.sequencer import Sequencer
+from forge.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "test-key-0123"
+pytestmark = pytest.mark.timeout(600)
+
+
+# --- pieces without processes ------------------------------------------------------------------------
+async def test_sequencer_runs_requests_in_seq_order_and_assembles_chunks():
+    sequencer = Sequencer("s", gap_timeout_s=5)
+    ran = []
+
+    def job(name):
+        async def execute(seq_id, parts):
+            ran.append((name, seq_id, parts))
+            return name
+        return execute
+
+    late = sequencer.submit(2, "optim_step", job("c"), None)
+    first = sequencer.submit(0, "forward_backward", job("a"), "part0", chunk_index=0, num_chunks=2)
+    assert not first.complete and first.chunks_received == 1
+    middle = sequencer.submit(1, "forward", job("b"), "x")
+    last_chunk = sequencer.submit(0, "forward_backward", job("a"), "part1", chunk_index=1, num_chunks=2)
+    assert last_chunk.complete
+    assert [await f.future for f in (last_chunk, middle, late)] == ["a", "b", "c"]
+    assert ran == [("a", 0, ["part0", "part1"]), ("b", 1, ["x"]), ("c", 2, [None])]
+    with pytest.raises(ServiceError) as error:
+        sequencer.submit(1, "forward", job("again"), None)
+    assert error.value.status == 409 and "has already run" in str(error.value)
+    await sequencer.close("done")
+
+
+async def test_sequencer_skips_a_missing_seq_id_after_the_gap_timeout():
+    sequencer = Sequencer("s", gap_timeout_s=0.3)
+
+    async def execute(seq_id, parts):
+        return seq_id
+
+    waiting = sequencer.submit(1, "optim_step", execute, None)
+    assert await asyncio.wait_for(waiting.future, 5) == 1  # seq 0 never came: skipped, not waited on forever
+    with pytest.raises(ServiceError) as error:
+        sequencer.submit(0, "forward_backward", execute, None)
+    assert error.value.status == 409 and "skipped" in str(error.value)
+    await sequencer.close("done")
+
+
+def test_batches_align_loss_inputs_and_name_bad_fields():
+    datum = Datum.model_validate({"model_input": {"chunks": [{"tokens": [5, 6]}, {"tokens": [7, 8]}]},
+                                  "loss_fn_inputs": {"logprobs": [0, 0, -0.5], "advantages": [0, 0, 2.0],
+                                                     "labels": [6, 7, 8]}})
+    batch = build_batch([datum], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8]]
+    assert batch.response_mask.tolist() == [[0, 0, 1]] and batch.advantages.tolist() == [2.0]
+    bad = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7]},
+                                "loss_fn_inputs": {"logprobs": [0.0], "advantages": [0.0, 1.0]}})
+    with pytest.raises(ServiceError) as error:
+        build_batch([datum, bad], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+    assert error.value.status == 422
+    assert error.value.detail[0]["loc"] == ["body", "data", 1, "loss_fn_inputs", "logprobs"]
+    assert "len(input_ids) - 1 = 2" in error.value.detail[0]["msg"]
+    varying = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7]},
+                                    "loss_fn_inputs": {"logprobs": [0, 0], "advantages": [1.0, 2.0]}})
+    with pytest.raises(ServiceError, match="one value on the trained positions"):
+        build_batch([varying], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+
+
+# --- the running server ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job_processes(controller_pid: int) -> list[int]:
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("FORGE_JOB_ID") == str(controller_pid) and any("monarch" in p for p in proc.cmdline()):
+                pids.append(proc.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    run_dir = tmp_path_factory.mktemp("server")
+    log = open(run_dir / "server.log", "w")
+    command = [sys.executable, "-m", "apps.server", "--config", "configs/server_tiny.yaml", f"http.port={port}",
+               f"run_dir={run_dir}", f"http.api_key={API_KEY}", "sessions.max_sessions=2",
+               "sessions.sequence_gap_timeout_s=3"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{(run_dir / 'server.log').read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not come up:\n{(run_dir / 'server.log').read_text()[-4000:]}")
+        time.sleep(1)
+    yield {"url": base_url, "proc": proc, "run_dir": run_dir}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    log.close()
+    output = (run_dir / "server.log").read_text()
+    assert code == 0, output[-4000:]
+    assert "forge training service stopped" in output
+    deadline = time.monotonic() + 30
+    while _job_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _job_processes(proc.pid) == []
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server["url"], headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    with ServiceClient(server["url"], API_KEY) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def training(service):
+    client = service.create_training_client(metadata={"test": "server"})
+    yield client
+    try:
+        client.unload().result()
+    except ForgeAPIError as error:  # already unloaded (test_the_client_rl_loop_example_runs_against_the_server)
+        assert error.status_code == 404
+
+
+def _rl_datum(prompt_tokens: list[int], sample, advantage: float) -> ClientDatum:
+    p = len(prompt_tokens) - 1
+    return ClientDatum(ModelInput.from_ints(prompt_tokens + sample.tokens),
+                       {"logprobs": [0.0] * p + sample.logprobs, "advantages": [0.0] * p + [advantage] * len(sample.tokens)})
+
+
+@pytest.fixture(scope="module")
+def data(service):
+    out = service.create_sampling_client().sample_many(["12+34=", "7+8=", "50+50="], SamplingParams(max_tokens=4),
+                                                       num_samples=2).result()
+    rows = []
+    for prompt_tokens, samples in zip(out.prompt_tokens, out.samples):
+        rows += [_rl_datum(prompt_tokens, samples[0], 1.0), _rl_datum(prompt_tokens, samples[1], -1.0)]
+    return rows
+
+
+def test_health_info_and_openapi(http, server):
+    health = httpx.get(f"{server['url']}/health").json()  # open without a key
+    assert health["status"] == "ok" and health["generator_replicas_healthy"] == 1
+    assert http.get("/api/v1/health").json()["status"] == "ok"
+    info = http.get("/api/v1/get_server_info").json()
+    assert info["vocab_size"] > 0 and "grpo" in info["loss_fns"] and info["warm_start_accuracy"] >= 0.2
+    paths = set(http.get("/openapi.json").json()["paths"])
+    for path in ["/health", "/api/v1/create_session", "/api/v1/create_model", "/api/v1/unload_model",
+                 "/api/v1/session_heartbeat", "/api/v1/forward_backward", "/api/v1/forward", "/api/v1/optim_step",
+                 "/api/v1/save_state", "/api/v1/load_state", "/api/v1/save_weights_for_sampler",
+                 "/api/v1/sync_inference_weights", "/api/v1/sample", "/api/v1/checkpoints",
+                 "/api/v1/checkpoints/{checkpoint_id}", "/api/v1/sessions", "/api/v1/sessions/{session_id}"]:
+        assert path in paths
+
+
+def test_missing_or_wrong_key_is_401(server):
+    missing = httpx.post(f"{server['url']}/api/v1/create_session", json={})
+    assert missing.status_code == 401 and "missing API key" in missing.json()["detail"]
+    wrong = httpx.get(f"{server['url']}/api/v1/checkpoints", headers={"X-API-Key": "not-the-key"})
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+
+
+def test_malformed_bodies_are_422_with_field_errors(http, training):
+    sid = training.session_id
+    no_data = http.post("/api/v1/forward_backward", json={"model_id": sid})
+    assert no_data.status_code == 422 and no_data.json()["detail"][0]["loc"] == ["body", "data"]
+    typo = http.post("/api/v1/optim_step", json={"model_id": sid, "adam_params": {"learning_rate": -1}})
+    assert typo.status_code == 422 and typo.json()["detail"][0]["loc"] == ["body", "adam_params", "learning_rate"]
+    unknown = http.post("/api/v1/optim_step", json={"model_id": sid, "adam": {}})
+    assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["body", "adam"]
+    datum = {"model_input": {"input_ids": [5, 6, 7]}, "loss_fn_inputs": {"logprobs": [0, 0], "advantages": [0, 1]}}
+    loss = http.post("/api/v1/forward_backward", json={"model_id": sid, "data": [datum], "loss_fn": "ppo2"})
+    assert loss.status_code == 422 and "must be one of grpo" in loss.json()["detail"][0]["msg"]
+    param = http.post("/api/v1/forward_backward", json={"session_id": sid, "data": [datum],
+                                                         "loss_fn_config": {"clip": 0.1}})
+    assert param.status_code == 422 and param.json()["detail"][0]["loc"] == ["body", "loss_fn_params", "clip"]
+    sample = http.post("/api/v1/sample", json={"prompt": "1+1=", "sampling_params": {"top_p": 0}})
+    assert sample.status_code == 422 and sample.json()["detail"][0]["loc"][-1] == "top_p"
+    vocab = http.post("/api/v1/sample", json={"prompt": [10 ** 6]})
+    assert vocab.status_code == 422 and "token ids must be in" in vocab.json()["detail"][0]["msg"]
+    base = http.post("/api/v1/create_session", json={"base_model": "Qwen/Qwen3-8B"})
+    assert base.status_code == 422 and base.json()["detail"][0]["loc"] == ["body", "base_model"]
+
+
+def test_unknown_session_and_checkpoint_are_404(http):
+    missing = http.post("/api/v1/optim_step", json={"model_id": "s-nope"})
+    assert missing.status_code == 404 and "session 's-nope' not found" in missing.json()["detail"]
+    assert http.get("/api/v1/checkpoints/nope").status_code == 404
+    assert http.delete("/api/v1/checkpoints/nope").status_code == 404
+    assert http.post("/api/v1/create_session", json={"from_checkpoint": "nope"}).status_code == 404
+
+
+def test_training_steps_change_the_policy_and_reach_the_sampler(service, training, data):
+    before = training.forward(data).result()
+    assert len(before.loss_fn_outputs) == len(data)
+    assert len(before.loss_fn_outputs[0].logprobs) == len(data[0].model_input.input_ids) - 1
+    # Submitted without waiting: the server runs them in call order (seq_id).
+    fb = training.forward_backward(data, "grpo", {"clip_eps": 0.2})
+    step = training.optim_step(AdamParams(learning_rate=1e-2))
+    sync = training.sync_inference_weights()
+    fb, step, sync = fb.result(), step.result(), sync.result()
+    assert fb.num_datums == len(data) and fb.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert [round(x, 4) for x in fb.loss_fn_outputs[0].logprobs] == [round(x, 4) for x in before.loss_fn_outputs[0].logprobs]
+    assert step.accumulated_batches == 1 and step.step == 1 and step.learning_rate == 1e-2
+    after = training.forward(data).result()
+    assert after.loss_fn_outputs[0].logprobs != before.loss_fn_outputs[0].logprobs
+    assert sync.generator_versions == [sync.policy_version] and sync.policy_version >= 1
+    sample = service.create_sampling_client().sample("12+34=", SamplingParams(max_tokens=3)).result()
+    assert sample.policy_version == sync.policy_version
+    assert set(sample.samples[0][0].policy_versions) == {sync.policy_version}
+    assert service.health().result().policy_version == sync.policy_version
+
+
+def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(http, service, training, data):
+    info = http.get(f"/api/v1/sessions/{training.session_id}").json()
+    first = info["next_seq_id"]
+    body = {"model_id": training.session_id, "data": [d.to_json() for d in data], "loss_fn": "grpo"}
+    results = {}
+
+    def send(name, path, payload):
+        results[name] = http.post(path, json=payload)
+
+    # The optimizer step (seq first+1) is sent first and must wait for the forward_backward (seq first).
+    step = threading.Thread(target=send, args=("step", "/api/v1/optim_step",
+                                               {"model_id": training.session_id, "seq_id": first + 1}))
+    step.start()
+    time.sleep(0.5)
+    assert "step" not in results
+    send("fb", "/api/v1/forward_backward", {**body, "seq_id": first})
+    step.join(60)
+    assert results["fb"].status_code == 200 and results["fb"].json()["seq_id"] == first
+    assert results["step"].status_code == 200 and results["step"].json()["accumulated_batches"] == 1
+    again = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first})
+    assert again.status_code == 409 and "has already run" in again.json()["detail"]
+    # A gap that is never filled is skipped after sessions.sequence_gap_timeout_s (3 s here), not waited on.
+    gap = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first + 3})
+    assert gap.status_code == 200
+    late = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first + 2})
+    assert late.status_code == 409 and "skipped" in late.json()["detail"]
+    # A client for the session continues its numbering.
+    resumed = service.training_client(training.session_id)
+    assert resumed.optim_step().result().seq_id == first + 4
+    training._seq = resumed._seq  # the module's client goes on from there too
+
+
+def test_a_batch_sent_in_chunks_runs_as_one(training, data):
+    whole = training.forward(data, "grpo").result()
+    training.max_chunk_datums = 2
+    try:
+        chunked = training.forward(data, "grpo").result()
+        fb = training.forward_backward(data, "grpo").result()
+    finally:
+        training.max_chunk_datums = 256
+    assert chunked.num_datums == fb.num_datums == len(data)
+    assert chunked.loss == pytest.approx(whole.loss, abs=1e-6) and fb.loss == pytest.approx(whole.loss, abs=1e-6)
+    training.optim_step(AdamParams(learning_rate=1e-9)).result()  # consume the accumulated gradients
+
+
+def test_checkpoints_save_load_list_delete(http, service, training, data, server):
+    rest = service.create_rest_client()
+    before = training.forward(data).result()
+    full = training.save_state("ck-full").result().checkpoint
+    light = training.save_state("ck-weights", with_optimizer=False).result().checkpoint
+    export = training.save_weights_for_sampler("hf-export").result().checkpoint
+    assert (full.checkpoint_type, full.with_optimizer, light.with_optimizer) == ("state", True, False)
+    assert export.checkpoint_type == "sampler"
+    assert {"config.json", "model.safetensors"} <= {p.name for p in Path(export.path).iterdir()}
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints().result().checkpoints}
+    assert {"ck-full", "ck-weights", "hf-export"} <= set(listed)
+    assert rest.get_checkpoint("ck-full").result().path == str(server["run_dir"] / "checkpoints" / "ck-full")
+
+    training.forward_backward(data).result()
+    training.optim_step(AdamParams(learning_rate=1e-2)).result()
+    assert training.forward(data).result().loss_fn_outputs[0].logprobs != before.loss_fn_outputs[0].logprobs
+    loaded = training.load_state_with_optimizer("ck-full").result()
+    assert loaded.checkpoint_id == "ck-full" and loaded.with_optimizer
+    restored = training.forward(data).result().loss_fn_outputs[0].logprobs
+    assert restored == pytest.approx(before.loss_fn_outputs[0].logprobs, abs=1e-5)
+    training.load_state("ck-weights").result()
+    with pytest.raises(ForgeAPIError) as error:
+        training.load_state_with_optimizer("ck-weights").result()
+    assert error.value.status_code == 422 and "without the optimizer" in str(error.value)
+    with pytest.raises(ForgeAPIError) as error:
+        training.load_state("hf-export").result()
+    assert error.value.status_code == 422
+    bad_name = http.post("/api/v1/save_state", json={"model_id": training.session_id, "path": "../escape"})
+    assert bad_name.status_code == 422
+
+    assert rest.delete_checkpoint("ck-weights").result().deleted
+    with pytest.raises(ForgeAPIError) as error:
+        rest.get_checkpoint("ck-weights").result()
+    assert error.value.status_code == 404
+
+
+def test_second_session_from_a_checkpoint_then_session_limit_and_idle_timeout(http, service, training, data):
+    other = service.create_training_client_from_state_with_optimizer("ck-full", idle_timeout_s=8)
+    full = http.post("/api/v1/create_session", json={})
+    assert full.status_code == 429 and "max_sessions=2" in full.json()["detail"]
+    assert other.info.loaded_from == "ck-full" and other.session_id != training.session_id
+    beat = other.heartbeat().result()
+    assert 0 < beat.expires_in_s <= 8
+    same = other.forward(data).result().loss_fn_outputs[0].logprobs
+    reference = training.forward(data).result().loss_fn_outputs[0].logprobs  # training loaded ck-weights = same weights
+    assert same == pytest.approx(reference, abs=1e-5)
+    sessions = {s.session_id for s in service.create_rest_client().list_sessions().result().sessions}
+    assert sessions == {training.session_id, other.session_id}
+    time.sleep(11)  # no request, no heartbeat: unloaded
+    with pytest.raises(ForgeAPIError) as error:
+        other.forward(data).result()
+    assert error.value.status_code == 404 and "idle_timeout_s" in str(error.value)
+
+
+def test_create_model_alias_and_unload_model(http):
+    created = http.post("/api/v1/create_model", json={"base_model": "tiny", "idle_timeout_s": 60})
+    assert created.status_code == 200, created.text
+    sid = created.json()["session_id"]
+    assert http.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200
+    assert http.post("/api/v1/unload_model", json={"model_id": sid}).json() == {"session_id": sid, "unloaded": True}
+    gone = http.post("/api/v1/session_heartbeat", json={"model_id": sid})
+    assert gone.status_code == 404 and "unloaded by the client" in gone.json()["detail"]
+
+
+def test_the_client_rl_loop_example_runs_against_the_server(server, training):
+    training.unload().result()  # frees a session slot for the example's own session
+    from apps.examples.client_rl_loop import LoopConfig, run
+
+    lines = []
+    result = run(LoopConfig(base_url=server["url"], api_key=API_KEY, steps=2, prompts_per_step=8, group_size=4,
+                            minibatches=2, eval_prompts=50), log=lines.append)
+    assert len(result["rewards"]) == 2 and 0 <= result["accuracy_start"] <= 1 and 0 <= result["accuracy_end"] <= 1
+    assert any("held-out greedy accuracy:" in line for line in lines)
+    health = httpx.get(f"{server['url']}/health").json()
+    assert health["sessions"] == 0  # the example unloaded its session
+
+
+def test_environment_variables_configure_the_client(server, monkeypatch):
+    monkeypatch.setenv("FORGE_BASE_URL", server["url"])
+    monkeypatch.setenv("FORGE_API_KEY", API_KEY)
+    with ServiceClient() as client:
+        assert client.create_rest_client().list_checkpoints().result().checkpoints
+
+
+def test_bad_config_fails_before_any_process_starts():
+    result = subprocess.run([sys.executable, "-m", "apps.server", "--config", "configs/server_tiny.yaml",
+                             "sessions.max_sesions=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "sessions.max_sesions=3: unknown key. Did you mean 'sessions.max_sessions'?" in result.stderr
+    assert "provisioned mesh" not in result.stdout + result.stderr
+    bad_key = subprocess.run([sys.executable, "-m", "apps.server", "--config", "configs/server_tiny.yaml",
+                              "http.api_key=short"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad_key.returncode == 2 and "http.api_key='short': must be None or at least 8 characters" in bad_key.stderr

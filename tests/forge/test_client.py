@@ -1,0 +1,188 @@
+"""forge.client against a fake server (httpx.MockTransport): no processes, no network.
+
+What the real server does with these requests is tested over HTTP in tests/apps/test_server.py.
+"""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from forge.client import (
+    AdamParams,
+    APIFuture,
+    Datum,
+    ForgeAPIError,
+    ModelInput,
+    Result,
+    SamplingParams,
+    ServiceClient,
+)
+
+
+class FakeServer:
+    """Records requests; answers like the training service would (enough for the client's logic)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, dict, dict]] = []
+        self.lock = threading.Lock()
+        self.slow_prompts: set[str] = set()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        with self.lock:
+            self.requests.append((request.method, request.url.path, body, dict(request.headers)))
+        path = request.url.path
+        if path == "/api/v1/create_session":
+            return httpx.Response(200, json={"session_id": "s-1", "model_id": "s-1", "next_seq_id": 0, **body})
+        if path == "/api/v1/forward_backward":
+            if body["chunk_index"] < body["num_chunks"] - 1:
+                return httpx.Response(202, json={"status": "accepted", "seq_id": body["seq_id"]})
+            return httpx.Response(200, json={"seq_id": body["seq_id"], "loss": 0.5, "loss_fn_outputs": [
+                {"logprobs": [-1.0]}]})
+        if path == "/api/v1/optim_step":
+            return httpx.Response(200, json={"seq_id": body["seq_id"], "step": 1})
+        if path == "/api/v1/sample":
+            if body.get("prompt") == "bad":
+                return httpx.Response(422, json={"detail": [{"loc": ["body", "prompt"], "msg": "bad prompt"}]})
+            if isinstance(body.get("prompt"), str) and body["prompt"] in self.slow_prompts:
+                time.sleep(1.0)
+            return httpx.Response(200, json={"policy_version": 3, "samples": [[{"text": "46", "tokens": [1]}]]})
+        if path == "/api/v1/checkpoints/missing":
+            return httpx.Response(404, json={"detail": "checkpoint 'missing' not found; known: none"})
+        return httpx.Response(200, json={"path": path, "seq_id": body.get("seq_id")})
+
+    def bodies(self, path: str) -> list[dict]:
+        return [body for _, p, body, _ in self.requests if p == path]
+
+
+@pytest.fixture
+def fake():
+    return FakeServer()
+
+
+@pytest.fixture
+def service(fake):
+    with ServiceClient("http://fake:1234", "key-123", transport=httpx.MockTransport(fake)) as client:
+        yield client
+
+
+def test_base_url_and_api_key_come_from_the_environment(monkeypatch, fake):
+    monkeypatch.setenv("FORGE_BASE_URL", "http://envhost:9999/")
+    monkeypatch.setenv("FORGE_API_KEY", "env-key-456")
+    with ServiceClient(transport=httpx.MockTransport(fake)) as client:
+        assert client.base_url == "http://envhost:9999"
+        client.health().result()
+    method, path, _, headers = fake.requests[-1]
+    assert (method, path) == ("GET", "/health")
+    assert headers["authorization"] == "Bearer env-key-456"
+
+
+def test_arguments_win_over_the_environment(monkeypatch, fake):
+    monkeypatch.setenv("FORGE_BASE_URL", "http://envhost:9999")
+    monkeypatch.setenv("FORGE_API_KEY", "env-key-456")
+    with ServiceClient("http://arg:1", "arg-key-789", transport=httpx.MockTransport(fake)) as client:
+        assert client.base_url == "http://arg:1"
+        client.health().result()
+    assert fake.requests[-1][3]["authorization"] == "Bearer arg-key-789"
+
+
+def test_calls_are_numbered_in_call_order_and_return_futures(service, fake):
+    training = service.create_training_client()
+    assert training.session_id == training.model_id == "s-1"
+    datum = Datum(ModelInput.from_ints([1, 2, 3]), {"logprobs": [0.0, -1.0], "advantages": [0.0, 1.0]})
+    futures = [training.forward_backward([datum]), training.optim_step(AdamParams(learning_rate=1e-3)),
+               training.forward_backward([datum]), training.sync_inference_weights()]
+    assert all(isinstance(f, APIFuture) for f in futures)
+    assert [f.result(timeout=10).seq_id for f in futures] == [0, 1, 2, 3]
+    step = fake.bodies("/api/v1/optim_step")[0]
+    assert step["model_id"] == "s-1" and step["adam_params"]["learning_rate"] == 1e-3
+    sent = fake.bodies("/api/v1/forward_backward")[0]
+    assert sent["data"][0] == {"model_input": {"input_ids": [1, 2, 3]},
+                               "loss_fn_inputs": {"logprobs": [0.0, -1.0], "advantages": [0.0, 1.0]}}
+    assert sent["loss_fn"] == "grpo" and sent["loss_fn_params"] == {}
+
+
+def test_a_large_batch_goes_in_chunks_of_one_request(service, fake):
+    training = service.create_training_client()
+    training.max_chunk_datums = 2
+    data = [{"model_input": {"input_ids": [1, 2, i]}, "loss_fn_inputs": {}} for i in range(5)]
+    out = training.forward_backward(data, "dapo", {"clip_eps_low": 0.2}).result(timeout=10)
+    assert out.loss == 0.5
+    chunks = fake.bodies("/api/v1/forward_backward")
+    assert [c["chunk_index"] for c in chunks] == [0, 1, 2]
+    assert {c["num_chunks"] for c in chunks} == {3} and {c["seq_id"] for c in chunks} == {0}
+    assert [len(c["data"]) for c in chunks] == [2, 2, 1]
+    assert all(c["loss_fn"] == "dapo" and c["loss_fn_params"] == {"clip_eps_low": 0.2} for c in chunks)
+    assert training.optim_step().result(timeout=10).seq_id == 1  # one seq_id for the whole chunked request
+
+
+def test_futures_can_be_awaited(service):
+    sampler = service.create_sampling_client()
+
+    async def main():
+        return await sampler.sample("12+34=", SamplingParams(max_tokens=4), num_samples=2)
+
+    out = asyncio.run(main())
+    assert out.samples[0][0].text == "46" and out.policy_version == 3
+
+
+def test_errors_carry_the_status_and_the_servers_detail(service):
+    with pytest.raises(ForgeAPIError) as error:
+        service.create_sampling_client().sample("bad").result(timeout=10)
+    assert error.value.status_code == 422
+    assert error.value.detail[0]["loc"] == ["body", "prompt"]
+    with pytest.raises(ForgeAPIError) as error:
+        service.create_rest_client().get_checkpoint("missing").result(timeout=10)
+    assert error.value.status_code == 404 and "not found" in str(error.value)
+
+
+def test_sample_batch_reports_completed_failed_and_stragglers(service, fake):
+    fake.slow_prompts.add("slow")
+    out = service.create_sampling_client().sample_batch(["1+1=", "bad", "slow"], timeout=0.5).result(timeout=10)
+    assert sorted(out.completed) == [0]
+    assert sorted(out.failed) == [1] and isinstance(out.failed[1], ForgeAPIError)
+    assert out.cancelled == [2]
+
+
+def test_sampling_params_and_prompts_are_sent_as_given(service, fake):
+    sampler = service.create_sampling_client()
+    sampler.sample([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, seed=1), num_samples=4).result(timeout=10)
+    sampler.sample_many(["1+1=", [5, 6]], SamplingParams()).result(timeout=10)
+    single, many = fake.bodies("/api/v1/sample")
+    assert single["prompt"] == [5, 6, 7] and single["num_samples"] == 4
+    assert single["sampling_params"]["temperature"] == 0.0 and single["sampling_params"]["seed"] == 1
+    assert many["prompts"] == ["1+1=", [5, 6]]
+
+
+def test_checkpoint_and_session_calls_hit_their_paths(service, fake):
+    training = service.create_training_client_from_state_with_optimizer("ck")
+    assert fake.bodies("/api/v1/create_session")[-1] == {"from_checkpoint": "ck", "with_optimizer": True}
+    service.create_training_client_from_state("ck")
+    assert fake.bodies("/api/v1/create_session")[-1] == {"from_checkpoint": "ck", "with_optimizer": False}
+    training.save_state("a", with_optimizer=False).result(timeout=10)
+    training.load_state_with_optimizer("a").result(timeout=10)
+    training.save_weights_for_sampler("hf").result(timeout=10)
+    training.heartbeat().result(timeout=10)
+    training.unload().result(timeout=10)
+    rest = service.create_rest_client()
+    rest.list_checkpoints().result(timeout=10)
+    rest.delete_checkpoint("a").result(timeout=10)
+    paths = [(m, p) for m, p, _, _ in fake.requests]
+    for expected in [("POST", "/api/v1/save_state"), ("POST", "/api/v1/load_state"),
+                     ("POST", "/api/v1/save_weights_for_sampler"), ("POST", "/api/v1/session_heartbeat"),
+                     ("POST", "/api/v1/unload_model"), ("GET", "/api/v1/checkpoints"),
+                     ("DELETE", "/api/v1/checkpoints/a")]:
+        assert expected in paths
+    assert fake.bodies("/api/v1/save_state")[0] == {"model_id": "s-1", "seq_id": 0, "path": "a", "with_optimizer": False}
+    assert fake.bodies("/api/v1/load_state")[0]["with_optimizer"] is True
+
+
+def test_result_gives_attribute_access_recursively():
+    r = Result.wrap({"a": [{"b": 1}], "c": {"d": "x"}})
+    assert r.a[0].b == 1 and r.c.d == "x" and r["c"]["d"] == "x"
+    with pytest.raises(AttributeError):
+        r.missing
