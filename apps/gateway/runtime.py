@@ -76,10 +76,12 @@ class Gateway:
         await get_provisioner().start_weight_store()
         trainer_cfg = replace(cfg.trainer, model_path=self.model_path)
         generator_cfg = replace(cfg.generator, model=self.model_path, weight_namespace=WEIGHTS)
-        self.trainer, self.buffer, self.generators = await asyncio.gather(
-            TrainerActor.options(mesh_name="trainer").as_actor(trainer_cfg, weight_namespace=WEIGHTS),
-            ReplayBufferActor.options(mesh_name="replay_buffer").as_actor(cfg.replay_buffer),
-            Generator.options(num_replicas=cfg.generator_replicas, mesh_name="generator").as_service(generator_cfg))
+        # One after the other: on a small busy host, spawning every mesh at once has starved Monarch's
+        # start-up messages past their deadline.
+        self.buffer = await ReplayBufferActor.options(mesh_name="replay_buffer").as_actor(cfg.replay_buffer)
+        self.trainer = await TrainerActor.options(mesh_name="trainer").as_actor(trainer_cfg, weight_namespace=WEIGHTS)
+        self.generators = await Generator.options(num_replicas=cfg.generator_replicas,
+                                                  mesh_name="generator").as_service(generator_cfg)
         self.version = int(_rank0(await self.trainer.publish_weights.call()))
         await self.generators.update_weights.fanout(self.version)
         self._tasks = [asyncio.ensure_future(self._reap())]
