@@ -48,7 +48,7 @@ from apps.server.schemas import (
 from apps.server.sequencer import Sequencer
 from apps.server.sessions import Session
 from apps.server.training_actor import ServerTrainerActor
-from forge.actor import EndpointError, ForgeActor
+from forge.actor import EndpointError
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
 from forge.types import SamplingParams
@@ -82,6 +82,10 @@ class TrainingService:
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> why it is gone
         self.creating = 0
+        # Trainer actors of unloaded sessions, kept for the next session (reset to the served weights) rather
+        # than stopped: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run, which
+        # takes every process down. Meshes are stopped only at shutdown, as in apps.grpo.
+        self.idle_trainers: list[Any] = []
         self.version = 0  # the generators serve the base weights as version 0 until the first sync
         self._publish_lock = asyncio.Lock()
         self.started_at = time.time()
@@ -161,21 +165,14 @@ class TrainingService:
         session_id = f"s-{secrets.token_hex(6)}"
         self.creating += 1
         try:
-            trainer_cfg = replace(self.cfg.trainer, model_path=self.model_path)
-            spawn = ServerTrainerActor.options(procs=limits.trainer_procs, mesh_name=f"trainer-{session_id}").as_actor(
-                trainer_cfg, weight_namespace=WEIGHTS)
-            try:
-                trainer = await asyncio.wait_for(spawn, limits.spawn_timeout_s)
-            except asyncio.TimeoutError:
-                raise ServiceError(504, f"the session's trainer did not start within spawn_timeout_s="
-                                        f"{limits.spawn_timeout_s}s") from None
+            trainer = await self._trainer_for(session_id)
             session = Session(session_id, self.model_path, trainer, Sequencer(session_id, limits.sequence_gap_timeout_s),
                               idle, metadata=request.metadata)
             if checkpoint is not None:
                 try:
                     state = await self._call(session, "load_state", checkpoint.path, request.with_optimizer)
                 except Exception:
-                    await ForgeActor.shutdown(trainer)
+                    self.idle_trainers.append(trainer)
                     raise
                 session.step, session.loaded_from = int(state["step"]), checkpoint.checkpoint_id
             self.sessions[session_id] = session
@@ -184,6 +181,27 @@ class TrainingService:
         logger.info("session %s created", session_id)
         return session.info()
 
+    async def _trainer_for(self, session_id: str) -> Any:
+        """A trainer with the served model's weights: an idle one reset, else a new actor mesh."""
+        limits = self.cfg.sessions
+        if self.idle_trainers:
+            trainer = self.idle_trainers.pop()
+            try:
+                await asyncio.wait_for(trainer.reset.call(), limits.spawn_timeout_s)
+                return trainer
+            except asyncio.TimeoutError:
+                raise ServiceError(504, f"resetting a trainer took longer than spawn_timeout_s={limits.spawn_timeout_s}s") from None
+            except EndpointError as e:
+                raise endpoint_failure(e) from None
+        trainer_cfg = replace(self.cfg.trainer, model_path=self.model_path)
+        spawn = ServerTrainerActor.options(procs=limits.trainer_procs, mesh_name="session-trainer").as_actor(
+            trainer_cfg, weight_namespace=WEIGHTS)
+        try:
+            return await asyncio.wait_for(spawn, limits.spawn_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServiceError(504, f"the session's trainer did not start within spawn_timeout_s="
+                                    f"{limits.spawn_timeout_s}s") from None
+
     async def unload(self, session_id: str, reason: str = "unloaded by the client") -> None:
         session = self.sessions.pop(session_id, None)
         if session is None:
@@ -191,7 +209,7 @@ class TrainingService:
             return
         self.ended[session_id] = reason
         await session.sequencer.close(f"session {session_id!r} was unloaded: {reason}")
-        await ForgeActor.shutdown(session.trainer)
+        self.idle_trainers.append(session.trainer)  # reset when the next session takes it
 
     # -- calls into a session's trainer --------------------------------------------------------------
     async def _call(self, session: Session, endpoint: str, *args: Any) -> Any:

@@ -119,15 +119,22 @@ class ServerTrainer(TitanTrainer):
 
 
 class ServerTrainerActor(TrainerActor):
-    """TrainerActor serving one training session of the REST service. Publishing stays TrainerActor's own
-    path (`_publish`: WeightStore, old versions deleted); the server picks the version number, so versions
-    keep growing across sessions."""
+    """TrainerActor serving one training session of the REST service at a time (`reset` between sessions).
+    Publishing stays TrainerActor's own path (`_publish`: WeightStore, old versions deleted); the server picks
+    the version number, so versions keep growing across sessions."""
 
     @endpoint
     async def setup(self) -> None:
         rank, world_size = init_from_environment(self.config.device)
         self.trainer = ServerTrainer(self.config, rank=rank, world_size=world_size)
         self.store = WeightStore(self.weight_namespace)
+
+    @endpoint
+    async def reset(self) -> None:
+        """Back to the served model's weights and a fresh optimizer, for the next session that takes this actor."""
+        self.trainer = None  # free the previous session's model and optimizer state first
+        rank, world_size = init_from_environment(self.config.device)
+        self.trainer = ServerTrainer(self.config, rank=rank, world_size=world_size)
 
     @endpoint
     async def forward_backward(self, batch: TrainBatch, loss: str, loss_params: dict) -> dict:
