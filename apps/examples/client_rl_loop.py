@@ -29,8 +29,8 @@ class LoopConfig:
     group_size: int = 16
     minibatches: int = 4  # optimizer steps per sampled batch (one slice of whole groups each)
     learning_rate: float = 3e-4
-    weight_decay: float = 0.01  # torch.optim.AdamW's default, as in bench/learning_speed.py's hand loop
-    grad_clip_norm: float = 1e9  # effectively no clipping, as in the hand loop
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0  # measured: 13.2% -> 28.6% in 60 steps; without clipping (1e9) 13.2% -> 18.4%
     clip_eps: float = 0.2
     max_tokens: int = 4
     temperature: float = 1.0
