@@ -46,6 +46,7 @@ from forge.distributed import init_from_environment
 from forge.types import Episode, TrainBatch
 from forge.weight_store import WeightStore
 from losses import LossOutput, get_loss
+from losses.terms import HYPERPARAM_RULES, check_hyperparams
 
 FAMILIES = ("qwen3", "llama3")
 DTYPES = ("float32", "bfloat16")
@@ -116,6 +117,7 @@ class TrainerConfig:
     activation_checkpoint: str = "none"  # torchtitan's activation checkpointing: none | selective | full
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0  # save into checkpoint_dir every N steps; 0: only when asked
+    torch_threads: int = 0  # CPU threads per trainer process on device=cpu (0 = torch's default, one per core)
 
     def __post_init__(self) -> None:
         check_model_fields(self)
@@ -134,6 +136,7 @@ class TrainerConfig:
         require_field(self, "lr_decay", self.lr_decay in LR_DECAYS, f"one of {', '.join(LR_DECAYS)}")
         require_field(self, "max_grad_norm", _is_number(self.max_grad_norm) and self.max_grad_norm > 0,
                       "a number > 0 (inf: never clip)")
+        require_field(self, "torch_threads", _is_int(self.torch_threads) and self.torch_threads >= 0, "an int >= 0")
         for name in ("micro_batch_size", "minibatches", "tensor_parallel_degree"):
             require_field(self, name, _is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
         require_field(self, "activation_checkpoint", self.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES,
@@ -158,6 +161,9 @@ def _check_loss_params(loss_fn: Any, loss_params: dict[str, Any]) -> None:
         name = getattr(loss_fn, "__name__", repr(loss_fn))
         raise ValueError(f"TrainerConfig.loss_params={loss_params!r}: {unknown} not taken by loss {name!r}; "
                          f"allowed: {sorted(taken)}")
+    # The shared hyperparameters' ranges, checked now rather than at the first training step.
+    checked = {k: v for k, v in loss_params.items() if k in HYPERPARAM_RULES}
+    check_hyperparams(f"TrainerConfig.loss_params ({getattr(loss_fn, '__name__', 'loss')})", **checked)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -685,6 +691,9 @@ class TrainerActor(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
+        if self.config.torch_threads and self.config.device == "cpu":
+            # On a shared CPU host, more threads than cores left idle only adds contention.
+            torch.set_num_threads(self.config.torch_threads)
         rank, world_size = init_from_environment(self.config.device)
         self.trainer = TitanTrainer(self.config, rank=rank, world_size=world_size)
         self.store = WeightStore(self.weight_namespace)

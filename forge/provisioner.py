@@ -80,6 +80,7 @@ class ProvisionedMesh:
     pids: list[int]
     on_failure: Callable[[MeshFailure], None] | None = None
     stopped: bool = False
+    failed: bool = False  # a process of this mesh is gone: reported once, never sent messages again
     actors: list[Any] = field(default_factory=list)  # actors here that define `teardown`: called before the stop
 
 
@@ -112,11 +113,11 @@ class Provisioner:
     _names: itertools.count = field(default_factory=itertools.count)
     # Names of meshes already stopped: Monarch keeps reporting their deaths for a while.
     _retired: set[str] = field(default_factory=set)
-    _fatal_event: asyncio.Event | None = None
 
     def __post_init__(self) -> None:
         self._free_gpus = list(self.gpus)
         self._weight_store_started = False
+        self._watcher: asyncio.Task | None = None
         weight_store.job_id()  # this controller's pid names the job's shared-memory segments
         weight_store.remove_dead_jobs_segments()
 
@@ -179,8 +180,33 @@ class Provisioner:
             raise
         mesh = ProvisionedMesh(name, proc_mesh, agents, gpus, pids, on_failure)
         self.meshes[name] = mesh
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch_processes())
         logger.info("provisioned mesh %s: %d procs (pids %s), gpus %s", name, procs, pids, gpus)
         return mesh
+
+    async def _watch_processes(self, poll_s: float = 0.5) -> None:
+        """Report a mesh whose process has exited within a second. Monarch notices a dead process only when
+        its proc-state queries go unanswered for HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE (300 s here, so that
+        busy processes on a loaded host are not declared dead): far too late for a job to fail fast."""
+        while self.meshes:
+            await asyncio.sleep(poll_s)
+            for mesh in list(self.meshes.values()):
+                if mesh.stopped or mesh.failed:
+                    continue
+                gone = [pid for pid in mesh.pids if not _is_alive(pid)]
+                if gone:
+                    mesh.failed = True
+                    self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited "
+                                       f"(killed or crashed; its actors are lost)")
+
+    def _report(self, mesh: ProvisionedMesh | None, message: str) -> None:
+        event = MeshFailure(mesh.name if mesh else "unknown", message)
+        if mesh is not None and mesh.on_failure is not None:
+            mesh.on_failure(event)
+            return
+        logger.error("fatal failure on mesh %s: %s", event.mesh_name, message)
+        self.fatal_failures.append(event)
 
     def _on_mesh_failure(self, failure: Any) -> None:
         # Called by Monarch on its own thread; must never raise (that would exit the process).
@@ -191,30 +217,15 @@ class Provisioner:
             mesh = next((m for m in self.meshes.values() if f"{m.name}_" in message), None)
             if mesh is not None and mesh.stopped:
                 return
-            event = MeshFailure(mesh.name if mesh else "unknown", message)
-            if mesh is not None and mesh.on_failure is not None:
-                mesh.on_failure(event)
-                return
-            logger.error("fatal failure on mesh %s: %s", event.mesh_name, message)
-            self.fatal_failures.append(event)
-            if self._fatal_event is not None:
-                self._fatal_event.set()
+            self._report(mesh, message)
         except Exception:  # pragma: no cover - defensive
             logger.exception("error while handling a mesh failure")
 
     async def wait_for_fatal_failure(self) -> MeshFailure:
         """Returns when any mesh not owned by a service fails (apps race their main loop against it)."""
-        loop = asyncio.get_running_loop()
-        if self._fatal_event is None:
-            self._fatal_event = asyncio.Event()
-        event = self._fatal_event
         while not self.fatal_failures:
-            # The hook runs on a Monarch thread; poll instead of trusting cross-thread Event.set().
-            try:
-                await asyncio.wait_for(event.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
-        del loop
+            # The hook runs on a Monarch thread, where an asyncio primitive must not be touched: poll.
+            await asyncio.sleep(0.2)
         return self.fatal_failures[0]
 
     async def collect_metrics(self) -> list[dict[str, metrics.Partial]]:
@@ -235,6 +246,13 @@ class Provisioner:
             return
         mesh.stopped = True
         self._retired.add(mesh.name)
+        if mesh.failed or not all(_is_alive(pid) for pid in mesh.pids):
+            # A mesh that lost a process cannot be stopped through Monarch (the requests wait for answers
+            # that never come): kill what is left of it.
+            _kill_leftovers(mesh.pids)
+            self._free_gpus = sorted(self._free_gpus + mesh.gpus)
+            self.meshes.pop(mesh.name, None)
+            return
         # Let actors finish what they are doing (background tasks, in-flight store requests): a reply sent
         # to an actor that is already gone is a supervision failure in Monarch 0.1.2.
         for actor in mesh.actors:
@@ -252,6 +270,8 @@ class Provisioner:
 
     async def shutdown(self) -> None:
         """Stop every mesh this provisioner made (in parallel); leaves no child processes or segments."""
+        if self._watcher is not None:
+            self._watcher.cancel()
         await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values())))
         if self._weight_store_started:
             self._weight_store_started = False
@@ -277,6 +297,13 @@ def _exit_with_controller(controller_pid: int, poll_s: float = 1.0) -> None:
     os._exit(1)
 
 
+def _is_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _kill_leftovers(pids: list[int]) -> None:
     """A process that ignored the stop request (or a wedged one) is killed outright."""
     for pid in pids:
@@ -286,6 +313,13 @@ def _kill_leftovers(pids: list[int]) -> None:
                 proc.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def kill_job_processes() -> None:
+    """The last resort of a controller that must exit now: kill every Monarch process it started and
+    remove its shared-memory segments (safe from any thread)."""
+    _kill_leftovers(monarch_children())
+    weight_store.remove_job_segments()
 
 
 def monarch_children() -> list[int]:

@@ -21,7 +21,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_HYPERPARAM_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+HYPERPARAM_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "clip_eps": (lambda v: _is_number(v) and v > 0, "a number > 0"),
     "clip_low": (lambda v: _is_number(v) and v > 0, "a number > 0"),
     "clip_high": (lambda v: _is_number(v) and v > 0, "a number > 0"),
@@ -35,7 +35,7 @@ _HYPERPARAM_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
 def check_hyperparams(loss: str, **values: object) -> None:
     """Raise a ValueError naming the loss, the hyperparameter, its value and what is allowed."""
     for name, value in values.items():
-        is_valid, allowed = _HYPERPARAM_RULES[name]
+        is_valid, allowed = HYPERPARAM_RULES[name]
         if not is_valid(value):
             raise ValueError(f"{loss}: {name}={value!r}: must be {allowed}")
 

@@ -24,6 +24,7 @@ class TaskConfig:
     name: Literal["arithmetic", "gsm8k"] = "arithmetic"
     # arithmetic: the built-in task (problems generated from `seed`)
     num_digits: int = 2
+    reverse_answer: bool = False  # write answers least-significant digit first (learned much faster)
     held_out: int = 500
     # gsm8k-style math: loaded with `datasets` (a hub id or a local path / data files)
     dataset: str = "openai/gsm8k"
@@ -63,6 +64,8 @@ class RolloutConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature}: must be > 0 for sampling")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
 
 
 @dataclass
@@ -145,6 +148,13 @@ class GRPOConfig:
             raise ValueError(
                 f"replay_buffer.batch_size={self.replay_buffer.batch_size}: must be a multiple of "
                 f"rollout.group_size={self.rollout.group_size} (whole groups per step)"
+            )
+        slices = self.trainer.minibatches * dp
+        if self.replay_buffer.batch_size % slices:
+            raise ValueError(
+                f"trainer.minibatches={self.trainer.minibatches}: replay_buffer.batch_size="
+                f"{self.replay_buffer.batch_size} must split into minibatches x resources.trainer_procs={slices} "
+                "equal slices"
             )
         if self.trainer.temperature != self.rollout.temperature:
             raise ValueError(

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import pickle
 import random
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
@@ -32,7 +34,7 @@ from actors.trainer import TrainerActor
 from apps.grpo.config import GRPOConfig
 from forge.config import ConfigError, load_config, parse_args, to_yaml, validate
 from forge.metrics import JsonlBackend, MetricLogger, record_metric
-from forge.provisioner import get_provisioner, shutdown
+from forge.provisioner import get_provisioner, kill_job_processes, shutdown
 from forge.service import NoHealthyReplicaError
 from forge.tasks import ArithmeticTask, Problem, load_callable
 from forge.tiny_model import ensure_tiny_checkpoint
@@ -54,6 +56,8 @@ def load_job_config(argv: list[str]) -> tuple[GRPOConfig, bool]:
         tiny = ensure_tiny_checkpoint(Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3")
         cfg = load_config(path, [*overrides, f"model={tiny}"])
     job = validate(cfg, GRPOConfig)
+    if job.task.reward:
+        load_callable(job.task.reward, field="task.reward")  # importable, before any process starts
     return job, bool(args.resume or job.resume)
 
 
@@ -73,7 +77,8 @@ def check_resources(cfg: GRPOConfig) -> None:
 
 def make_task(cfg: GRPOConfig):
     if cfg.task.name == "arithmetic":
-        return ArithmeticTask(seed=cfg.seed, num_digits=cfg.task.num_digits, held_out=cfg.task.held_out)
+        return ArithmeticTask(seed=cfg.seed, num_digits=cfg.task.num_digits, held_out=cfg.task.held_out,
+                              reverse_answer=cfg.task.reverse_answer)
     from forge.tasks.gsm8k import GSM8KTask
 
     return GSM8KTask(cfg.task.dataset, config=cfg.task.dataset_config, train_split=cfg.task.train_split,
@@ -133,8 +138,14 @@ class GRPOJob:
         self.held_episodes = 0
         self.capacity = asyncio.Condition()
         self.stop = asyncio.Event()
+        self.interrupted: str | None = None  # the signal that asked the job to stop early
         self.rewards_this_step: list[float] = []
         self.summary: dict[str, Any] = {}
+
+    def request_stop(self, reason: str) -> None:
+        """Finish the current step, then wind down as at the end (checkpoint if configured, no evaluation)."""
+        self.interrupted = reason
+        self.stop.set()
 
     # -- set-up --
     async def start(self) -> None:
@@ -257,10 +268,10 @@ class GRPOJob:
     async def training_loop(self, logger: MetricLogger) -> None:
         cfg = self.cfg
         start_step, job_start = self.step, time.perf_counter()
-        while self.step < cfg.steps:
+        while self.step < cfg.steps and not self.interrupted:
             step_start = time.perf_counter()
             batch = await self.buffer.sample.call_one(self.version)
-            while batch is None:
+            while batch is None and not self.interrupted:
                 # sample() may have evicted stale episodes: refresh the held count, or rollouts would keep
                 # waiting for capacity that is already free while this loop waits for a batch.
                 held = (await self.buffer.stats.call_one())["held"]
@@ -272,6 +283,8 @@ class GRPOJob:
                     except asyncio.TimeoutError:
                         pass
                 batch = await self.buffer.sample.call_one(self.version)
+            if batch is None:
+                break
             waited = time.perf_counter() - step_start
             episodes = [e for shard in batch for e in shard]
             trained_on = self.version
@@ -355,7 +368,7 @@ class GRPOJob:
             await self.restore()
         self.version = _rank0(await self.trainer.publish_weights.call())
         await self.generators.update_weights.fanout(self.version)
-        if cfg.eval.at_start:
+        if cfg.eval.at_start and not self.interrupted:
             self.summary["accuracy_start"] = await self.evaluate("start")
         logger = MetricLogger.from_config(cfg.metrics, total_steps=cfg.steps)
         if not cfg.metrics.jsonl:
@@ -366,6 +379,7 @@ class GRPOJob:
             done, _ = await asyncio.wait([training, *rollouts], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a rollout loop that died takes the job down with its error
+            await training  # rollouts end first only when asked to stop: the step in progress finishes
         finally:
             self.stop.set()
             async with self.capacity:
@@ -374,13 +388,14 @@ class GRPOJob:
                 task.cancel()
             await asyncio.gather(*rollouts, return_exceptions=True)
             logger.close()
-        if cfg.eval.at_end:
+        if cfg.eval.at_end and not self.interrupted:
             self.summary["accuracy_end"] = await self.evaluate("end")
-        if cfg.checkpoint.final:
+        if cfg.checkpoint.final and self.summary.get("steps_this_run"):
             saved = self._checkpoint_root() / f"step_{self.step:06d}"
             self.summary["checkpoint"] = str(saved if saved.exists() else await self.save_checkpoint())
         export = self.run_dir / "hf_model"
-        await self.trainer.export_hf.call(str(export))
+        if not self.interrupted:
+            await self.trainer.export_hf.call(str(export))
         stats = await self.buffer.stats.call_one()
         self.summary.update(
             steps=self.step, policy_version=self.version, wall_s=time.perf_counter() - wall_start, hf_model=str(export),
@@ -389,6 +404,7 @@ class GRPOJob:
                       "dropped_too_old": stats["dropped_too_old"], "dropped_buffer_full": stats["dropped_buffer_full"],
                       "dropped_zero_variance": self.counters.zero_variance_dropped},
             reward_failures=self.score.failures, generation_failures=self.counters.generation_failures,
+            interrupted=self.interrupted,
         )
         return self.summary
 
@@ -419,8 +435,27 @@ def print_summary(summary: dict[str, Any]) -> None:
                  f"zero-variance {e['dropped_zero_variance']}); reward failures {summary['reward_failures']}")
     if summary.get("checkpoint"):
         lines.append(f"checkpoint: {summary['checkpoint']}  (resume with --resume)")
-    lines.append(f"exported HF model: {summary['hf_model']}")
+    if summary.get("interrupted"):
+        lines.append(f"interrupted by {summary['interrupted']} after step {summary['steps']}: no final evaluation or export")
+    else:
+        lines.append(f"exported HF model: {summary['hf_model']}")
     print("\n".join(lines), flush=True)
+
+
+EXIT_DEADLINE_S = 25.0  # every way out (signal, fatal failure, the end) leaves the process within this
+
+
+def _exit_by_deadline(seconds: float, code: list[int]) -> None:
+    """A daemon thread that ends the process if shutting down takes longer than `seconds`: a Monarch call
+    to a dead process never answers, and a job must not hang on it."""
+
+    def expire() -> None:
+        time.sleep(seconds)
+        print(f"shutdown did not finish within {seconds:.0f}s: killing the job's processes", file=sys.stderr, flush=True)
+        kill_job_processes()
+        os._exit(code[0])
+
+    threading.Thread(target=expire, daemon=True, name="exit-deadline").start()
 
 
 async def main_async(cfg: GRPOConfig, resume: bool) -> int:
@@ -429,31 +464,56 @@ async def main_async(cfg: GRPOConfig, resume: bool) -> int:
     main = asyncio.ensure_future(job.run())
     watchdog = asyncio.ensure_future(provisioner.wait_for_fatal_failure())
     loop = asyncio.get_running_loop()
+    code = [1]
+
+    def on_signal(sig: signal.Signals) -> None:
+        code[0] = 128 + sig.value
+        if job.interrupted:  # a second signal: stop now
+            print(f"\n{sig.name} again: exiting now", file=sys.stderr, flush=True)
+            kill_job_processes()
+            os._exit(code[0])
+        print(f"\n{sig.name}: stopping after the current step"
+              f"{' and saving a checkpoint' if cfg.checkpoint.final else ''} (again to exit at once)",
+              file=sys.stderr, flush=True)
+        job.request_stop(sig.name)
+        _exit_by_deadline(EXIT_DEADLINE_S, code)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, main.cancel)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         done, _ = await asyncio.wait([main, watchdog], return_when=asyncio.FIRST_COMPLETED)
         if watchdog in done:
             failure = watchdog.result()
             main.cancel()
-            print(f"\nFATAL: actor mesh {failure.mesh_name!r} failed; stopping the job.\n{failure.message}", file=sys.stderr)
+            print(f"\nFATAL: actor mesh {failure.mesh_name!r} failed; stopping the job.\n{failure.message}",
+                  file=sys.stderr, flush=True)
+            code[0] = 1
             return 1
         summary = main.result()
         print_summary(summary)
         (Path(cfg.run_dir) / "summary.json").write_text(
             json.dumps({k: v for k, v in summary.items() if k not in ("first_step", "last_step")}, indent=2, default=str))
-        return 0
-    except asyncio.CancelledError:
-        print("\ninterrupted: shutting down", file=sys.stderr)
-        return 130
+        code[0] = 0 if not job.interrupted else code[0]
+        return code[0]
     except Exception:
-        print("\nFATAL: the job failed:\n" + traceback.format_exc(), file=sys.stderr)
+        print("\nFATAL: the job failed:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
+        code[0] = 1
         return 1
     finally:
         watchdog.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await asyncio.wait_for(shutdown(), timeout=60)
+        if not job.interrupted:
+            _exit_by_deadline(EXIT_DEADLINE_S, code)
+        try:
+            await asyncio.wait_for(shutdown(), timeout=EXIT_DEADLINE_S - 5)
+        except Exception as e:  # the deadline thread cleans up whatever is left
+            print(f"shutdown incomplete ({type(e).__name__}); killing what is left", file=sys.stderr, flush=True)
+            kill_job_processes()
+        if not main.done():
+            # A task stuck on a call to a dead process would keep asyncio.run from returning.
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,9 @@
 """Integer arithmetic ("12+34=" -> "46"): a task whose reward is checked exactly, with no model judge.
 
+With `reverse_answer` the answer is written least-significant digit first ("12+34=" -> "64"), the order in
+which a left-to-right model can compute it: each output digit then depends only on operand digits and the
+carry from the digit just written. Small transformers learn this format far faster and more reliably.
+
 Problems are drawn from a seeded generator. A fixed held-out set is drawn first; training problems are
 drawn from the same distribution with the held-out ones rejected, so the two sets never overlap and a
 held-out score measures generalisation, not memorisation.
@@ -29,6 +33,7 @@ class ArithmeticTask:
         held_out: size of the held-out evaluation set.
         operators: a non-empty subset of ("+", "-").
         eos_text: the tokenizer's end-of-sequence text; `reward` ignores everything from it on.
+        reverse_answer: write the answer's digits least-significant first (a minus sign stays in front).
     """
 
     def __init__(
@@ -38,6 +43,7 @@ class ArithmeticTask:
         held_out: int = 500,
         operators: tuple[str, ...] = ("+",),
         eos_text: str = EOS_TOKEN,
+        reverse_answer: bool = False,
     ) -> None:
         if num_digits < 1:
             raise ValueError(f"ArithmeticTask.num_digits={num_digits}: must be >= 1")
@@ -54,6 +60,7 @@ class ArithmeticTask:
         self.num_digits = num_digits
         self.operators = tuple(operators)
         self.eos_text = eos_text
+        self.reverse_answer = reverse_answer
         rng = random.Random(seed)
         held: dict[Problem, None] = {}  # insertion-ordered set: a deterministic order
         while len(held) < held_out:
@@ -64,7 +71,9 @@ class ArithmeticTask:
     def _draw(self, rng: random.Random) -> Problem:
         high = 10**self.num_digits - 1
         a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(self.operators)
-        return Problem(prompt=f"{a}{op}{b}=", answer=str(a + b if op == "+" else a - b))
+        value = a + b if op == "+" else a - b
+        digits = str(abs(value))[::-1] if self.reverse_answer else str(abs(value))
+        return Problem(prompt=f"{a}{op}{b}=", answer=("-" if value < 0 else "") + digits)
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[Problem]:
         """`n` training problems (never held-out ones); repeats are possible, as in any sampled dataset."""

@@ -9,7 +9,8 @@ from apps.grpo.main import check_resources, load_job_config
 from forge.config import ConfigError, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("example_"))
+# The GRPO app's configs (the other apps' configs are tested with those apps).
+CONFIGS = sorted([*(ROOT / "configs").glob("grpo_*.yaml"), *(ROOT / "configs").glob("qwen3_*.yaml")])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -44,6 +45,19 @@ BAD = [
     ("warm_start.target_accuracy=1.5", r"warm_start.target_accuracy=1.5: must be in \(0, 1\]"),
     ("trainer.micro_batch_size=0", r"micro_batch_size=0"),
     ("rollout.max_tokens=-4", r"rollout.max_tokens=-4: must be >= 1"),
+    ("rollout.temperature=0", r"temperature=0(\.0)?: must be (a number )?> 0"),
+    ("rollout.top_p=1.5", r"rollout.top_p=1.5: must be in \(0, 1\]"),
+    ("replay_buffer.batch_size=24", r"replay_buffer.batch_size=24: must be a multiple of rollout.group_size=16"),
+    ("trainer.minibatches=3", r"trainer.minibatches=3: replay_buffer.batch_size=1024 must split into"),
+    ("trainer.dtype=float8", r"dtype='float8': must be one of float32, bfloat16"),
+    ("trainer.loss_params.clip_eps=-0.1", r"clip_eps=-0.1"),
+    ("trainer.loss_params.bogus=1", r"bogus"),
+    ("task.reward=no_such_module:score", r"task.reward='no_such_module:score': cannot import module 'no_such_module'"),
+    ("task.reward=forge.tasks:no_such_fn", r"task.reward='forge.tasks:no_such_fn': module 'forge.tasks' has no callable"),
+    ("steps=many", r"steps='many'"),
+    ("+no_such_section.key=1", r"no_such_section.*unknown key"),
+    ("checkpoint.keep=0", r"keep=0 >= 1"),
+    ("generator.max_batch_size=0", r"max_batch_size=0"),
 ]
 
 

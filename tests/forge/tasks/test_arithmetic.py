@@ -32,6 +32,17 @@ def test_problem_format_and_answers():
     assert any(answer.startswith("-") for _, answer in problems)
 
 
+def test_reversed_answers_are_the_same_numbers_least_significant_digit_first():
+    plain = ArithmeticTask(seed=0, operators=("+", "-"))
+    reversed_ = ArithmeticTask(seed=0, operators=("+", "-"), reverse_answer=True)
+    pairs = list(zip(plain.held_out(), reversed_.held_out()))
+    assert all(p.prompt == r.prompt for p, r in pairs)  # same problems, only the answer's digit order differs
+    for p, r in pairs:
+        sign = "-" if p.answer.startswith("-") else ""
+        assert r.answer == sign + p.answer.lstrip("-")[::-1]
+    assert any(p.answer != r.answer for p, r in pairs)
+
+
 def test_supervised_examples_are_deterministic_training_problems():
     task = ArithmeticTask(seed=0)
     examples = task.supervised_examples(300)
