@@ -39,7 +39,7 @@ def warm_started_model(model: str, model_cache: str, config: WarmStartConfig, *,
     2-digit addition (the same call, arguments and cache as apps.grpo, so one warm start serves both);
     otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
     if not (config.enabled and is_tiny(model, model_cache)):
-        return model, None
+        return (str(Path(model).resolve()) if Path(model).exists() else model), None
     task = ArithmeticTask(seed=seed, num_digits=2, held_out=500)
     eval_problems = task.sample_prompts(config.eval_prompts, random.Random(f"{seed}-warm-start-eval"))
     train_rng = random.Random(f"{seed}-warm-start")
@@ -47,7 +47,7 @@ def warm_started_model(model: str, model_cache: str, config: WarmStartConfig, *,
                                 train_problems=lambda n: task.sample_prompts(n, train_rng),
                                 eval_problems=eval_problems, reward=task.reward, config=config, seed=seed,
                                 max_tokens=max_tokens)
-    return str(path), accuracy
+    return str(Path(path).resolve()), accuracy
 
 
 def tokenizer_info(model_path: str) -> dict[str, Any]:
