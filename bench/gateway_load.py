@@ -16,7 +16,6 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field

@@ -39,7 +39,7 @@ from apps.server.schemas import (
 )
 from apps.server.serving import install_error_handlers
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 408, 409, 429, 500, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 409, 429, 500, 504)}
 _CHUNKED = {**_ERRORS, 202: {"model": ChunkAccepted, "description": "a chunk stored; the request runs when all arrive"}}
 
 

@@ -8,7 +8,6 @@ process. The request-ordering and batch-building pieces are also tested on their
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
