@@ -36,8 +36,8 @@ def is_tiny(model: str, model_cache: str) -> bool:
 def warm_started_model(model: str, model_cache: str, config: WarmStartConfig, *, seed: int,
                        max_tokens: int = 4) -> tuple[str, float | None]:
     """The checkpoint to serve: for forge's tiny model with `config.enabled`, its supervised warm start on
-    2-digit addition (the same call, arguments and cache as apps.grpo, so one warm start serves both);
-    otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
+    2-digit addition (`forge.warm_start.warm_start`, called as apps.grpo calls it, cached by its inputs in
+    `model_cache/warm_start`); otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
     if not (config.enabled and is_tiny(model, model_cache)):
         return (str(Path(model).resolve()) if Path(model).exists() else model), None
     task = ArithmeticTask(seed=seed, num_digits=2, held_out=500)
