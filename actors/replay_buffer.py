@@ -16,6 +16,7 @@ from forge.metrics import record_metric
 from forge.types import Episode
 
 DROP_REASONS = ("too_old", "buffer_full")
+SAMPLE_ORDERS = ("random", "oldest")
 
 
 @dataclass
@@ -37,8 +38,10 @@ class ReplayBuffer:
     Semantics:
     - `sample(v)` never returns an episode whose oldest token came from a version older than
       `v - max_policy_age`; `max_policy_age=0` is strictly on-policy.
-    - Episodes in one batch are distinct, chosen uniformly at random with a seeded RNG: the same seed and
-      the same calls give the same batches, also across `state_dict` / `load_state_dict`.
+    - Episodes in one batch are distinct. `sample_order="random"`: chosen uniformly at random with a seeded
+      RNG (the same seed and calls give the same batches, also across `state_dict` / `load_state_dict`).
+      `"oldest"`: the oldest usable episodes first (by `oldest_policy_version`, then insertion order), so
+      episodes are trained before they age past the bound: an asynchronous job wastes no generation.
     - An episode leaves the buffer after it has been handed out `max_resample_count` times. That is
       normal use, not a loss: it is counted in `stats["consumed"]`, not among the drops.
     - Drops are counted by reason, never silently lost: "too_old" (past the age bound when `sample` or
@@ -59,6 +62,7 @@ class ReplayBuffer:
         max_buffer_size: int | None = None,
         max_resample_count: int = 1,
         seed: int = 0,
+        sample_order: str = "random",
         on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         _check_int("batch_size", batch_size, 1, "an int >= 1")
@@ -75,6 +79,8 @@ class ReplayBuffer:
         _check_int("max_resample_count", max_resample_count, 1, "an int >= 1")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"ReplayBuffer.seed={seed!r}: must be an int")
+        if sample_order not in SAMPLE_ORDERS:
+            raise ValueError(f"ReplayBuffer.sample_order={sample_order!r}: must be one of {', '.join(SAMPLE_ORDERS)}")
         if on_drop is not None and not callable(on_drop):
             raise ValueError(f"ReplayBuffer.on_drop={on_drop!r}: must be None or a callable(reason, count)")
 
@@ -83,6 +89,7 @@ class ReplayBuffer:
         self.dp_size = dp_size
         self.max_buffer_size = max_buffer_size
         self.max_resample_count = max_resample_count
+        self.sample_order = sample_order
         self._on_drop = on_drop
         self._rng = random.Random(seed)
         self._entries: list[_Entry] = []  # kept in insertion order so sampling is reproducible
@@ -138,7 +145,12 @@ class ReplayBuffer:
         self.evict(policy_version)
         if len(self._entries) < self.batch_size:
             return None
-        picked = self._rng.sample(range(len(self._entries)), self.batch_size)
+        if self.sample_order == "random":
+            picked = self._rng.sample(range(len(self._entries)), self.batch_size)
+        else:
+            by_age = sorted(range(len(self._entries)),
+                            key=lambda i: (self._entries[i].episode.oldest_policy_version, self._entries[i].seq))
+            picked = by_age[: self.batch_size]
         batch = []
         for index in picked:
             entry = self._entries[index]
@@ -204,6 +216,7 @@ class ReplayBufferConfig:
     max_buffer_size: int | None = None
     max_resample_count: int = 1
     seed: int = 0
+    sample_order: str = "random"  # random | oldest (oldest usable first: nothing ages out while held)
 
     def __post_init__(self) -> None:
         # Same checks as the buffer itself, so a bad config fails before any process is spawned.

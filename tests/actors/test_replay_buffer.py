@@ -117,6 +117,20 @@ def test_state_dict_round_trip_continues_identically():
     assert restored.stats == original.stats
 
 
+def test_oldest_order_trains_stale_episodes_before_they_age_out():
+    buffer = ReplayBuffer(batch_size=2, max_policy_age=1, sample_order="oldest")
+    buffer.add([make_episode(0, [1]), make_episode(1, [2]), make_episode(2, [1, 2]), make_episode(3, [2])])
+    assert ids(buffer.sample(2)) == [[0, 2]]  # version-1 episodes first, in insertion order
+    assert ids(buffer.sample(3)) == [[1, 3]]  # what is left is still within the bound: nothing dropped
+    assert buffer.stats["dropped_too_old"] == 0
+    # The random order on the same calls hands out a version-2 episode first and loses a version-1 one.
+    lossy = [ReplayBuffer(batch_size=2, max_policy_age=1, seed=seed) for seed in range(20)]
+    for buffer in lossy:
+        buffer.add([make_episode(0, [1]), make_episode(1, [2]), make_episode(2, [1, 2]), make_episode(3, [2])])
+        buffer.sample(2), buffer.sample(3)
+    assert any(b.stats["dropped_too_old"] > 0 for b in lossy)
+
+
 def test_buffer_full_drops_oldest_version_then_earliest_insertion():
     drops = []
     buffer = ReplayBuffer(
@@ -144,6 +158,7 @@ def test_buffer_full_drops_oldest_version_then_earliest_insertion():
         (dict(max_resample_count=0), "max_resample_count=0: must be an int >= 1"),
         (dict(seed=1.5), "seed=1.5: must be an int"),
         (dict(on_drop=3), "on_drop=3: must be None or a callable"),
+        (dict(sample_order="newest"), "sample_order='newest': must be one of random, oldest"),
     ],
 )
 def test_invalid_arguments_name_field_and_value(kwargs, message):
@@ -184,6 +199,7 @@ def configs(draw):
         max_buffer_size=max_buffer_size,
         max_resample_count=draw(st.integers(1, 3)),
         seed=draw(st.integers(0, 2**16)),
+        sample_order=draw(st.sampled_from(["random", "oldest"])),
     )
 
 
