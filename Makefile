@@ -27,7 +27,7 @@ grpo: $(STAMP)
 # rest run together. A Monarch module that fails is run once more and fails the suite only if it fails
 # again: Monarch 0.1.2 can declare a starved process dead on a busy 2-core host (README, Reliability);
 # the retry is printed, never silent. `make test ARGS=...` runs pytest once with your arguments instead.
-MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples)|start_weight_store" tests --include='test_*.py' | sort)
+MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples|server|gateway)|start_weight_store" tests --include='test_*.py' | sort)
 
 test: $(STAMP)
 ifeq ($(strip $(ARGS)),)

@@ -228,6 +228,15 @@ class Provisioner:
             await asyncio.sleep(0.2)
         return self.fatal_failures[0]
 
+    def memory_rss(self) -> dict[str, int]:
+        """Resident memory in bytes of the controller and of every live process of every mesh, by name."""
+        rss = {"controller": psutil.Process().memory_info().rss}
+        for mesh in self.meshes.values():
+            for rank, pid in enumerate(mesh.pids):
+                with contextlib.suppress(psutil.Error):
+                    rss[f"{mesh.name}[{rank}]"] = psutil.Process(pid).memory_info().rss
+        return rss
+
     async def collect_metrics(self) -> list[dict[str, metrics.Partial]]:
         """Every live process's partial metrics since the last call, plus the controller's own."""
         groups = [metrics.drain_local()]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+import zlib
 
-from forge.actor import ForgeActor, endpoint
 import torch
 
+from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
+from forge.tasks import ArithmeticTask
 from forge.weight_store import WeightStore
 
 
@@ -77,3 +80,43 @@ class ShardedPublisher(ForgeActor):
         full = constant_state_dict(version)
         sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items() if v.shape[0] % 2 == 0}
         await WeightStore(namespace).publish(sharded, version)
+
+
+# --- helpers for tests that run whole apps as subprocesses ------------------------------------------------
+MARK_VARIABLE = "FORGE_TEST_MARK"
+
+
+def marked_environment(mark: str) -> dict[str, str]:
+    """The current environment plus a mark every process of the run inherits (Monarch's included)."""
+    return {**os.environ, MARK_VARIABLE: mark}
+
+
+def processes_with_mark(mark: str, timeout: float = 30.0) -> list[str]:
+    """Processes still carrying `mark` after up to `timeout` seconds (empty when all have exited)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.environ().get(MARK_VARIABLE) == mark:
+                    left.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}")
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def faulty_reward(completion_text: str, answer: str) -> float:
+    """The arithmetic task's exact-match reward, except that a fixed quarter of completions make it raise,
+    a quarter hang for 2 s and a quarter return NaN (fault-injection tests: `task.reward=forge.testing:faulty_reward`)."""
+    kind = zlib.crc32(completion_text.encode()) % 4
+    if kind == 0:
+        raise RuntimeError(f"injected reward failure for {completion_text!r}")
+    if kind == 1:
+        time.sleep(2.0)
+    if kind == 2:
+        return float("nan")
+    return ArithmeticTask(seed=0, held_out=1).reward(completion_text, answer)

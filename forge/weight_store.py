@@ -303,6 +303,11 @@ def _check_header(fd: int, version: int) -> None:
         raise WeightVersionError(f"policy version {version} was deleted while being fetched")
 
 
+def job_segments_bytes(job: str | None = None) -> int:
+    """Bytes of shared memory held by `job`'s segments (default: this job)."""
+    return sum(path.stat().st_size for path in SHM_DIR.glob(f"forge-{job or job_id()}-*") if path.exists())
+
+
 def remove_job_segments(job: str | None = None) -> list[Path]:
     """Unlink every shared-memory segment of `job` (default: this job). Run at shutdown."""
     job = job or job_id()

@@ -20,7 +20,8 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from actors.reference_model import ReferenceActor, ReferenceConfig
 from actors.replay_buffer import ReplayBufferActor
 from actors.trainer import TrainerActor
 from apps.grpo.config import GRPOConfig
+from forge import weight_store
 from forge.config import ConfigError, load_config, parse_args, to_yaml, validate
 from forge.metrics import JsonlBackend, MetricLogger, record_metric
 from forge.provisioner import get_provisioner, kill_job_processes, shutdown
@@ -86,18 +88,22 @@ def make_task(cfg: GRPOConfig):
 
 
 # --- rewards -------------------------------------------------------------------------------------------
-@dataclass
 class RewardScorer:
-    """Runs the reward function with a timeout; a raise, a hang or a NaN scores 0 and is counted."""
+    """Runs the reward function with a timeout; a raise, a hang or a NaN scores 0 and is counted.
 
-    fn: Callable[[str, str], float]
-    timeout_s: float
-    failures: int = 0
-    _reported: set = field(default_factory=set)
+    Calls run on the scorer's own threads, so a reward that hangs ties up none of asyncio's."""
+
+    def __init__(self, fn: Callable[[str, str], float], timeout_s: float, threads: int = 32) -> None:
+        self.fn, self.timeout_s = fn, timeout_s
+        self.failures = 0
+        self._reported: set[str] = set()
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward")
 
     async def __call__(self, text: str, answer: str) -> float:
+        loop = asyncio.get_running_loop()
         try:
-            value = float(await asyncio.wait_for(asyncio.to_thread(self.fn, text, answer), self.timeout_s))
+            value = float(await asyncio.wait_for(loop.run_in_executor(self._executor, self.fn, text, answer),
+                                                 self.timeout_s))
             if math.isnan(value):
                 raise ValueError(f"reward returned NaN for completion {text!r}")
             return value
@@ -312,6 +318,8 @@ class GRPOJob:
                 **metrics,
             }
             record = logger.log(self.step, await get_provisioner().collect_metrics(), extra)
+            if "first_step" not in self.summary:
+                self.summary["rss_start"] = get_provisioner().memory_rss()
             self.summary.setdefault("first_step", record)
             self.summary["last_step"] = record
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
@@ -350,8 +358,13 @@ class GRPOJob:
 
     async def restore(self) -> None:
         path = await self._latest_checkpoint()
-        state = pickle.loads((path / "job_state.pkl").read_bytes())
-        await self.trainer.load_checkpoint.call(str(path / "trainer"))
+        older = [p.name for p in sorted(self._checkpoint_root().glob("step_*[0-9]")) if p != path]
+        try:
+            state = pickle.loads((path / "job_state.pkl").read_bytes())
+            await self.trainer.load_checkpoint.call(str(path / "trainer"))
+        except Exception as e:
+            raise RuntimeError(f"--resume: checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e}); "
+                               f"move it aside to resume from an earlier one ({', '.join(older) or 'none left'})") from None
         await self.buffer.load_state_dict.call_one(state["buffer"])
         self.step, self.rng = state["step"], random.Random()
         self.rng.setstate(state["rng"])
@@ -404,7 +417,8 @@ class GRPOJob:
                       "dropped_too_old": stats["dropped_too_old"], "dropped_buffer_full": stats["dropped_buffer_full"],
                       "dropped_zero_variance": self.counters.zero_variance_dropped},
             reward_failures=self.score.failures, generation_failures=self.counters.generation_failures,
-            interrupted=self.interrupted,
+            interrupted=self.interrupted, rss_end=get_provisioner().memory_rss(),
+            shm_bytes=weight_store.job_segments_bytes(),
         )
         return self.summary
 
@@ -433,6 +447,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     lines.append(f"episodes: generated {e['generated']} = trained {e['trained']} + held {e['held_in_buffer']} "
                  f"+ dropped (too old {e['dropped_too_old']}, buffer full {e['dropped_buffer_full']}, "
                  f"zero-variance {e['dropped_zero_variance']}); reward failures {summary['reward_failures']}")
+    if summary.get("rss_start"):
+        start, end = summary["rss_start"], summary["rss_end"]
+        lines.append("resident memory, first step -> end (MB): " + ", ".join(
+            f"{name} {start[name] / 2**20:.0f} -> {end[name] / 2**20:.0f}" for name in start if name in end)
+            + f"; weight store shared memory {summary['shm_bytes'] / 2**20:.1f} MB")
     if summary.get("checkpoint"):
         lines.append(f"checkpoint: {summary['checkpoint']}  (resume with --resume)")
     if summary.get("interrupted"):

@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from forge.testing import marked_environment, processes_with_mark
 
 # Whole-app runs: on a loaded 2-core host Monarch start-up alone has taken minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -27,30 +28,10 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _processes_left(mark: str, timeout: float = 30.0) -> list[str]:
-    """Processes whose environment carries this run's mark (Monarch's processes inherit the controller's)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            try:
-                if proc.environ().get("FORGE_TEST_MARK") == mark:
-                    left.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}")
-            except psutil.Error:
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
-
-
-def _env(mark: str) -> dict[str, str]:
-    return {**os.environ, "FORGE_TEST_MARK": mark}
-
-
 def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run(_grpo_command(run_dir, "steps=5", "replay_buffer.max_policy_age=1"), cwd=ROOT,
-                            capture_output=True, text=True, timeout=600, env=_env(str(run_dir)))
+                            capture_output=True, text=True, timeout=600, env=marked_environment(str(run_dir)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "=== GRPO run summary ===" in result.stdout
     rows = _metrics(run_dir)
@@ -64,7 +45,7 @@ def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
     assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
         e["dropped_zero_variance"]
     assert (run_dir / "hf_model" / "model.safetensors").exists()
-    assert not _processes_left(str(run_dir))
+    assert not processes_with_mark(str(run_dir))
 
 
 @pytest.mark.xfail(strict=False, reason=(
@@ -83,7 +64,7 @@ def test_synchronous_mode_trains_strictly_on_policy(tmp_path):
 def test_kill_and_resume_continues_step_and_version(tmp_path):
     run_dir = tmp_path / "resume"
     command = _grpo_command(run_dir, "steps=6", "checkpoint.interval=2", "eval.at_start=false", "eval.at_end=false")
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(str(run_dir)))
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=marked_environment(str(run_dir)))
     try:
         deadline = time.monotonic() + 400
         while not (run_dir / "checkpoints" / "step_000002" / "job_state.pkl").exists():
@@ -98,7 +79,7 @@ def test_kill_and_resume_continues_step_and_version(tmp_path):
     rows_before = len(_metrics(run_dir))
     checkpointed = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*[0-9]")
                        if (p / "job_state.pkl").exists())
-    assert not _processes_left(str(run_dir)), "processes outlived a killed controller"
+    assert not processes_with_mark(str(run_dir)), "processes outlived a killed controller"
 
     result = subprocess.run(command + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

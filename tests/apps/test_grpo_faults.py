@@ -1,0 +1,139 @@
+"""Faults injected into a running `python -m apps.grpo`: what survives, what stops fast, and what is left behind."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from forge.testing import marked_environment, processes_with_mark
+from forge.weight_store import SHM_DIR
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+PIDS = re.compile(r"provisioned mesh (\w+)-r?\d*-?\d+: \d+ procs \(pids \[([\d, ]+)\]\)")
+
+
+def _command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "apps.grpo", "--config", "configs/grpo_tiny.yaml", f"run_dir={run_dir}",
+            "warm_start.enabled=false", "eval.at_start=false", "eval.at_end=false", "rollout.concurrency=2",
+            "replay_buffer.batch_size=32", "trainer.micro_batch_size=32", *overrides]
+
+
+class RunningJob:
+    """The app as a subprocess with its output in a file, so a test can watch it while it runs."""
+
+    def __init__(self, run_dir: Path, *overrides: str) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir, self.log_path = run_dir, run_dir.parent / f"{run_dir.name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(_command(run_dir, *overrides), cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=marked_environment(str(run_dir)))
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def steps_logged(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def wait_for(self, condition, what: str, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.output()[-3000:]}"
+            time.sleep(0.3)
+
+    def pids(self, mesh: str) -> list[int]:
+        found = [m.group(2) for m in PIDS.finditer(self.output()) if m.group(1) == mesh]
+        assert found, f"no mesh {mesh!r} in the output"
+        return [int(p) for p in found[0].split(",")]
+
+    def finish(self, timeout: float = 400) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+def _job_segments(pid: int) -> list[str]:
+    return [p.name for p in SHM_DIR.glob(f"forge-{pid}-*")]
+
+
+def test_generator_replica_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
+    job = RunningJob(tmp_path / "run", "steps=8", "resources.generator_replicas=2", "checkpoint.final=false")
+    job.wait_for(lambda: job.steps_logged() >= 2, "step 2")
+    victim = job.pids("generator")[0]
+    subprocess.run(["kill", "-9", str(victim)], check=True)
+    assert job.finish() == 0, job.output()[-3000:]
+    out = job.output()
+    assert "replica 0 failed" in out and f"process {victim} of mesh 'generator-r0" in out
+    assert "replica 0 restarted" in out
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))  # the same number of trained steps
+    assert not processes_with_mark(str(job.run_dir))
+
+
+def test_trainer_death_stops_the_job_within_30s_naming_it_and_resume_continues(tmp_path):
+    job = RunningJob(tmp_path / "run", "steps=40", "checkpoint.interval=2")
+    job.wait_for(lambda: (job.run_dir / "checkpoints" / "step_000004" / "job_state.pkl").exists(), "two checkpoints")
+    (trainer,) = job.pids("trainer")
+    killed_at = time.monotonic()
+    subprocess.run(["kill", "-9", str(trainer)], check=True)
+    code = job.finish(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert code != 0
+    out = job.output()
+    assert "FATAL: actor mesh 'trainer-" in out and f"process {trainer} of mesh 'trainer-" in out
+    assert not processes_with_mark(str(job.run_dir), timeout=5)
+    assert not _job_segments(job.proc.pid)
+
+    # A truncated newest checkpoint is refused by name; the one before it still resumes.
+    newest, previous = sorted((job.run_dir / "checkpoints").glob("step_*[0-9]"), reverse=True)[:2]
+    state = newest / "job_state.pkl"
+    state.write_bytes(state.read_bytes()[:20])
+    refused = subprocess.run(_command(job.run_dir, "steps=40", "--resume"), cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode != 0
+    assert f"checkpoint {newest} is corrupt or incomplete" in refused.stderr and previous.name in refused.stderr
+    newest.rename(newest.with_name(newest.name + ".corrupt"))
+    checkpointed = int(previous.name.split("_")[1])
+    resumed = subprocess.run(_command(job.run_dir, f"steps={checkpointed + 2}", "--resume"), cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {previous}: step {checkpointed}, policy version {checkpointed}" in resumed.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_cleanly_with_a_final_checkpoint_within_30s(tmp_path, sig):
+    job = RunningJob(tmp_path / "run", "steps=200")
+    job.wait_for(lambda: job.steps_logged() >= 2, "step 2")
+    job.proc.send_signal(sig)
+    sent_at = time.monotonic()
+    code = job.finish(timeout=60)
+    assert time.monotonic() - sent_at < 30
+    assert code == 128 + sig.value, job.output()[-3000:]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["interrupted"] == sig.name and 2 <= summary["steps"] < 200
+    saved = job.run_dir / "checkpoints" / f"step_{summary['steps']:06d}"
+    assert (saved / "job_state.pkl").exists()  # the final checkpoint is the step the job stopped at
+    assert not processes_with_mark(str(job.run_dir), timeout=5)
+    assert not _job_segments(job.proc.pid)
+
+
+def test_a_reward_that_raises_hangs_or_returns_nan_is_scored_as_failure_and_the_run_goes_on(tmp_path):
+    job = RunningJob(tmp_path / "run", "steps=3", "task.reward=forge.testing:faulty_reward",
+                     "task.reward_timeout_s=0.2", "checkpoint.final=false")
+    assert job.finish() == 0, job.output()[-3000:]
+    out = job.output()
+    for kind in ("RuntimeError", "TimeoutError", "ValueError"):  # raised, hung, NaN: each shown once
+        assert out.count(f"reward function failed ({kind})") == 1, kind
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["reward_failures"] > 0
