@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from actors.engines.hf import HFEngine  # noqa: E402
 from forge.tasks.arithmetic import ArithmeticTask, Problem  # noqa: E402
-from forge.tiny_model import build_tiny_checkpoint  # noqa: E402
+from forge.tiny_model import ensure_tiny_checkpoint  # noqa: E402
+from forge.warm_start import WarmStartConfig, warm_start  # noqa: E402
 from forge.types import Episode, SamplingParams, TrainBatch  # noqa: E402
 from losses import group_advantages, grpo  # noqa: E402
 
@@ -47,13 +48,14 @@ class LearningSpeedConfig:
     num_threads: int = 1  # measured: 1 beats 2 on the shared 2-core machine
     # Task: 2-digit addition; answers have at most 3 digits, plus EOS.
     num_digits: int = 2
+    reverse_answer: bool = True
     held_out: int = 500
     max_tokens: int = 4
-    # Supervised warm start: stop as soon as greedy accuracy on `warm_eval_prompts` reaches the threshold.
+    # Supervised warm start (forge.warm_start, as the app runs it): stop at the threshold's greedy accuracy.
     warm_lr: float = 3e-3
     warm_batch_size: int = 64
-    warm_threshold: float = 0.20
-    warm_eval_every: int = 10
+    warm_threshold: float = 0.15
+    warm_eval_every: int = 5
     warm_eval_prompts: int = 200
     warm_max_steps: int = 3000
     # GRPO.
@@ -101,48 +103,6 @@ def held_out_accuracy(engine: HFEngine, task: ArithmeticTask, problems: list[Pro
     return sum(rewards) / len(rewards)
 
 
-def supervised_batch(problems: list[Problem], engine: HFEngine) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forcing inputs and a [B, T-1] mask on the answer tokens and EOS only."""
-    tokenizer = engine.tokenizer
-    episodes = [
-        Episode(
-            episode_id=i,
-            group_id=i,
-            prompt_ids=tokenizer.encode(p.prompt),
-            completion_ids=tokenizer.encode(p.answer) + [tokenizer.eos_token_id],
-            behaviour_logprobs=[0.0] * (len(p.answer) + 1),
-            policy_versions=[0] * (len(p.answer) + 1),
-            reward=1.0,
-        )
-        for i, p in enumerate(problems)
-    ]
-    batch = TrainBatch.from_episodes(episodes, pad_id=engine.pad_token_id)
-    return batch.input_ids, batch.response_mask
-
-
-def warm_start(
-    model: PreTrainedModel, engine: HFEngine, task: ArithmeticTask, cfg: LearningSpeedConfig, log: Callable[[str], None]
-) -> int:
-    """Supervised steps until greedy accuracy on a held-out slice reaches `cfg.warm_threshold`; returns steps."""
-    examples = task.supervised_examples(cfg.warm_batch_size * cfg.warm_max_steps)
-    probe = task.held_out()[: cfg.warm_eval_prompts]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warm_lr)
-    for step in range(1, cfg.warm_max_steps + 1):
-        chunk = examples[(step - 1) * cfg.warm_batch_size : step * cfg.warm_batch_size]
-        input_ids, mask = supervised_batch(chunk, engine)
-        loss = -(completion_logprobs(model, input_ids) * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % cfg.warm_eval_every == 0:
-            engine.load_weights(model.state_dict(), version=0)
-            accuracy = held_out_accuracy(engine, task, probe, cfg.max_tokens)
-            log(f"warm step {step:4d} loss {loss.item():.3f} probe accuracy {accuracy:.1%}")
-            if accuracy >= cfg.warm_threshold:
-                return step
-    return cfg.warm_max_steps
-
-
 def grpo_step(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
@@ -170,6 +130,7 @@ def grpo_step(
         out = grpo(completion_logprobs(model, minibatch.input_ids), minibatch, clip_eps=cfg.clip_eps)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     return {"reward": rewards.mean().item(), "zero_variance": zero_variance.float().mean().item(), **out.metrics}
 
@@ -182,23 +143,31 @@ def run_hand_loop(cfg: LearningSpeedConfig, log: Callable[[str], None] = print) 
     """
     torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    task = ArithmeticTask(seed=cfg.seed, num_digits=cfg.num_digits, held_out=cfg.held_out)
+    task = ArithmeticTask(seed=cfg.seed, num_digits=cfg.num_digits, held_out=cfg.held_out,
+                          reverse_answer=cfg.reverse_answer)
     held_out = task.held_out()
-    with tempfile.TemporaryDirectory(prefix="forge-learning-speed-") as folder:
-        checkpoint = build_tiny_checkpoint(folder, seed=cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-        engine = HFEngine(checkpoint, seed=cfg.seed)
-    model.train()
-
-    # GRPO time counts sampling, the update and the weight load, not held-out evaluation.
+    # The app's warm start, with the app's data streams: both runners start from the same checkpoint.
     start = run_start = time.perf_counter()
-    warm_steps = warm_start(model, engine, task, cfg, log)
+    train_rng = random.Random(f"{cfg.seed}-warm-start")
+    checkpoint, _ = warm_start(
+        ensure_tiny_checkpoint(REPO / ".cache/forge/tiny-qwen3"), REPO / ".cache/forge/warm_start",
+        train_problems=lambda n: task.sample_prompts(n, train_rng),
+        eval_problems=task.sample_prompts(cfg.warm_eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval")),
+        reward=task.reward, seed=cfg.seed, max_tokens=cfg.max_tokens, log=log,
+        config=WarmStartConfig(target_accuracy=cfg.warm_threshold, lr=cfg.warm_lr, batch_size=cfg.warm_batch_size,
+                               max_steps=cfg.warm_max_steps, eval_every=cfg.warm_eval_every,
+                               eval_prompts=cfg.warm_eval_prompts))
     warm_seconds = time.perf_counter() - start
-    engine.load_weights(model.state_dict(), version=0)
+    warm_steps = json.loads((checkpoint / "warm_start.json").read_text())["steps"]
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    engine = HFEngine(str(checkpoint), seed=cfg.seed)
+    model.train()
     start_accuracy = held_out_accuracy(engine, task, held_out, cfg.max_tokens)
     log(f"warm start: {warm_steps} steps, {warm_seconds:.1f}s, held-out accuracy {start_accuracy:.1%}")
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    # The app's trainer: AdamW without weight decay, gradients clipped at norm 1.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(f"{cfg.seed}-grpo")
     accuracy, train_seconds, gain_seconds = start_accuracy, 0.0, math.nan
     steps = evaluated_at = 0
@@ -235,7 +204,8 @@ def app_overrides(cfg: LearningSpeedConfig, run_dir: Path) -> list[str]:
     """`key=value` overrides that give the app the hand loop's task, warm start and GRPO settings."""
     return [
         f"run_dir={run_dir}", f"seed={cfg.seed}", f"steps={cfg.grpo_steps}",
-        f"task.num_digits={cfg.num_digits}", f"task.held_out={cfg.held_out}", f"eval.num_prompts={cfg.held_out}",
+        f"task.num_digits={cfg.num_digits}", f"task.reverse_answer={str(cfg.reverse_answer).lower()}",
+        f"task.held_out={cfg.held_out}", f"eval.num_prompts={cfg.held_out}",
         f"eval.every={cfg.eval_every}",
         f"warm_start.lr={cfg.warm_lr}", f"warm_start.batch_size={cfg.warm_batch_size}",
         f"warm_start.target_accuracy={cfg.warm_threshold}", f"warm_start.eval_every={cfg.warm_eval_every}",

@@ -9,12 +9,9 @@ from forge.native import setup as _setup_native_libraries
 # reported at once by its exit. A value set by the user wins.
 _os.environ.setdefault("HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE", "300s")
 
-# With a stderr tail configured, Monarch 0.1.2's host process pipes every child's stdout/stderr and forwards
-# the lines through its log sender, whose first use can deadlock the host's runtime (a re-entrant lock in
-# hyperactor's type-name cache, `Named::typename` for nested generic types; seen in about 1 of 3 starts on a
-# 2-core host, the whole job then hangs). With no tail the children inherit the controller's stdio instead:
-# their output still reaches the console, and forge reports process deaths itself.
-_os.environ.setdefault("HYPERACTOR_MESH_TAIL_LOG_LINES", "0")
+# torchstore sets this (large RPC frames) on import and prints a warning each time; set it first, quietly.
+# Quiet matters: see `forge.provisioner.ProcAgent` on child output.
+_os.environ.setdefault("HYPERACTOR_CODEC_MAX_FRAME_LENGTH", "910737418240")
 
 # On CPU-only hosts Monarch's native module needs stand-ins for the CUDA driver and verbs libraries;
 # set them up before anything imports monarch (a no-op on GPU hosts).

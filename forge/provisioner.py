@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class ProcAgent(Actor):
     """
 
     def __init__(self, controller_pid: int) -> None:
+        _write_to_the_controllers_console(controller_pid)
         threading.Thread(target=_exit_with_controller, args=(controller_pid,), daemon=True).start()
 
     @endpoint
@@ -118,13 +120,17 @@ class Provisioner:
         self._free_gpus = list(self.gpus)
         self._weight_store_started = False
         self._watcher: asyncio.Task | None = None
+        self._store_mesh: ProvisionedMesh | None = None
         weight_store.job_id()  # this controller's pid names the job's shared-memory segments
         weight_store.remove_dead_jobs_segments()
 
     async def start_weight_store(self) -> None:
         """Start torchstore's controller and storage volume (once); keys of the weight store live there."""
         if not self._weight_store_started:
-            await torchstore.initialize()
+            # The storage volume runs on a mesh of ours, so its output bypasses Monarch's host like every
+            # other process's (ProcAgent) and its death is reported like any other mesh's.
+            self._store_mesh = await self.get_proc_mesh(1, mesh_name="weight_store")
+            await torchstore.initialize(mesh=self._store_mesh.procs)
             self._weight_store_started = True
 
     async def get_proc_mesh(
@@ -281,16 +287,45 @@ class Provisioner:
         """Stop every mesh this provisioner made (in parallel); leaves no child processes or segments."""
         if self._watcher is not None:
             self._watcher.cancel()
-        await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values())))
+        store_mesh = self._store_mesh
+        # The store outlives the actors that use it (generators finish in-flight fetches in teardown).
+        await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values()) if m is not store_mesh))
         if self._weight_store_started:
             self._weight_store_started = False
-            try:
-                await asyncio.wait_for(torchstore.shutdown(), timeout=20)
-            except Exception as e:
-                logger.debug("torchstore shutdown: %s", e)
+            if store_mesh is not None and not store_mesh.failed:
+                try:
+                    await asyncio.wait_for(torchstore.shutdown(), timeout=20)
+                except Exception as e:
+                    logger.debug("torchstore shutdown: %s", e)
             torchstore.reset_client()
+        if store_mesh is not None:
+            await self.stop_proc_mesh(store_mesh)
+            self._store_mesh = None
         weight_store.remove_job_segments()
         _kill_leftovers(monarch_children())
+
+
+def _write_to_the_controllers_console(controller_pid: int) -> None:
+    """Point this process's stdout and stderr at the controller's, bypassing Monarch's host process.
+
+    Monarch 0.1.2's host reads every child's output from a pipe and forwards it through its log sender, whose
+    first use can deadlock the host (a re-entrant lock in hyperactor's type-name cache, `Named::typename` for
+    nested generic types, taken while the same lock shard is held): every process of the job then stops
+    answering and the job hangs. It struck about 1 start in 3 on a 2-core host. Output written here goes
+    straight to the controller's terminal, file or pipe instead, so the host never forwards a line.
+    """
+    import stat
+
+    for fd in (1, 2):
+        target = f"/proc/{controller_pid}/fd/{fd}"
+        try:
+            flags = os.O_WRONLY | (os.O_APPEND if stat.S_ISREG(os.stat(target).st_mode) else 0)
+            opened = os.open(target, flags)
+        except OSError:  # a socket or a closed descriptor: keep Monarch's pipe
+            continue
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        os.dup2(opened, fd)
+        os.close(opened)
 
 
 def _exit_with_controller(controller_pid: int, poll_s: float = 1.0) -> None:

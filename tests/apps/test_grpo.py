@@ -48,9 +48,6 @@ def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
     assert not processes_with_mark(str(run_dir))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug, issue 5: in synchronous mode (max_policy_age=0) the job intermittently stalls until Monarch declares "
-    "torchstore's storage-volume process dead (seen in 2 of 3 fresh-clone runs); the assertions below are the contract"))
 def test_synchronous_mode_trains_strictly_on_policy(tmp_path):
     run_dir = tmp_path / "sync"
     result = subprocess.run(_grpo_command(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "eval.at_start=false",
