@@ -118,6 +118,7 @@ class Provisioner:
 
     def __post_init__(self) -> None:
         self._free_gpus = list(self.gpus)
+        _append_when_writing_to_a_file()
         self._weight_store_started = False
         self._watcher: asyncio.Task | None = None
         self._store_mesh: ProvisionedMesh | None = None
@@ -188,7 +189,7 @@ class Provisioner:
         self.meshes[name] = mesh
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch_processes())
-        logger.info("provisioned mesh %s: %d procs (pids %s), gpus %s", name, procs, pids, gpus)
+        logger.debug("provisioned mesh %s: %d procs (pids %s), gpus %s", name, procs, pids, gpus)
         return mesh
 
     async def _watch_processes(self, poll_s: float = 0.5) -> None:
@@ -303,6 +304,20 @@ class Provisioner:
             self._store_mesh = None
         weight_store.remove_job_segments()
         _kill_leftovers(monarch_children())
+
+
+def _append_when_writing_to_a_file() -> None:
+    """The controller's stdout/stderr, when a regular file, in append mode: its processes append to the same
+    file (`_write_to_the_controllers_console`), and a writer at its own offset would overwrite their lines."""
+    import fcntl
+    import stat
+
+    for fd in (1, 2):
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        except OSError:
+            pass
 
 
 def _write_to_the_controllers_console(controller_pid: int) -> None:

@@ -184,6 +184,9 @@ class GRPOJob:
             spawns.append(ReferenceActor.options(procs=r.reference_procs, with_gpus=r.with_gpus,
                                                  mesh_name="reference").as_actor(ref_cfg))
         actors = await asyncio.gather(*spawns)
+        for mesh in provisioner.meshes.values():  # which process is which, for ps/top/py-spy and fault reports
+            print(f"provisioned mesh {mesh.name}: {len(mesh.pids)} procs (pids {mesh.pids})"
+                  f"{f', gpus {mesh.gpus}' if mesh.gpus else ''}", flush=True)
         self.trainer, self.buffer, self.generators = actors[:3]
         self.reference = actors[3] if cfg.reference.enabled else None
 

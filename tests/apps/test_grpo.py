@@ -85,3 +85,23 @@ def test_kill_and_resume_continues_step_and_version(tmp_path):
     # Step and policy version continue from the checkpoint: no step repeated from 1, none skipped.
     assert [r["step"] for r in resumed] == list(range(checkpointed + 1, 7))
     assert [int(r["policy_version"]) for r in resumed] == list(range(checkpointed + 1, 7))
+
+
+def test_500_step_run_keeps_memory_flat_and_accounts_for_every_episode(tmp_path):
+    run_dir = tmp_path / "long"
+    result = subprocess.run(_grpo_command(run_dir, "steps=500", "eval.at_start=false", "eval.at_end=false",
+                                          "checkpoint.final=false", "metrics.console=false"),
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    start, end = summary["rss_start"], summary["rss_end"]
+    for name in start:
+        print(f"RSS {name}: step 1 {start[name] / 2**20:.0f} MB -> step 500 {end[name] / 2**20:.0f} MB")
+    for name in set(start) & set(end):
+        assert end[name] - start[name] < 150 * 2**20, f"{name} grew from {start[name]} to {end[name]} bytes"
+    # The store keeps a few versions of a ~1.6 MB model, never one per step.
+    assert summary["shm_bytes"] < 20 * 2**20
+    e = summary["episodes"]
+    assert e["held_in_buffer"] <= 2 * 32  # the staleness bound: (max_policy_age + 1) batches
+    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
+        e["dropped_zero_variance"]
