@@ -502,22 +502,26 @@ class TitanTrainer:
             self.save_checkpoint()
         return metrics
 
-    def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the whole (mini)batch; each rank back-propagates its own rows."""
-        start, micro = self._local_micro_batches(batch)
-        self.optimizers.zero_grad()
+    def accumulate_gradients(
+        self, batch: TrainBatch, loss_fn: Any, loss_params: dict[str, Any], *, with_entropy: bool = False
+    ) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
+        """Add d(loss)/d(params) of the whole batch to the parameters' gradients, micro-batch by micro-batch.
 
+        Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if asked, the token entropies.
+        """
+        start, micro = self._local_micro_batches(batch)
         # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass.
         keep_graph = len(micro) == 1
         with torch.set_grad_enabled(keep_graph):
-            parts = [self._forward(mb.input_ids, with_entropy=True) for mb in micro]
+            parts = [self._forward(mb.input_ids, with_entropy=with_entropy) for mb in micro]
         local_logprobs = torch.cat([lp for lp, _ in parts])
-        entropy = gather_rows(torch.cat([e for _, e in parts]), self.dp_degree, self.dp_group)
+        entropy = gather_rows(torch.cat([e for _, e in parts]), self.dp_degree, self.dp_group) if with_entropy else None
         logprobs = gather_rows(local_logprobs.detach(), self.dp_degree, self.dp_group).requires_grad_()
 
-        out: LossOutput = self.loss_fn(logprobs, batch, **self.config.loss_params)
+        out: LossOutput = loss_fn(logprobs, batch, **loss_params)
         if not out.loss.requires_grad:
-            raise ValueError(f"loss {self.config.loss!r} returned a loss that does not depend on the log-probs")
+            name = getattr(loss_fn, "__name__", repr(loss_fn))
+            raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
         (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
         # FSDP averages gradients over data-parallel ranks, but each rank's share is already exact: undo it.
         local_grad = loss_grad[start : start + local_logprobs.shape[0]] * self.dp_degree
@@ -529,7 +533,12 @@ class TitanTrainer:
                 mb_logprobs, _ = self._forward(mb.input_ids, with_entropy=False)
                 mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
                 offset += mb.num_sequences
+        return out, logprobs.detach(), entropy
 
+    def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the whole (mini)batch; each rank back-propagates its own rows."""
+        self.optimizers.zero_grad()
+        out, _, entropy = self.accumulate_gradients(batch, self.loss_fn, self.config.loss_params, with_entropy=True)
         grad_norm = titan_dist.clip_grad_norm_(list(self.model.parameters()), self.config.max_grad_norm, foreach=True)
         self.optimizers.step()
         mask = batch.response_mask

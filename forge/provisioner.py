@@ -86,7 +86,8 @@ class ProvisionedMesh:
     actors: list[Any] = field(default_factory=list)  # actors here that define `teardown`: called before the stop
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -170,7 +171,7 @@ class Provisioner:
             agents = proc_mesh.spawn("proc_agent", ProcAgent, os.getpid())
             shared = {
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()),
+                "MASTER_PORT": str(free_port()),
                 "WORLD_SIZE": str(procs),
                 "FORGE_JOB_ID": weight_store.job_id(),
             }

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 import time
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -120,3 +124,63 @@ def faulty_reward(completion_text: str, answer: str) -> float:
     if kind == 2:
         return float("nan")
     return ArithmeticTask(seed=0, held_out=1).reward(completion_text, answer)
+
+
+def job_processes(controller_pid: int) -> list[int]:
+    """Monarch processes of the job whose controller had `controller_pid`, wherever they were re-parented.
+
+    The provisioner tags every process it spawns with FORGE_JOB_ID=<controller pid>; an orphan left by a dead
+    controller is re-parented to init, so looking only at the controller's descendants would miss it.
+    """
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("FORGE_JOB_ID") == str(controller_pid) and any("monarch" in p for p in proc.cmdline()):
+                pids.append(proc.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def start_http_app(command: list[str], log_path: Path, cwd: Path, timeout: float = 400) -> tuple[subprocess.Popen, str]:
+    """Start an HTTP app (`... http.port=N ...`) and wait for its /health. A start-up that dies is retried
+    once: Monarch 0.1.2 on a loaded 2-core host has dropped start-up messages past their deadline."""
+    import httpx
+
+    port = next(arg.split("=", 1)[1] for arg in command if arg.startswith("http.port="))
+    base_url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        for attempt in (1, 2):
+            proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                        return proc, base_url
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            print(f"== {command[2]} start-up attempt {attempt} failed (exit {proc.returncode})", file=sys.stderr)
+    raise RuntimeError(f"{' '.join(command)} did not come up:\n{log_path.read_text()[-4000:]}")
+
+
+def stop_http_app(proc: subprocess.Popen, timeout: float = 90) -> int:
+    """SIGTERM, wait (kill past `timeout`), then wait up to 30 s for the job's Monarch processes to go; returns
+    the exit code. Leftover processes are an AssertionError."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    deadline = time.monotonic() + 30
+    while job_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = job_processes(proc.pid)
+    assert not left, f"processes of the stopped app are still running: {left}"
+    return code

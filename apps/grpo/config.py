@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Literal
 
 from actors.generator import GeneratorConfig
-from actors.reference_model import ReferenceConfig
 from actors.replay_buffer import ReplayBufferConfig
 from actors.trainer import TrainerConfig
 from forge.metrics import MetricsConfig

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torchtitan.distributed import utils as titan_dist
 
-from actors.trainer import TitanTrainer, TrainerActor, check_input_ids, gather_rows
+from actors.trainer import TitanTrainer, TrainerActor, check_input_ids
 from forge.actor import endpoint
 from forge.distributed import init_from_environment
 from forge.types import TrainBatch
@@ -45,27 +45,9 @@ class ServerTrainer(TitanTrainer):
         check_input_ids(batch.input_ids, self.model_args)
         loss_fn = get_loss(loss)
         batch = _on_device(batch, self.device)
-        start, micro = self._local_micro_batches(batch)
-        keep_graph = len(micro) == 1
-        with torch.set_grad_enabled(keep_graph):
-            parts = [self._forward(mb.input_ids, with_entropy=False)[0] for mb in micro]
-        local = torch.cat(parts)
-        logprobs = gather_rows(local.detach(), self.dp_degree, self.dp_group).requires_grad_()
-        out = loss_fn(logprobs, batch, **loss_params)
-        if not out.loss.requires_grad:
-            raise ValueError(f"loss_fn={loss!r} returned a loss that does not depend on the log-probs")
-        (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
-        local_grad = loss_grad[start : start + local.shape[0]] * self.dp_degree  # FSDP averages over ranks
-        if keep_graph:
-            local.backward(local_grad)
-        else:
-            offset = 0
-            for mb in micro:
-                mb_logprobs, _ = self._forward(mb.input_ids, with_entropy=False)
-                mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
-                offset += mb.num_sequences
+        out, logprobs, _ = self.accumulate_gradients(batch, loss_fn, loss_params)
         self.accumulated += 1
-        return {"loss": out.loss.item(), "metrics": dict(out.metrics), "logprobs": logprobs.detach().cpu()}
+        return {"loss": out.loss.item(), "metrics": dict(out.metrics), "logprobs": logprobs.cpu()}
 
     @torch.no_grad()
     def forward_only(self, batch: TrainBatch, loss: str | None, loss_params: dict[str, Any]) -> dict[str, Any]:

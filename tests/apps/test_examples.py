@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from apps.examples.best_of_n import BestOfNConfig, main
 from apps.examples.scorer import closeness_reward
 from forge.config import load_config, validate
 from forge.tasks.arithmetic import ArithmeticTask
+from forge.testing import job_processes
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "example_best_of_n.yaml"
@@ -30,22 +30,6 @@ def _run_app(*overrides: str, timeout: float) -> tuple[int, subprocess.Completed
             stdout, stderr = proc.communicate()
             pytest.fail(f"the app ran past {timeout}s:\n{stdout}\n{stderr}")
     return proc.pid, subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
-def _job_processes(controller_pid: int) -> list[int]:
-    """Monarch processes of the job whose controller had `controller_pid`, wherever they were re-parented.
-
-    The provisioner tags every process it spawns with FORGE_JOB_ID=<controller pid>; an orphan left by
-    a dead controller is re-parented to init, so looking only at our descendants would miss it.
-    """
-    pids = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("FORGE_JOB_ID") == str(controller_pid) and any("monarch" in p for p in proc.cmdline()):
-                pids.append(proc.pid)
-        except psutil.Error:
-            pass
-    return pids
 
 
 def test_closeness_reward():
@@ -85,7 +69,7 @@ def test_best_of_n_runs_and_stops_every_process(tmp_path):
     assert f"scorer/samples={num_prompts * n} " in result.stdout, output
 
     assert (tmp_path / "tiny" / "model.safetensors").is_file()  # the tiny model was built on first use
-    assert _job_processes(pid) == []
+    assert job_processes(pid) == []
 
 
 def test_unknown_key_fails_before_spawning():
@@ -93,7 +77,7 @@ def test_unknown_key_fails_before_spawning():
     assert result.returncode != 0
     assert "task.num_promts=3: unknown key. Did you mean 'task.num_prompts'?" in result.stderr, result.stderr
     assert "provisioned mesh" not in result.stderr + result.stdout
-    assert _job_processes(pid) == []
+    assert job_processes(pid) == []
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,6 @@ module in its own pytest process. Session export and reward bookkeeping are also
 from __future__ import annotations
 
 import asyncio
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +17,10 @@ from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 
+from forge.provisioner import free_port
+from forge.testing import start_http_app, stop_http_app
 from apps.gateway.sessions import Interaction, RLSession, trajectory_episodes
 from bench.gateway_load import percentile, run_load
 
@@ -57,69 +56,18 @@ def test_percentile_is_nearest_rank():
 
 
 # --- the running gateway -----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _job_processes(controller_pid: int) -> list[int]:
-    pids = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("FORGE_JOB_ID") == str(controller_pid) and any("monarch" in p for p in proc.cmdline()):
-                pids.append(proc.pid)
-        except psutil.Error:
-            pass
-    return pids
-
-
-def _start_gateway(command: list[str], run_dir: Path, log) -> tuple[subprocess.Popen, str]:
-    """Start it and wait for /health. A start-up that dies is retried once: Monarch 0.1.2 on a loaded 2-core
-    host has dropped start-up messages past their deadline (README, Reliability)."""
-    port = next(arg.split("=", 1)[1] for arg in command if arg.startswith("http.port="))
-    base_url = f"http://127.0.0.1:{port}"
-    for attempt in (1, 2):
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 400
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    return proc, base_url
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        print(f"== gateway start-up attempt {attempt} failed (exit {proc.returncode})", file=sys.stderr)
-    pytest.fail(f"the gateway did not come up:\n{(run_dir / 'gateway.log').read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    port = _free_port()
     run_dir = tmp_path_factory.mktemp("gateway")
-    log = open(run_dir / "gateway.log", "w")
-    command = [sys.executable, "-m", "apps.gateway", "--config", "configs/gateway_tiny.yaml", f"http.port={port}",
+    command = [sys.executable, "-m", "apps.gateway", "--config", "configs/gateway_tiny.yaml", f"http.port={free_port()}",
                f"run_dir={run_dir}", f"rl.admin_api_key={ADMIN}", "replay_buffer.batch_size=32",
                "replay_buffer.max_policy_age=1"]
-    proc, base_url = _start_gateway(command, run_dir, log)
+    proc, base_url = start_http_app(command, run_dir / "gateway.log", ROOT)
     yield {"url": base_url, "proc": proc, "run_dir": run_dir}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    log.close()
+    code = stop_http_app(proc)
     output = (run_dir / "gateway.log").read_text()
     assert code == 0, output[-4000:]
     assert "forge online-RL gateway stopped" in output
-    deadline = time.monotonic() + 30
-    while _job_processes(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _job_processes(proc.pid) == []
 
 
 @pytest.fixture(scope="module")
