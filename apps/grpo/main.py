@@ -38,7 +38,7 @@ from forge.config import ConfigError, load_config, parse_args, to_yaml, validate
 from forge.metrics import JsonlBackend, MetricLogger, record_metric
 from forge.provisioner import get_provisioner, kill_job_processes, shutdown
 from forge.service import NoHealthyReplicaError
-from forge.tasks import ArithmeticTask, Problem, load_callable
+from forge.tasks import ArithmeticTask, load_callable
 from forge.tiny_model import ensure_tiny_checkpoint
 from forge.types import Episode, SamplingParams
 from forge.warm_start import warm_start

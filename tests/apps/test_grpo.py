@@ -1,7 +1,6 @@
 """apps.grpo end to end, as a user runs it: a subprocess, then assertions on what it wrote."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
