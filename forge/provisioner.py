@@ -49,7 +49,9 @@ class ProcAgent(Actor):
     whole tree under the host process, so a crash leaves no orphans.
     """
 
-    def __init__(self, controller_pid: int) -> None:
+    def __init__(self, controller_pid: int, controller_started: float) -> None:
+        if not _is_this_host(controller_pid, controller_started):
+            return  # on another host the controller's pid means nothing here
         _write_to_the_controllers_console(controller_pid)
         threading.Thread(target=_exit_with_controller, args=(controller_pid,), daemon=True).start()
 
@@ -168,7 +170,7 @@ class Provisioner:
         host = self.host_mesh if self.host_mesh is not None else this_host()
         try:
             proc_mesh = host.spawn_procs(per_host={"procs": procs}, name=name)
-            agents = proc_mesh.spawn("proc_agent", ProcAgent, os.getpid())
+            agents = proc_mesh.spawn("proc_agent", ProcAgent, os.getpid(), psutil.Process().create_time())
             shared = {
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port()),
@@ -305,6 +307,14 @@ class Provisioner:
             self._store_mesh = None
         weight_store.remove_job_segments()
         _kill_leftovers(monarch_children())
+
+
+def _is_this_host(pid: int, started: float) -> bool:
+    """Whether the process `pid`, started at `started` (psutil create_time), runs on this host."""
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1e-3
+    except psutil.Error:
+        return False
 
 
 def _append_when_writing_to_a_file() -> None:
