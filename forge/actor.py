@@ -255,6 +255,11 @@ class _EndpointHandle:
 _MESH_OF: dict[int, tuple[Any, ProvisionedMesh]] = {}
 
 
+def rank0(values: Any) -> Any:
+    """An endpoint called on every rank of a mesh answers per rank; rank 0 speaks for the mesh."""
+    return next(iter(values.values())) if hasattr(values, "values") and not isinstance(values, dict) else values
+
+
 def mesh_of(actor: Any) -> ProvisionedMesh | None:
     entry = _MESH_OF.get(id(actor))
     return entry[1] if entry else None

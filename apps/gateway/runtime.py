@@ -35,7 +35,7 @@ from apps.gateway.sessions import Interaction, RLSession, SessionStore, set_rewa
 from apps.server.errors import ServiceError, field_error
 from apps.server.model import tokenizer_info
 from apps.server.runtime import endpoint_failure
-from forge.actor import EndpointError
+from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
 from forge.types import Episode, SamplingParams
@@ -43,9 +43,6 @@ from forge.types import Episode, SamplingParams
 logger = logging.getLogger(__name__)
 WEIGHTS = "policy"
 
-
-def _rank0(values: Any) -> Any:
-    return next(iter(values.values())) if hasattr(values, "values") and not isinstance(values, dict) else values
 
 
 class Gateway:
@@ -82,7 +79,7 @@ class Gateway:
         self.trainer = await TrainerActor.options(mesh_name="trainer").as_actor(trainer_cfg, weight_namespace=WEIGHTS)
         self.generators = await Generator.options(num_replicas=cfg.generator_replicas,
                                                   mesh_name="generator").as_service(generator_cfg)
-        self.version = int(_rank0(await self.trainer.publish_weights.call()))
+        self.version = int(rank0(await self.trainer.publish_weights.call()))
         await self.generators.update_weights.fanout(self.version)
         self._tasks = [asyncio.ensure_future(self._reap())]
         if cfg.rl.train:
@@ -225,7 +222,7 @@ class Gateway:
             self.held = self.buffer_stats["held"]
             _set_advantages(episodes)
             started = time.perf_counter()
-            metrics = _rank0(await asyncio.wait_for(self.trainer.train_step.call(episodes, self.pad_id),
+            metrics = rank0(await asyncio.wait_for(self.trainer.train_step.call(episodes, self.pad_id),
                                                     self.cfg.rl.train_timeout_s))
             self.version = int(metrics["policy_version"])
             self.train_steps += 1

@@ -34,6 +34,7 @@ from actors.replay_buffer import ReplayBufferActor
 from actors.trainer import TrainerActor
 from apps.grpo.config import GRPOConfig
 from forge import weight_store
+from forge.actor import rank0
 from forge.config import ConfigError, load_config, parse_args, to_yaml, validate
 from forge.metrics import JsonlBackend, MetricLogger, record_metric
 from forge.provisioner import get_provisioner, kill_job_processes, shutdown
@@ -265,7 +266,7 @@ class GRPOJob:
                                             advantage=float(a))
                     for i, (c, r, a) in enumerate(zip(completions, rewards, advantages))]
         if self.reference is not None:
-            ref = _rank0(await self.reference.logprobs.call(episodes, self.pad_id))
+            ref = rank0(await self.reference.logprobs.call(episodes, self.pad_id))
             for episode, logprobs in zip(episodes, ref):
                 episode.ref_logprobs = logprobs
         held = await self.buffer.add.call_one(episodes)
@@ -297,7 +298,7 @@ class GRPOJob:
             waited = time.perf_counter() - step_start
             episodes = [e for shard in batch for e in shard]
             trained_on = self.version
-            metrics = _rank0(await self.trainer.train_step.call(episodes, self.pad_id))
+            metrics = rank0(await self.trainer.train_step.call(episodes, self.pad_id))
             self.version = int(metrics.pop("policy_version"))
             if cfg.replay_buffer.max_policy_age == 0:
                 await self.generators.update_weights.fanout(self.version)  # synchronous: on-policy from here on
@@ -382,7 +383,7 @@ class GRPOJob:
         await self.start()
         if self.resume:
             await self.restore()
-        self.version = _rank0(await self.trainer.publish_weights.call())
+        self.version = rank0(await self.trainer.publish_weights.call())
         await self.generators.update_weights.fanout(self.version)
         if cfg.eval.at_start and not self.interrupted:
             self.summary["accuracy_start"] = await self.evaluate("start")
@@ -425,10 +426,6 @@ class GRPOJob:
         )
         return self.summary
 
-
-def _rank0(values: Any) -> Any:
-    """An endpoint called on every rank of a mesh answers per rank; rank 0 speaks for the mesh."""
-    return next(iter(values.values())) if hasattr(values, "values") and not isinstance(values, dict) else values
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ from apps.server.schemas import (
 from apps.server.sequencer import Sequencer
 from apps.server.sessions import Session
 from apps.server.training_actor import ServerTrainerActor
-from forge.actor import EndpointError
+from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
 from forge.types import SamplingParams
@@ -57,9 +57,6 @@ from losses import LOSSES
 logger = logging.getLogger(__name__)
 WEIGHTS = "policy"
 
-
-def _rank0(values: Any) -> Any:
-    return next(iter(values.values())) if hasattr(values, "values") and not isinstance(values, dict) else values
 
 
 def endpoint_failure(error: EndpointError) -> ServiceError:
@@ -216,7 +213,7 @@ class TrainingService:
         timeout = self.cfg.sessions.call_timeout_s
         session.busy += 1
         try:
-            return _rank0(await asyncio.wait_for(getattr(session.trainer, endpoint).call(*args), timeout))
+            return rank0(await asyncio.wait_for(getattr(session.trainer, endpoint).call(*args), timeout))
         except asyncio.TimeoutError:
             raise ServiceError(504, f"{endpoint} did not finish within call_timeout_s={timeout}s") from None
         except EndpointError as e:
