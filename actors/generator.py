@@ -5,6 +5,8 @@ Weight updates: a background task watches the weight store; when a newer version
 (while generation goes on) and stages it in the engine, which swaps it in at the next safe point (the hf
 engine between decode steps, vLLM between batches). Every generated token records the version that made
 it. A replica that starts late (or is restarted after a crash) loads the newest version before serving.
+A request may name a `min_policy_version`: its batch does not start before that version is fetched, which
+is how the GRPO app bounds the age of what it generates without waiting on the background poll.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class GeneratorConfig:
 class _Request:
     prompt: str | list[int]
     params: SamplingParams
+    min_policy_version: int
     future: asyncio.Future
 
 
@@ -68,6 +71,8 @@ class Generator(ForgeActor):
         self._queue: asyncio.Queue[_Request] | None = None
         self._tasks: list[asyncio.Task] = []
         self.swaps = 0
+        self._fetched_version = -1  # newest version loaded or staged in the engine
+        self._fetch_lock = asyncio.Lock()  # one fetch at a time: the poll and a request's minimum share it
 
     @endpoint
     async def setup(self) -> None:
@@ -88,15 +93,20 @@ class Generator(ForgeActor):
 
     # --- endpoints ----------------------------------------------------------------------------------
     @endpoint
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[Completion]:
-        """`params.n` completions of one prompt; concurrent calls are batched into one engine call."""
-        return await self._submit(prompt, params or SamplingParams())
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       min_policy_version: int = 0) -> list[Completion]:
+        """`params.n` completions of one prompt; concurrent calls are batched into one engine call.
+
+        No token comes from a policy older than `min_policy_version` (a published version): if the replica
+        has not fetched it yet, it does so before the batch starts."""
+        return await self._submit(prompt, params or SamplingParams(), min_policy_version)
 
     @endpoint
-    async def generate_batch(self, prompts: list, params: SamplingParams | None = None) -> list[list[Completion]]:
+    async def generate_batch(self, prompts: list, params: SamplingParams | None = None,
+                             min_policy_version: int = 0) -> list[list[Completion]]:
         """Several prompts in one call (one engine batch)."""
         params = params or SamplingParams()
-        return list(await asyncio.gather(*(self._submit(p, params) for p in prompts)))
+        return list(await asyncio.gather(*(self._submit(p, params, min_policy_version) for p in prompts)))
 
     @endpoint
     async def policy_version(self) -> int:
@@ -127,28 +137,53 @@ class Generator(ForgeActor):
         return {"policy_version": self.engine.policy_version, "swaps": self.swaps}
 
     # --- internals ----------------------------------------------------------------------------------
-    async def _submit(self, prompt: str | list[int], params: SamplingParams) -> list[Completion]:
+    async def _submit(self, prompt: str | list[int], params: SamplingParams, min_policy_version: int = 0) -> list[Completion]:
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(prompt, params, future))
+        await self._queue.put(_Request(prompt, params, min_policy_version, future))
         return await future
 
     async def _load(self, version: int, *, stage: bool) -> None:
-        start = time.perf_counter()
-        weights = await self.store.fetch(version)
-        if stage:
-            await asyncio.to_thread(self.engine.stage_weights, weights, version)
-        else:
-            await asyncio.to_thread(self.engine.load_weights, weights, version)
-        self.swaps += 1
-        record_metric("generator/weight_swaps", 1, "sum")
-        record_metric("generator/weight_fetch_s", time.perf_counter() - start)
+        async with self._fetch_lock:
+            if stage and version <= self._fetched_version:
+                return  # fetched while this call waited for the lock
+            start = time.perf_counter()
+            weights = await self.store.fetch(version)
+            if stage:
+                await asyncio.to_thread(self.engine.stage_weights, weights, version)
+            else:
+                await asyncio.to_thread(self.engine.load_weights, weights, version)
+            self._fetched_version = max(self._fetched_version, version)
+            self.swaps += 1
+            record_metric("generator/weight_swaps", 1, "sum")
+            record_metric("generator/weight_fetch_s", time.perf_counter() - start)
+
+    async def _stage_newest(self, at_least: int = 0) -> None:
+        """Stage the store's newest version if it is newer than what this replica has fetched."""
+        latest = await self.store.latest_version()
+        if latest is not None and latest > max(self._fetched_version, self.engine.policy_version):
+            await self._load(latest, stage=True)
+        elif at_least > max(self._fetched_version, self.engine.policy_version):
+            raise WeightVersionError(f"a request needs policy version >= {at_least}, but "
+                                     f"{'no version is published' if latest is None else f'the newest published is {latest}'}")
+
+    async def _ensure_version(self, version: int, attempts: int = 20, retry_s: float = 0.05) -> None:
+        """Return once `version` or newer is loaded or staged (staged weights apply when the batch starts)."""
+        waited = time.perf_counter()
+        for attempt in range(attempts):
+            if max(self._fetched_version, self.engine.policy_version) >= version:
+                break
+            try:
+                await self._stage_newest(at_least=version)
+            except WeightVersionError:  # deleted between listing and fetching (a newer one exists), or not yet listed
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(retry_s)
+        record_metric("generator/version_wait_s", time.perf_counter() - waited, "sum")
 
     async def _follow_weights(self) -> None:
         while not self._stopping:
             try:
-                latest = await self.store.latest_version()
-                if latest is not None and latest > self.engine.policy_version:
-                    await self._load(latest, stage=True)
+                await self._stage_newest()
             except WeightVersionError:
                 pass  # deleted between listing and fetching: a newer one exists; try again
             except Exception as error:
@@ -176,6 +211,12 @@ class Generator(ForgeActor):
             for request in batch:
                 groups.setdefault(repr(request.params), []).append(request)
             for requests in groups.values():
+                try:
+                    await self._ensure_version(max(r.min_policy_version for r in requests))
+                except Exception as e:
+                    for request in requests:
+                        _resolve(request.future, error=e)
+                    continue
                 await self._run(requests)
 
     async def _run(self, requests: list[_Request]) -> None:

@@ -90,33 +90,52 @@ def make_task(cfg: GRPOConfig):
 
 # --- rewards -------------------------------------------------------------------------------------------
 class RewardScorer:
-    """Runs the reward function with a timeout; a raise, a hang or a NaN scores 0 and is counted.
+    """Scores completions; a reward that raises, returns NaN or (on the thread pool) hangs past its timeout
+    scores 0 and is counted, and each kind of failure is printed once.
 
-    Calls run on the scorer's own threads, so a reward that hangs ties up none of asyncio's."""
+    A user's reward (`task.reward`) runs on the scorer's own threads under `timeout_s`, so one that hangs ties
+    up none of asyncio's. The task's built-in exact-match reward (`timeout_s=None`) runs inline: it cannot
+    hang, and a thread hand-off per completion cost the controller more CPU than the reward itself."""
 
-    def __init__(self, fn: Callable[[str, str], float], timeout_s: float, threads: int = 32) -> None:
+    def __init__(self, fn: Callable[[str, str], float], timeout_s: float | None, threads: int = 32) -> None:
         self.fn, self.timeout_s = fn, timeout_s
         self.failures = 0
         self._reported: set[str] = set()
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward")
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward") if timeout_s else None
 
-    async def __call__(self, text: str, answer: str) -> float:
+    async def score(self, texts: list[str], answer: str) -> list[float]:
+        """One reward per completion of the same prompt."""
+        if self._executor is None:
+            return [self._checked(lambda text=text: self.fn(text, answer)) for text in texts]
+        return list(await asyncio.gather(*(self._on_thread(text, answer) for text in texts)))
+
+    async def _on_thread(self, text: str, answer: str) -> float:
         loop = asyncio.get_running_loop()
         try:
-            value = float(await asyncio.wait_for(loop.run_in_executor(self._executor, self.fn, text, answer),
-                                                 self.timeout_s))
+            value = await asyncio.wait_for(loop.run_in_executor(self._executor, self.fn, text, answer), self.timeout_s)
+        except Exception as e:
+            return self._failed(e)
+        return self._checked(lambda: value)
+
+    def _checked(self, reward: Callable[[], float]) -> float:
+        try:
+            value = float(reward())
             if math.isnan(value):
-                raise ValueError(f"reward returned NaN for completion {text!r}")
+                raise ValueError("reward returned NaN")
             return value
         except Exception as e:
-            self.failures += 1
-            record_metric("reward/failures", 1, "sum")
-            kind = type(e).__name__
-            if kind not in self._reported:  # each kind of failure is shown once, with its traceback
-                self._reported.add(kind)
-                detail = f"timed out after {self.timeout_s}s" if isinstance(e, asyncio.TimeoutError) else traceback.format_exc()
-                print(f"reward function failed ({kind}); scoring as 0 and continuing:\n{detail}", file=sys.stderr)
-            return 0.0
+            return self._failed(e)
+
+    def _failed(self, error: Exception) -> float:
+        self.failures += 1
+        record_metric("reward/failures", 1, "sum")
+        kind = type(error).__name__
+        if kind not in self._reported:  # each kind of failure is shown once, with its traceback
+            self._reported.add(kind)
+            detail = (f"timed out after {self.timeout_s}s" if isinstance(error, asyncio.TimeoutError)
+                      else "".join(traceback.format_exception(error)))
+            print(f"reward function failed ({kind}); scoring as 0 and continuing:\n{detail}", file=sys.stderr)
+        return 0.0
 
 
 # --- the job -------------------------------------------------------------------------------------------
@@ -136,7 +155,7 @@ class GRPOJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.task = make_task(cfg)
         reward_fn = load_callable(cfg.task.reward, field="task.reward") if cfg.task.reward else self.task.reward
-        self.score = RewardScorer(reward_fn, cfg.task.reward_timeout_s)
+        self.rewards = RewardScorer(reward_fn, cfg.task.reward_timeout_s if cfg.task.reward else None)
         self.rng = random.Random(cfg.seed)
         self.counters = Counters()
         self.step = 0
@@ -209,7 +228,8 @@ class GRPOJob:
         parts = [problems[i : i + chunk] for i in range(0, len(problems), chunk)]
         outputs = await asyncio.gather(*(self.generators.generate_batch.route([p.prompt for p in part], params) for part in parts))
         completions = [out[0] for part_out in outputs for out in part_out]
-        scores = [await self.score(c.text, p.answer) for c, p in zip(completions, problems)]
+        scored = await asyncio.gather(*(self.rewards.score([c.text], p.answer) for c, p in zip(completions, problems)))
+        scores = [score for (score,) in scored]
         accuracy = sum(scores) / len(scores)
         record_metric("eval/accuracy", accuracy)
         print(f"eval ({label}, policy version {self.version}): held-out greedy accuracy {accuracy:.1%} "
@@ -218,15 +238,19 @@ class GRPOJob:
 
     # -- rollouts --
     def _groups_allowed(self) -> int:
+        """Groups held or in flight. Each is generated by the newest published version v (the generators fetch
+        it first) and trained at version v + max_policy_age at the latest: the trainer is at most one step past
+        v when it starts, and max_policy_age - 1 full batches are ahead of it in the buffer. So none ages out.
+        max_policy_age = 0 (synchronous) generates one batch at a time, between training steps."""
         per_step = self.cfg.replay_buffer.batch_size // self.cfg.rollout.group_size
-        return per_step * (self.cfg.replay_buffer.max_policy_age + 1)
+        return per_step * max(1, self.cfg.replay_buffer.max_policy_age)
 
     async def rollout_loop(self) -> None:
         cfg = self.cfg
         params = SamplingParams(n=cfg.rollout.group_size, max_tokens=cfg.rollout.max_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
         while not self.stop.is_set():
-            # Staleness bound: never more than max_policy_age steps' worth of groups ahead of the trainer.
+            # Staleness bound (see _groups_allowed): admitted groups are trained within max_policy_age versions.
             async with self.capacity:
                 await self.capacity.wait_for(lambda: self.stop.is_set() or self.in_flight_groups
                                              + self.held_episodes // cfg.rollout.group_size < self._groups_allowed())
@@ -243,7 +267,8 @@ class GRPOJob:
     async def _one_group(self, params: SamplingParams) -> None:
         (problem,) = self.task.sample_prompts(1, self.rng)
         try:
-            completions = await self.generators.generate.route(problem.prompt, params)
+            completions = await self.generators.generate.route(problem.prompt, params,
+                                                               min_policy_version=self.version)
         except NoHealthyReplicaError:
             raise
         except Exception as e:  # a per-request engine error (e.g. a prompt over the window) fails this group only
@@ -251,7 +276,7 @@ class GRPOJob:
             record_metric("rollout/generation_failures", 1, "sum")
             print(f"generation failed for prompt {problem.prompt[:60]!r}: {e}", file=sys.stderr)
             return
-        rewards = [await self.score(c.text, problem.answer) for c in completions]
+        rewards = await self.rewards.score([c.text for c in completions], problem.answer)
         self.counters.generated += len(completions)
         self.rewards_this_step.extend(rewards)
         reward_t = torch.tensor(rewards)
@@ -297,11 +322,13 @@ class GRPOJob:
                 break
             waited = time.perf_counter() - step_start
             episodes = [e for shard in batch for e in shard]
+            if cfg.replay_buffer.max_policy_age > 0:  # generation of the next batch overlaps this step
+                async with self.capacity:
+                    self.held_episodes = max(0, self.held_episodes - len(episodes))
+                    self.capacity.notify_all()
             trained_on = self.version
             metrics = rank0(await self.trainer.train_step.call(episodes, self.pad_id))
             self.version = int(metrics.pop("policy_version"))
-            if cfg.replay_buffer.max_policy_age == 0:
-                await self.generators.update_weights.fanout(self.version)  # synchronous: on-policy from here on
             self.step += 1
             self.counters.trained += len(episodes)
             stats = await self.buffer.stats.call_one()
@@ -420,7 +447,7 @@ class GRPOJob:
                       "consumed_by_buffer": stats["consumed"], "held_in_buffer": stats["held"],
                       "dropped_too_old": stats["dropped_too_old"], "dropped_buffer_full": stats["dropped_buffer_full"],
                       "dropped_zero_variance": self.counters.zero_variance_dropped},
-            reward_failures=self.score.failures, generation_failures=self.counters.generation_failures,
+            reward_failures=self.rewards.failures, generation_failures=self.counters.generation_failures,
             interrupted=self.interrupted, rss_end=get_provisioner().memory_rss(),
             shm_bytes=weight_store.job_segments_bytes(),
         )

@@ -106,3 +106,30 @@ async def test_generator_service_follows_published_versions(checkpoint):
         assert isinstance(bad, BaseException) and "empty" in str(bad)
     finally:
         await service.stop()
+
+
+async def test_a_request_waits_for_its_minimum_policy_version(checkpoint):
+    """The GRPO app's age bound relies on it: a request naming `min_policy_version` gets no token from an
+    older policy, even when the replica's background poll has not seen that version yet."""
+    await get_provisioner().start_weight_store()
+    store = WeightStore("gen-min-version")
+    engine = HFEngine(checkpoint)
+    base = {name: t.detach().clone() for name, t in engine.model.state_dict().items()}
+    await store.publish(base, version=0)
+    service = await Generator.options(mesh_name="gen-min").as_service(
+        model=str(checkpoint), weight_namespace="gen-min-version", weight_poll_s=5.0  # the poll is far too slow
+    )
+    try:
+        for version in (1, 2):
+            await store.publish({name: t + 0.01 * version for name, t in base.items()}, version=version)
+        out = await service.generate.route("12+34=", SamplingParams(n=4, max_tokens=4), min_policy_version=2)
+        assert all(set(c.policy_versions) == {2} for c in out)
+        assert await service.policy_version.route() == 2
+
+        with pytest.raises(Exception, match=r"needs policy version >= 7, but the newest published is 2"):
+            await service.generate.route("1+2=", SamplingParams(max_tokens=2), min_policy_version=7)
+        # The replica still serves after refusing one request.
+        out = await service.generate.route("1+2=", SamplingParams(max_tokens=2), min_policy_version=1)
+        assert all(set(c.policy_versions) == {2} for c in out)
+    finally:
+        await service.stop()
