@@ -62,7 +62,7 @@ class LearningSpeedConfig:
     lr: float = 3e-4
     group_size: int = 16
     prompts_per_step: int = 64
-    temperature: float = 1.0
+    temperature: float = 0.7  # as configs/grpo_tiny.yaml
     clip_eps: float = 0.2
     # Optimizer steps per sampled batch, each on a contiguous slice of whole groups; after the first the
     # samples are off-policy and the clip bounds the update.

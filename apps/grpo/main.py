@@ -163,6 +163,8 @@ class GRPOJob:
         self.in_flight_groups = 0
         self.held_episodes = 0
         self.capacity = asyncio.Condition()
+        self._pending_episodes: list[Episode] = []  # scored, on their way to the buffer
+        self._buffer_writer = asyncio.Lock()  # one add in flight at a time
         self.stop = asyncio.Event()
         self.interrupted: str | None = None  # the signal that asked the job to stop early
         self.rewards_this_step: list[float] = []
@@ -294,7 +296,18 @@ class GRPOJob:
             ref = rank0(await self.reference.logprobs.call(episodes, self.pad_id))
             for episode, logprobs in zip(episodes, ref):
                 episode.ref_logprobs = logprobs
-        held = await self.buffer.add.call_one(episodes)
+        await self._add_to_buffer(episodes)
+
+    async def _add_to_buffer(self, episodes: list[Episode]) -> None:
+        """Returns once `episodes` are in the buffer. Groups that finish while an add is in flight go in one
+        call after it: a generator batch finishes many groups at once, and one RPC per group cost the
+        controller more CPU than everything else it does."""
+        self._pending_episodes.extend(episodes)
+        async with self._buffer_writer:
+            if not self._pending_episodes:
+                return  # an earlier caller's add took these
+            episodes, self._pending_episodes = self._pending_episodes, []
+            held = await self.buffer.add.call_one(episodes)
         async with self.capacity:
             self.held_episodes = held
             self.capacity.notify_all()

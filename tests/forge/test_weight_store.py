@@ -34,6 +34,27 @@ async def test_fetch_into_existing_tensors(store):
     assert torch.equal(into["lm_head.weight"], torch.full((32, 16), -1.0))
 
 
+async def test_chunked_threaded_io_round_trips_every_byte(store, monkeypatch):
+    """Large state dicts go through pwrite/preadv in chunks on a thread pool; force that path on a small dict
+    with odd sizes, chunk edges inside tensors, and a bf16 tensor read into an fp32 receiver."""
+    from forge import weight_store
+
+    monkeypatch.setattr(weight_store, "_CHUNK", 1000)
+    monkeypatch.setattr(weight_store, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(weight_store, "_IO_THREADS", 3)
+    generator = torch.Generator().manual_seed(0)
+    weights = {"a": torch.randn(777, generator=generator), "b": torch.randn(33, 65, generator=generator),
+               "c": torch.randn(5000, generator=generator).to(torch.bfloat16)}
+    await store.publish(weights, version=50)
+    fresh = await store.fetch(50)
+    into = {"a": torch.zeros(777), "b": torch.zeros(33, 65), "c": torch.zeros(5000, dtype=torch.float32)}
+    copied = await store.fetch(50, into=into)
+    for name, tensor in weights.items():
+        assert torch.equal(fresh[name], tensor), name
+        assert copied[name] is into[name] and torch.equal(copied[name], tensor.to(into[name].dtype)), name
+    await store.delete(50)
+
+
 async def test_missing_version_error_names_version_and_available(store):
     with pytest.raises(WeightVersionError, match=r"policy version 99 is not in the weight store.*available versions: \[0, 1"):
         await store.fetch(99)
