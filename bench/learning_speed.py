@@ -87,12 +87,13 @@ class LearningSpeedConfig:
             raise ValueError(f"LearningSpeedConfig.group_size={self.group_size}: must be >= 2 (group advantages)")
 
 
-def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
-    """log pi(token t+1 | tokens <= t), [B, T-1]: the alignment `TrainBatch` uses.
+def completion_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(token t+1 | tokens <= t) at the sampling temperature (the engine's behaviour log-probs are at
+    that temperature, so the policy ratio must be too), [B, T-1]: the alignment `TrainBatch` uses.
 
     Right padding needs no attention mask: causal attention keeps pads from reaching earlier positions.
     """
-    logits = model(input_ids=input_ids).logits[:, :-1].float()
+    logits = model(input_ids=input_ids).logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
@@ -127,7 +128,7 @@ def grpo_step(
     rows = batch.num_sequences // cfg.minibatches
     for start in range(0, rows * cfg.minibatches, rows):
         minibatch = batch.slice(start, start + rows)
-        out = grpo(completion_logprobs(model, minibatch.input_ids), minibatch, clip_eps=cfg.clip_eps)
+        out = grpo(completion_logprobs(model, minibatch.input_ids, cfg.temperature), minibatch, clip_eps=cfg.clip_eps)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

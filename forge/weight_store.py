@@ -10,7 +10,7 @@ Keys and metadata live in torchstore (its controller is reachable from every pro
 tensor bytes take one of two paths:
 - "shm" (one host): the publisher writes every tensor once into one shared-memory segment in /dev/shm;
   readers on the host read it straight into their own tensors (preadv); no per-tensor RPC at all. Large
-  state dicts are written and read in 32 MB chunks on up to 8 threads. The
+  state dicts are read in 32 MB chunks on up to 8 threads (1 GB: 0.27 s on one thread, 0.15 s on two). The
   file of a deleted version is kept as a spare and rewritten by the next publish: fresh shared-memory
   pages cost more to fault in than the copy itself.
 - "torchstore" (across hosts): `torchstore.put_state_dict` / `get_state_dict`, which uses RDMA where
@@ -250,7 +250,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-_CHUNK = 32 << 20  # bytes per pwrite/preadv call: big tensors are split so threads share the work evenly
+_CHUNK = 32 << 20  # bytes per preadv call: big tensors are split so reading threads share the work evenly
 _THREADED_BYTES = 64 << 20  # below this one thread is faster than handing chunks to a pool
 
 
@@ -259,8 +259,8 @@ def _chunks(view: memoryview, offset: int) -> list[tuple[memoryview, int]]:
 
 
 def _run_io(io: Callable[[memoryview, int], None], chunks: list[tuple[memoryview, int]]) -> None:
-    """`io(view, file_offset)` for every chunk; on several threads when there is enough to share (pwrite and
-    preadv release the GIL, and one core cannot saturate memory bandwidth on its own)."""
+    """`io(view, file_offset)` for every chunk; on several threads when there is enough to share (preadv
+    releases the GIL, and one core cannot saturate memory bandwidth on its own)."""
     threads = min(_IO_THREADS, len(chunks))
     if threads <= 1 or sum(len(view) for view, _ in chunks) < _THREADED_BYTES:
         for view, offset in chunks:
@@ -292,8 +292,9 @@ def _write_segment(path: Path, tensors: dict[str, torch.Tensor], entries: dict[s
     try:
         os.pwrite(fd, struct.pack("<q", -1), 0)  # a reader still on the reused file fails its version check
         os.ftruncate(fd, _HEADER + max(size, 1))
-        _run_io(write, [chunk for name, tensor in tensors.items()
-                        for chunk in _chunks(_bytes_of(tensor), _HEADER + entries[name].offset)])
+        # One thread: writes to one tmpfs file serialize on its inode lock (measured: 2 threads gain nothing).
+        for name, tensor in tensors.items():
+            write(_bytes_of(tensor), _HEADER + entries[name].offset)
         os.pwrite(fd, struct.pack("<q", version), 0)
     finally:
         os.close(fd)
