@@ -8,8 +8,9 @@ Behaviour log-probs: vLLM reports the log-prob of each sampled token from the ra
 so this engine refuses sampling temperatures other than 1.0 (and 0.0, greedy evaluation) rather than
 return log-probs of the wrong distribution.
 
-Status: written against vLLM 0.11's `LLM` API; it needs a CUDA host and is exercised by the tests marked
-`gpu`, which could not run on the machines this project was developed on.
+Status: written against vLLM 0.11's `LLM` API; it needs a CUDA host and is exercised by
+tests/actors/engines/test_vllm.py (marked `gpu`), which could not run on the machines this project was
+developed on.
 """
 
 from __future__ import annotations

@@ -160,6 +160,11 @@ class GRPOConfig:
                 f"trainer.temperature={self.trainer.temperature}: must equal rollout.temperature="
                 f"{self.rollout.temperature} (log-probs are compared at the sampling temperature)"
             )
+        if self.generator.engine == "vllm" and self.rollout.temperature != 1.0:
+            raise ValueError(
+                f"rollout.temperature={self.rollout.temperature}: generator.engine='vllm' samples at 1.0 only (vLLM "
+                "reports log-probs of the raw logits); use rollout.temperature=1.0 or generator.engine=hf"
+            )
         tied = _tied_embeddings(self.trainer.model_path)
         if tied and (dp > 1 or self.reference.enabled and self.resources.reference_procs > 1):
             raise ValueError(

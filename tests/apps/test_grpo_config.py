@@ -40,6 +40,7 @@ BAD = [
     ("generator.engine=sglang", r"generator.engine='sglang': must be one of hf, vllm"),
     ("model=/no/such/model", r"model_path='/no/such/model'"),
     ("trainer.temperature=0.5", r"trainer.temperature=0.5: must equal rollout.temperature=0.7"),
+    ("generator.engine=vllm", r"rollout.temperature=0.7: generator.engine='vllm' samples at 1.0 only"),
     ("replay_buffer.max_buffer_size=8", r"max_buffer_size=8"),
     ("eval.num_prompts=0", r"num_prompts=0"),
     ("warm_start.target_accuracy=1.5", r"warm_start.target_accuracy=1.5: must be in \(0, 1\]"),
