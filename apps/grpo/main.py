@@ -106,23 +106,20 @@ class RewardScorer:
     async def score(self, texts: list[str], answer: str) -> list[float]:
         """One reward per completion of the same prompt."""
         if self._executor is None:
-            return [self._checked(lambda text=text: self.fn(text, answer)) for text in texts]
+            return [self._inline(text, answer) for text in texts]
         return list(await asyncio.gather(*(self._on_thread(text, answer) for text in texts)))
+
+    def _inline(self, text: str, answer: str) -> float:
+        try:
+            return _valid_reward(self.fn(text, answer))
+        except Exception as e:
+            return self._failed(e)
 
     async def _on_thread(self, text: str, answer: str) -> float:
         loop = asyncio.get_running_loop()
         try:
-            value = await asyncio.wait_for(loop.run_in_executor(self._executor, self.fn, text, answer), self.timeout_s)
-        except Exception as e:
-            return self._failed(e)
-        return self._checked(lambda: value)
-
-    def _checked(self, reward: Callable[[], float]) -> float:
-        try:
-            value = float(reward())
-            if math.isnan(value):
-                raise ValueError("reward returned NaN")
-            return value
+            return _valid_reward(await asyncio.wait_for(loop.run_in_executor(self._executor, self.fn, text, answer),
+                                                        self.timeout_s))
         except Exception as e:
             return self._failed(e)
 
@@ -136,6 +133,13 @@ class RewardScorer:
                       else "".join(traceback.format_exception(error)))
             print(f"reward function failed ({kind}); scoring as 0 and continuing:\n{detail}", file=sys.stderr)
         return 0.0
+
+
+def _valid_reward(value: object) -> float:
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError("reward returned NaN")
+    return value
 
 
 # --- the job -------------------------------------------------------------------------------------------
