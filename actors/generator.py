@@ -157,20 +157,27 @@ class Generator(ForgeActor):
             record_metric("generator/weight_swaps", 1, "sum")
             record_metric("generator/weight_fetch_s", time.perf_counter() - start)
 
+    @property
+    def _held_version(self) -> int:
+        """The newest version in the engine, applied or staged (staged weights apply when a batch starts)."""
+        return max(self._fetched_version, self.engine.policy_version)
+
     async def _stage_newest(self, at_least: int = 0) -> None:
         """Stage the store's newest version if it is newer than what this replica has fetched."""
         latest = await self.store.latest_version()
-        if latest is not None and latest > max(self._fetched_version, self.engine.policy_version):
+        if latest is not None and latest > self._held_version:
             await self._load(latest, stage=True)
-        elif at_least > max(self._fetched_version, self.engine.policy_version):
+        elif at_least > self._held_version:
             raise WeightVersionError(f"a request needs policy version >= {at_least}, but "
                                      f"{'no version is published' if latest is None else f'the newest published is {latest}'}")
 
     async def _ensure_version(self, version: int, attempts: int = 20, retry_s: float = 0.05) -> None:
         """Return once `version` or newer is loaded or staged (staged weights apply when the batch starts)."""
+        if self._held_version >= version:
+            return
         waited = time.perf_counter()
         for attempt in range(attempts):
-            if max(self._fetched_version, self.engine.policy_version) >= version:
+            if self._held_version >= version:
                 break
             try:
                 await self._stage_newest(at_least=version)

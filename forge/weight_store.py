@@ -252,6 +252,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 _CHUNK = 32 << 20  # bytes per preadv call: big tensors are split so reading threads share the work evenly
 _THREADED_BYTES = 64 << 20  # below this one thread is faster than handing chunks to a pool
+_IO_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _chunks(view: memoryview, offset: int) -> list[tuple[memoryview, int]]:
@@ -271,9 +272,6 @@ def _run_io(io: Callable[[memoryview, int], None], chunks: list[tuple[memoryview
             done.result()
 
 
-_IO_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
-
-
 def _write_segment(path: Path, tensors: dict[str, torch.Tensor], entries: dict[str, TensorEntry], size: int,
                    version: int, spare: Path | None) -> None:
     """pwrite every tensor into a segment file. Reusing a deleted version's file (`spare`) skips the page
@@ -283,18 +281,14 @@ def _write_segment(path: Path, tensors: dict[str, torch.Tensor], entries: dict[s
         with contextlib.suppress(FileNotFoundError):
             os.replace(spare, tmp)
     fd = os.open(tmp, os.O_CREAT | os.O_RDWR, 0o600)
-
-    def write(view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-
     try:
         os.pwrite(fd, struct.pack("<q", -1), 0)  # a reader still on the reused file fails its version check
         os.ftruncate(fd, _HEADER + max(size, 1))
         # One thread: writes to one tmpfs file serialize on its inode lock (measured: 2 threads gain nothing).
         for name, tensor in tensors.items():
-            write(_bytes_of(tensor), _HEADER + entries[name].offset)
+            data, offset, done = _bytes_of(tensor), _HEADER + entries[name].offset, 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
         os.pwrite(fd, struct.pack("<q", version), 0)
     finally:
         os.close(fd)
