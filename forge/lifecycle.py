@@ -1,0 +1,162 @@
+"""The lifecycle of a forge job's controller: signals, the fatal-actor watchdog, the exit code and the clean-up.
+
+    import sys
+    from forge.lifecycle import run_job
+
+    async def main() -> None:            # spawn actors, do the work; return an exit code, or None for 0
+        ...
+
+    sys.exit(run_job(main))
+
+`run_job(main)` runs `main()` in a new event loop and owns every way out of it:
+- A fatal actor failure (a mesh's process died; service replicas excepted, their service restarts them) cancels
+  `main` and prints `FATAL: actor mesh 'NAME' failed` with Monarch's or the process watcher's cause. Exit code 1.
+- An exception out of `main` prints `FATAL: the job failed` with its traceback. Exit code 1.
+- SIGINT or SIGTERM asks the job to stop: `on_stop(signal_name)` is called when given (the app finishes what it is
+  doing and returns: a training job may save a checkpoint first), otherwise `main` is cancelled. A second
+  signal kills the job's processes and exits at once. Exit code 128 + the signal's number.
+- Otherwise the exit code is what `main` returned (None: 0).
+- Then, whatever happened, `forge.provisioner.shutdown()` stops every actor, mesh and weight-store segment the
+  job made, bounded in time; what it did not stop is killed (`kill_job_processes`).
+- From the moment the job starts ending (a signal, a failure, `main` returning) the process exits within
+  `exit_deadline_s`: a Monarch call to a dead process never answers, and a job must not hang on one.
+
+A graceful stop, as `apps.grpo` does it (the job finishes its step and checkpoints before `main` returns):
+
+    job = MyJob(cfg)                                  # job.run() checks job.stopping between steps
+    sys.exit(run_job(job.run, on_stop=job.request_stop))
+
+Monarch is imported when `run_job` starts, not when this module is, so an app parses and validates its arguments
+before paying for the heavy imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from types import ModuleType
+
+EXIT_DEADLINE_S = 25.0  # every way out (a signal, a fatal failure, the end) leaves the process within this
+FAILED = 1
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def run_job(main: Callable[[], Awaitable[int | None]], *, on_stop: Callable[[str], None] | None = None,
+            exit_deadline_s: float = EXIT_DEADLINE_S) -> int:
+    """Run `main()` with signal handling, the fatal-actor watchdog and the final clean-up; return the exit code.
+
+    `main` is called inside the new event loop (pass the coroutine function, not a coroutine). `on_stop` is
+    called with the signal's name ("SIGINT", "SIGTERM") on the first signal; without it the first signal
+    cancels `main`. Must be called from the main thread (signal handlers).
+    """
+    if exit_deadline_s <= 0:
+        raise ValueError(f"exit_deadline_s={exit_deadline_s}: must be > 0")
+    return asyncio.run(_Lifecycle(on_stop, exit_deadline_s).run(main))
+
+
+class _Lifecycle:
+    def __init__(self, on_stop: Callable[[str], None] | None, exit_deadline_s: float) -> None:
+        self.on_stop = on_stop
+        self.exit_deadline_s = exit_deadline_s
+        self.code = FAILED  # what the process exits with if it must exit before `main` has an outcome
+        self.signal: signal.Signals | None = None
+        self.ending = False  # `main` has an outcome: clean-up is running
+        self.main: asyncio.Task | None = None
+        self._deadline: threading.Thread | None = None
+        self._provisioner: ModuleType | None = None
+
+    async def run(self, main: Callable[[], Awaitable[int | None]]) -> int:
+        from forge import provisioner  # Monarch: imported only once the app has parsed its arguments
+
+        self._provisioner = provisioner
+        loop = asyncio.get_running_loop()
+        for sig in SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            self.main = asyncio.ensure_future(main())
+            watchdog = asyncio.ensure_future(provisioner.get_provisioner().wait_for_fatal_failure())
+            try:
+                await asyncio.wait([self.main, watchdog], return_when=asyncio.FIRST_COMPLETED)
+                self.code = self._fatal(watchdog.result()) if watchdog.done() else self._outcome()
+            finally:
+                watchdog.cancel()
+                self.ending = True
+                self._start_deadline()
+                await self._clean_up()
+        finally:
+            for sig in SIGNALS:
+                loop.remove_signal_handler(sig)
+        if not self.main.done():
+            # `main` is stuck on a call to a dead process; asyncio.run would wait for it forever.
+            _exit_now(self.code)
+        return self.code
+
+    def _fatal(self, failure) -> int:
+        self.main.cancel()
+        print(f"\nFATAL: actor mesh {failure.mesh_name!r} failed; stopping the job.\n{failure.message}",
+              file=sys.stderr, flush=True)
+        return FAILED
+
+    def _outcome(self) -> int:
+        try:
+            returned = self.main.result()
+        except asyncio.CancelledError:  # cancelled by a signal (or by `main`'s own code)
+            return 128 + self.signal.value if self.signal else FAILED
+        except Exception:
+            print("\nFATAL: the job failed:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
+            return FAILED
+        if self.signal is not None:
+            return 128 + self.signal.value
+        return 0 if returned is None else int(returned)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.signal is not None or self.ending:  # a second signal, or one during the clean-up: exit now
+            print(f"\n{sig.name} again: killing the job's processes and exiting now", file=sys.stderr, flush=True)
+            self._provisioner.kill_job_processes()
+            _exit_now(128 + sig.value)
+        self.signal, self.code = sig, 128 + sig.value
+        print(f"\n{sig.name}: stopping the job (send it again to exit at once)", file=sys.stderr, flush=True)
+        self._start_deadline()
+        if self.on_stop is None:
+            self.main.cancel()
+            return
+        try:
+            self.on_stop(sig.name)
+        except Exception:
+            print("on_stop failed; cancelling the job:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
+            self.main.cancel()
+
+    async def _clean_up(self) -> None:
+        """Stop every process and segment of the job, leaving time within the deadline to kill what is stuck."""
+        try:
+            await asyncio.wait_for(self._provisioner.shutdown(), timeout=0.8 * self.exit_deadline_s)
+        except Exception as e:
+            print(f"shutdown incomplete ({type(e).__name__}: {e}); killing what is left", file=sys.stderr, flush=True)
+            self._provisioner.kill_job_processes()
+
+    def _start_deadline(self) -> None:
+        """A daemon thread that ends the process `exit_deadline_s` from now, whatever the event loop is doing."""
+        if self._deadline is not None:
+            return
+
+        def expire() -> None:
+            time.sleep(self.exit_deadline_s)
+            print(f"the job did not end within {self.exit_deadline_s:g}s: killing its processes", file=sys.stderr,
+                  flush=True)
+            self._provisioner.kill_job_processes()
+            _exit_now(self.code)
+
+        self._deadline = threading.Thread(target=expire, daemon=True, name="exit-deadline")
+        self._deadline.start()
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

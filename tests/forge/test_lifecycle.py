@@ -1,0 +1,193 @@
+"""forge.lifecycle.run_job, driven as a user's app: a small script run as a subprocess, then its exit code, its
+output, how long it took and what it left behind."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from forge.testing import job_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Each mode is one way a job ends. The script prints "ready" once it is where the test acts on it.
+APP = textwrap.dedent('''
+    import asyncio, os, sys, time
+    from forge import provisioner
+    from forge.lifecycle import run_job
+
+    mode, deadline = sys.argv[1], float(sys.argv[2])
+    stop_reasons = []
+
+    def ready(*details):
+        print("ready", *details, flush=True)
+
+    async def spawn_echo_mesh():
+        from forge.testing import EchoActor
+        await EchoActor.options(procs=2, mesh_name="echo").as_actor()
+        (mesh,) = provisioner.get_provisioner().meshes.values()
+        return mesh.pids
+
+    async def main():
+        if mode == "returns_3":
+            return 3
+        if mode == "raises":
+            raise ValueError("the app's own error")
+        if mode == "spawns_and_returns":
+            ready(*await spawn_echo_mesh())
+            return None
+        if mode == "spawns_and_waits":  # the test kills one of the mesh's processes
+            ready(*await spawn_echo_mesh())
+            await asyncio.Event().wait()
+        if mode == "graceful":  # stops by itself once asked
+            ready()
+            while not stop_reasons:
+                await asyncio.sleep(0.05)
+            print("stopped gracefully after", stop_reasons, flush=True)
+            return None
+        if mode in ("cancelled", "ignores_stop"):
+            ready()
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                print("main cancelled", flush=True)
+        if mode == "shutdown_blocks":  # a clean-up stuck inside a blocking call: only the deadline ends it
+            async def blocking_shutdown():
+                time.sleep(3600)
+            provisioner.shutdown = blocking_shutdown
+            return None
+        if mode == "shutdown_hangs":  # a clean-up awaiting an answer that never comes
+            async def hanging_shutdown():
+                await asyncio.sleep(3600)
+            provisioner.shutdown = hanging_shutdown
+            return None
+
+    on_stop = None if mode == "cancelled" else stop_reasons.append
+    code = run_job(main, on_stop=on_stop, exit_deadline_s=deadline)
+    print("run_job returned", code, flush=True)
+    sys.exit(code)
+''')
+
+
+class App:
+    def __init__(self, tmp_path: Path, mode: str, deadline_s: float = 60) -> None:
+        script = tmp_path / "app.py"
+        script.write_text(APP)
+        self.log_path = tmp_path / f"{mode}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(script), mode, str(deadline_s)], cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 300) -> list[str]:
+        """The words printed after "ready" (e.g. pids)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.output().splitlines():
+                if line.startswith("ready"):
+                    return line.split()[1:]
+            assert self.proc.poll() is None, f"the app ended before it was ready:\n{self.output()}"
+            assert time.monotonic() < deadline, f"not ready within {timeout}s:\n{self.output()}"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+def test_the_exit_code_is_what_main_returned(tmp_path):
+    app = App(tmp_path, "returns_3")
+    assert app.finish() == 3, app.output()
+    assert "run_job returned 3" in app.output()
+
+
+def test_an_exception_in_main_is_reported_and_exits_1(tmp_path):
+    app = App(tmp_path, "raises")
+    assert app.finish() == 1
+    out = app.output()
+    assert "FATAL: the job failed" in out and "ValueError: the app's own error" in out, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_asks_main_to_stop_and_the_exit_code_names_it(tmp_path, sig):
+    app = App(tmp_path, "graceful")
+    app.wait_ready()
+    app.proc.send_signal(sig)
+    assert app.finish(timeout=30) == 128 + sig.value, app.output()
+    assert f"stopped gracefully after ['{sig.name}']" in app.output()
+
+
+def test_without_on_stop_a_signal_cancels_main(tmp_path):
+    app = App(tmp_path, "cancelled")
+    app.wait_ready()
+    app.proc.send_signal(signal.SIGINT)
+    assert app.finish(timeout=30) == 130, app.output()
+    assert "main cancelled" in app.output()
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    app = App(tmp_path, "ignores_stop", deadline_s=120)
+    app.wait_ready()
+    app.proc.send_signal(signal.SIGINT)
+    time.sleep(1)
+    assert app.proc.poll() is None, "one signal with on_stop must leave the stopping to main"
+    sent = time.monotonic()
+    app.proc.send_signal(signal.SIGTERM)
+    assert app.finish(timeout=30) == 128 + signal.SIGTERM.value, app.output()
+    assert time.monotonic() - sent < 10  # not the 120 s deadline
+    out = app.output()
+    assert "SIGTERM again: killing the job's processes and exiting now" in out
+    assert "run_job returned" not in out  # it did not wait for main
+
+
+def test_the_deadline_ends_a_clean_up_that_blocks(tmp_path):
+    app = App(tmp_path, "shutdown_blocks", deadline_s=3)
+    started = time.monotonic()
+    code = app.finish(timeout=60)
+    out = app.output()
+    assert code == 0, out  # main's outcome stands
+    assert "the job did not end within 3s: killing its processes" in out
+    assert "run_job returned" not in out
+    assert time.monotonic() - started < 30
+
+
+def test_a_clean_up_that_hangs_is_cut_short_and_the_rest_killed(tmp_path):
+    app = App(tmp_path, "shutdown_hangs", deadline_s=10)
+    assert app.finish(timeout=60) == 0, app.output()
+    out = app.output()
+    assert "shutdown incomplete (TimeoutError" in out and "run_job returned 0" in out, out
+    assert "did not end within" not in out  # ended by the shutdown timeout, before the deadline
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_clean_up_stops_the_jobs_processes(tmp_path):
+    app = App(tmp_path, "spawns_and_returns")
+    pids = [int(p) for p in app.wait_ready()]
+    assert len(pids) == 2 and set(pids) <= set(job_processes(app.proc.pid)), app.output()
+    assert app.finish() == 0, app.output()
+    assert job_processes(app.proc.pid) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_dead_actor_process_ends_the_job_fast_naming_it(tmp_path):
+    app = App(tmp_path, "spawns_and_waits")
+    victim = int(app.wait_ready()[0])
+    killed = time.monotonic()
+    subprocess.run(["kill", "-9", str(victim)], check=True)
+    assert app.finish(timeout=60) == 1, app.output()
+    assert time.monotonic() - killed < 30
+    out = app.output()
+    assert "FATAL: actor mesh 'echo-" in out and f"process {victim} of mesh 'echo-" in out, out
+    assert job_processes(app.proc.pid) == []
