@@ -1,7 +1,8 @@
 """The reference model: a frozen copy of the initial policy that scores sequences for the KL penalty.
 
-A plain class; the reference actor wraps it. It is built by the trainer's `build_model` (same checkpoint,
-same torchtitan model, FSDP2 across ranks when there are several), then frozen.
+A plain class; the reference actor wraps it. It is built like the trainer's model (actors/model_builder.py: same
+checkpoint, same torchtitan model, FSDP2 across ranks when there are several), then frozen, and scores
+sequences with the trainer's log-prob code (actors/logprobs.py).
 """
 
 from __future__ import annotations
@@ -10,41 +11,25 @@ from dataclasses import dataclass
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed import ParallelDims
 
+from actors.logprobs import check_input_ids, score_rows, token_logprobs
+from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
+from actors.model_config import ModelConfig, is_int, require_field
 from forge.actor import ForgeActor, endpoint
-from forge.distributed import init_from_environment
+from forge.distributed import DataParallel, init_from_environment, local_device
 from forge.types import Episode, TrainBatch
-from actors.trainer import (
-    build_job_config,
-    build_model,
-    check_input_ids,
-    check_model_fields,
-    data_parallel_rank,
-    data_parallel_rows,
-    device_for,
-    gather_rows,
-    require_field,
-    resolve_model_path,
-    token_logprobs,
-)
 
 
 @dataclass
-class ReferenceConfig:
-    model_path: str  # the policy's initial checkpoint (HF folder or hub id)
-    family: str = "qwen3"
-    init_checkpoint: str | None = None  # a torchtitan/DCP checkpoint to take the weights from instead
-    dtype: str = "float32"  # parameter and compute dtype: frozen weights need no float32 master copy
-    device: str = "cpu"
-    temperature: float = 1.0  # the generator's sampling temperature, as in TrainerConfig
+class ReferenceConfig(ModelConfig):
+    """The policy's initial checkpoint (`model_path`, or `init_checkpoint`), in `dtype` for parameters and
+    compute alike: frozen weights need no float32 master copy."""
+
     chunk_rows: int = 4  # sequences per forward pass: peak memory is one [chunk_rows, T, vocab] logits tensor
 
     def __post_init__(self) -> None:
-        check_model_fields(self)
-        rows = self.chunk_rows
-        require_field(self, "chunk_rows", isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1,
-                      "an int >= 1")
+        super().__post_init__()
+        require_field(self, "chunk_rows", is_int(self.chunk_rows) and self.chunk_rows >= 1, "an int >= 1")
 
 
 class ReferenceModel:
@@ -56,17 +41,15 @@ class ReferenceModel:
 
     def __init__(self, config: ReferenceConfig, *, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
-        self.device = device_for(config.device)
-        parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1,
-                                     world_size=world_size)
-        model_path = resolve_model_path(config.model_path)
-        job = build_job_config(dtype=config.dtype)
+        self.device = local_device(config.device)
+        dims = parallel_dims(world_size)
         self.model, self.model_args, _ = build_model(
-            model_path, config.family, device=self.device, param_dtype=TORCH_DTYPE_MAP[config.dtype],
-            parallel_dims=parallel_dims, job_config=job, init_checkpoint=config.init_checkpoint)
+            resolve_model_path(config.model_path), config.family, device=self.device,
+            param_dtype=TORCH_DTYPE_MAP[config.dtype], parallel_dims=dims,
+            job_config=build_job_config(dtype=config.dtype), init_checkpoint=config.init_checkpoint)
         self.model.requires_grad_(False)
         self.model.eval()
-        self.dp_degree, self.dp_rank, self.dp_group = data_parallel_rank(parallel_dims)
+        self.dp = DataParallel.of(dims)
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -76,16 +59,11 @@ class ReferenceModel:
         log-prob per position before the next, so memory grows with B x T, not B x T x vocab.
         """
         check_input_ids(input_ids, self.model_args)
-        input_ids = input_ids.to(self.device)
-        start, stop = data_parallel_rows(input_ids.shape[0], self.dp_degree, self.dp_rank)
-        chunks = []
-        for s in range(start, stop, self.config.chunk_rows):
-            rows = input_ids[s : min(s + self.config.chunk_rows, stop)]
-            logits = self.model(rows[:, :-1])
-            chunks.append(token_logprobs(logits, rows[:, 1:], self.config.temperature))
-            del logits  # free this chunk's [rows, T, vocab] before the next forward pass
-        return gather_rows(torch.cat(chunks), self.dp_degree, self.dp_group).cpu()
 
+        def score(rows: torch.Tensor) -> torch.Tensor:
+            return token_logprobs(self.model(rows[:, :-1]), rows[:, 1:], self.config.temperature)
+
+        return score_rows(score, input_ids.to(self.device), self.config.chunk_rows, self.dp)
 
 
 class ReferenceActor(ForgeActor):

@@ -1,20 +1,23 @@
 """Versioned policy weights: published by trainers, fetched by generators, from any actor in any process.
 
     store = WeightStore()
-    await store.publish(hf_state_dict, version=3)     # trainer (every rank, if the state dict is sharded)
+    await store.publish(hf_state_dict, version=3, dtype=torch.bfloat16)   # trainer: every rank, if sharded
     v = await store.latest_version()                  # generator: is there something newer?
     weights = await store.fetch(v)                    # {hf_name: tensor}; or fetch(v, into=existing)
     await store.delete(1)
 
-Keys and metadata live in torchstore (its controller is reachable from every process of the job). The
-tensor bytes take one of two paths:
-- "shm" (one host): the publisher writes every tensor once into one shared-memory segment in /dev/shm;
-  readers on the host read it straight into their own tensors (preadv); no per-tensor RPC at all. Large
+Keys and metadata live in torchstore (its controller is reachable from every process of the job). Publishing
+streams: one tensor at a time is cast to the readers' dtype (on its own rank, before any copy), gathered to rank
+0 alone, and written, so the publisher never holds more than one extra tensor. The tensor bytes take one of two
+paths:
+- "shm" (one host): the publisher writes every tensor once into one shared-memory segment in /dev/shm, after
+  checking that /dev/shm has room for all of it; a version whose write fails leaves nothing behind.
+  Readers on the host read it straight into their own tensors (preadv); no per-tensor RPC at all. Large
   state dicts are read in 32 MB chunks on up to 8 threads (1 GB: 0.27 s on one thread, 0.15 s on two). The
   file of a deleted version is kept as a spare and rewritten by the next publish: fresh shared-memory
   pages cost more to fault in than the copy itself.
-- "torchstore" (across hosts): `torchstore.put_state_dict` / `get_state_dict`, which uses RDMA where
-  Monarch has it.
+- "torchstore" (across hosts): one torchstore key per tensor (`put` / `get`), which uses RDMA where Monarch
+  has it.
 With transport="auto" a version goes through shared memory, and readers on another host fall back to
 torchstore when the publisher also put it there (`cross_host=True`).
 
@@ -38,6 +41,8 @@ from typing import Callable, Literal
 
 import torch
 
+import torch.distributed as dist
+
 import forge.native
 
 forge.native.setup()
@@ -45,6 +50,8 @@ forge.native.setup()
 import torchstore as ts  # noqa: E402
 from torchstore.controller import Controller as _TorchStoreController  # noqa: E402
 from torchstore.storage_volume import StorageVolume as _TorchStoreVolume  # noqa: E402
+
+from forge.distributed import gather_to_rank0, group_rank, group_size  # noqa: E402
 
 # A reply to a caller that has died (a killed generator replica) is not the store's failure; without this,
 # Monarch 0.1.2 turns it into a supervision failure of the store, which takes the whole job down.
@@ -58,6 +65,10 @@ Transport = Literal["auto", "shm", "torchstore"]
 
 class WeightVersionError(LookupError):
     """The requested policy version does not exist (never published, or already deleted)."""
+
+
+class SharedMemoryError(OSError):
+    """A version could not be written to shared memory (too little room, a failed write); nothing of it is left."""
 
 
 @dataclass(frozen=True)
@@ -90,15 +101,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """DTensor shards are gathered into the full tensor (a collective: every rank must call publish)."""
-    if hasattr(tensor, "full_tensor"):
-        tensor = tensor.full_tensor()
-    return tensor.detach().to("cpu", non_blocking=False).contiguous()
-
-
-def _is_rank_zero() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process may still write into the shared-memory folder."""
+    stats = os.statvfs(SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
 
 
 class WeightStore:
@@ -129,35 +135,72 @@ class WeightStore:
         return SHM_DIR / f"forge-{job_id()}-{self.namespace}-spare"
 
     # --- publishing ---------------------------------------------------------------------------------
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> Manifest | None:
-        """Make `state_dict` (HF names) available as `version`; returns the manifest on the writing rank."""
+    async def publish(self, state_dict: dict[str, torch.Tensor], version: int, *, dtype: torch.dtype | None = None,
+                      group: dist.ProcessGroup | None = None) -> Manifest | None:
+        """Make `state_dict` (HF names) available as `version`, every tensor cast to `dtype` when given.
+
+        With torch.distributed initialized this is a collective over `group` (default: all ranks), each rank
+        passing its shards (DTensors): every tensor is gathered to rank 0 alone, one at a time, and streamed
+        into the store there. Readers see the version only once all of it is in place. Returns the manifest on
+        rank 0, None on the others. Raises SharedMemoryError when /dev/shm has too little room (on every rank,
+        before anything is written) or a write fails (the partial segment is removed)."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version={version!r}: must be an int >= 0")
-        full = {name: _full(t) for name, t in state_dict.items()}
-        if not _is_rank_zero():
-            return None
+        is_writer = group_rank(group) == 0
         use_shm = self.transport in ("auto", "shm")
         use_ts = self.transport == "torchstore" or (self.transport == "auto" and self.cross_host)
-        entries, offset = {}, 0
-        for name, tensor in full.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            entries[name] = TensorEntry(_dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes)
-            offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        segment = None
-        if use_shm:
-            segment = self.segment_name(version)
-            spare = self._spare_path()
-            await asyncio.to_thread(_write_segment, SHM_DIR / segment, full, entries, offset, version,
-                                    spare if spare.exists() else None)
-        if use_ts:
-            await ts.put_state_dict(full, self._tensors_key(version))
-        manifest = Manifest(version, self.host, segment, use_ts, entries)
+        entries, size = _layout(state_dict, dtype)
+        segment = await asyncio.to_thread(self._open_segment, version, size, group) if use_shm else None
+        put_keys = []
+        try:
+            for name, tensor in state_dict.items():
+                full = await asyncio.to_thread(_gather_and_write, tensor, dtype, group, segment, entries[name].offset)
+                if full is not None and use_ts:
+                    put_keys.append(f"{self._tensors_key(version)}/{name}")
+                    await ts.put(put_keys[-1], full)
+            if segment is not None:
+                await asyncio.to_thread(segment.commit)
+        except BaseException:
+            if segment is not None:
+                segment.abort()
+            for key in put_keys:
+                await ts.delete(key)
+            raise
+        if not is_writer:
+            return None
+        manifest = Manifest(version, self.host, None if segment is None else segment.path.name, use_ts, entries)
         await ts.put(self._manifest_key(version), manifest)
         # `latest` only moves forward, and only after the bytes are in place.
         latest = await self.latest_version()
         if latest is None or version > latest:
             await ts.put(self._latest_key(), version)
         return manifest
+
+    def _open_segment(self, version: int, size: int, group: dist.ProcessGroup | None) -> _SegmentWriter | None:
+        """Rank 0's segment for `version` (None on the other ranks), once /dev/shm has room for it. A refusal
+        reaches every rank of `group`, so none starts gathering tensors that nobody will write."""
+        refusal, segment = None, None
+        if group_rank(group) == 0:
+            spare = self._spare_path()
+            reusable = spare.stat().st_blocks * 512 if spare.exists() else 0  # the spare is rewritten in place
+            needed, free = _HEADER + size, shm_free_bytes()
+            if needed > free + reusable:
+                refusal = (f"publishing policy version {version} needs {needed} bytes in {SHM_DIR}, but {free} are "
+                           f"free ({reusable} more reusable from a deleted version); nothing was written. Free "
+                           "shared memory, keep fewer versions, or publish in a smaller dtype")
+            else:
+                try:
+                    segment = _SegmentWriter(SHM_DIR / self.segment_name(version), size, version,
+                                             spare if spare.exists() else None)
+                except OSError as e:
+                    refusal = f"publishing policy version {version}: cannot create its segment in {SHM_DIR} ({e})"
+        if group_size(group) > 1:
+            message = [refusal]
+            dist.broadcast_object_list(message, group_src=0, group=group)
+            refusal = message[0]
+        if refusal is not None:
+            raise SharedMemoryError(refusal)
+        return segment
 
     # --- reading ------------------------------------------------------------------------------------
     async def latest_version(self) -> int | None:
@@ -193,7 +236,9 @@ class WeightStore:
                     f"policy version {version} was deleted while being fetched; available versions: {await self.versions()}"
                 ) from None
         if manifest.in_torchstore:
-            return await ts.get_state_dict(self._tensors_key(version), user_state_dict=into)
+            key = self._tensors_key(version)
+            return {name: await ts.get(f"{key}/{name}", inplace_tensor=None if into is None else into[name])
+                    for name in manifest.entries}
         raise WeightVersionError(
             f"policy version {version} was published to shared memory on host {manifest.host!r} only; this process "
             f"is on {self.host!r}. Publish with WeightStore(cross_host=True) (or transport='torchstore') for multi-host jobs."
@@ -272,27 +317,79 @@ def _run_io(io: Callable[[memoryview, int], None], chunks: list[tuple[memoryview
             done.result()
 
 
-def _write_segment(path: Path, tensors: dict[str, torch.Tensor], entries: dict[str, TensorEntry], size: int,
-                   version: int, spare: Path | None) -> None:
-    """pwrite every tensor into a segment file. Reusing a deleted version's file (`spare`) skips the page
-    faults and zeroing of fresh shared memory, the slow part of writing a new file through mmap."""
-    tmp = path.with_name(path.name + ".tmp")
-    if spare is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(spare, tmp)
-    fd = os.open(tmp, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        os.pwrite(fd, struct.pack("<q", -1), 0)  # a reader still on the reused file fails its version check
-        os.ftruncate(fd, _HEADER + max(size, 1))
-        # One thread: writes to one tmpfs file serialize on its inode lock (measured: 2 threads gain nothing).
-        for name, tensor in tensors.items():
-            data, offset, done = _bytes_of(tensor), _HEADER + entries[name].offset, 0
+def _layout(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[dict[str, TensorEntry], int]:
+    """Each tensor's place in a segment (64-byte aligned, in `dtype` or its own), and the segment's size."""
+    entries, offset = {}, 0
+    for name, tensor in state_dict.items():
+        tensor_dtype = dtype or tensor.dtype
+        nbytes = tensor.numel() * tensor_dtype.itemsize  # a DTensor's numel and shape are the full tensor's
+        entries[name] = TensorEntry(_dtype_name(tensor_dtype), tuple(tensor.shape), offset, nbytes)
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return entries, offset
+
+
+def _gather_and_write(tensor: torch.Tensor, dtype: torch.dtype | None, group: dist.ProcessGroup | None,
+                      segment: _SegmentWriter | None, offset: int) -> torch.Tensor | None:
+    """One tensor cast on its own rank (shards before they travel), gathered to rank 0 and written there;
+    returns the full CPU tensor on rank 0, None on the others."""
+    full = gather_to_rank0(tensor.detach().to(dtype or tensor.dtype), group)
+    if full is None:
+        return None
+    full = full.cpu().contiguous()
+    if segment is not None:
+        segment.write(full, offset)
+    return full
+
+
+class _SegmentWriter:
+    """A version's segment, written tensor by tensor into `<name>.tmp` with pwrite and renamed to its real name
+    once complete, so readers never see a half-written one. A failed write removes the file at once (and
+    later writes are skipped, so the other ranks' gathers still complete); `commit` then raises its error.
+
+    Reusing a deleted version's file (`spare`) skips the page faults and zeroing of fresh shared memory, the
+    slow part of writing a new file. One thread writes: writes to one tmpfs file serialize on its inode lock.
+    """
+
+    def __init__(self, path: Path, size: int, version: int, spare: Path | None) -> None:
+        self.path, self.tmp, self.version = path, path.with_name(path.name + ".tmp"), version
+        self.error: OSError | None = None
+        if spare is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(spare, self.tmp)
+        self.fd: int | None = os.open(self.tmp, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.pwrite(self.fd, struct.pack("<q", -1), 0)  # a reader still on the reused file fails its version check
+            os.ftruncate(self.fd, _HEADER + max(size, 1))
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, tensor: torch.Tensor, offset: int) -> None:
+        if self.fd is None:
+            return
+        data, done = _bytes_of(tensor), 0
+        try:
             while done < len(data):
-                done += os.pwrite(fd, data[done:], offset + done)
-        os.pwrite(fd, struct.pack("<q", version), 0)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)  # readers never see a half-written segment under its real name
+                done += os.pwrite(self.fd, data[done:], _HEADER + offset + done)
+        except OSError as e:  # ENOSPC: /dev/shm filled up after the check
+            self.error = e
+            self.abort()
+
+    def commit(self) -> None:
+        if self.error is not None:
+            raise SharedMemoryError(
+                f"publishing policy version {self.version}: writing {self.tmp} failed ({self.error}); "
+                "the partial segment was removed and nothing was published") from self.error
+        os.pwrite(self.fd, struct.pack("<q", self.version), 0)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.tmp.unlink(missing_ok=True)
 
 
 def _read_segment(path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

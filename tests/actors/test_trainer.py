@@ -1,4 +1,5 @@
-"""Tests for actors.trainer: HF parity, exact gradient accumulation, FSDP parity, checkpoints, export, learning."""
+"""Tests for the trainer (actors.titan_trainer, actors.trainer_config, actors.checkpoint): HF parity, exact
+gradient accumulation, FSDP parity, checkpoints, export, learning, bad input."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from actors.trainer import CHECKSUMS_FILE, TitanTrainer, TrainerConfig, token_entropy
+from actors.checkpoint import CHECKSUMS_FILE
+from actors.logprobs import token_entropy
+from actors.titan_trainer import TitanTrainer
+from actors.trainer_config import TrainerConfig
 from forge.tiny_model import build_tiny_checkpoint
 from forge.types import TrainBatch
 
@@ -271,30 +275,29 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         config = trainer_config(Path(path), micro_batch_size=1)  # two micro-batches per rank
         trainer = TitanTrainer(config, rank=rank, world_size=world_size)
         first = trainer.train_step(make_batch(8))
-        after_first = trainer.hf_state_dict()
+        after_first = trainer.hf_state_dict()  # the full weights on rank 0 only
+        after_first_bf16 = trainer.hf_state_dict(torch.bfloat16)
         first_grads = gradients(trainer)
         logprobs = trainer.logprobs(make_batch(10))
         shards = trainer.hf_state_dict_shards()
-        shards_are_sharded = all(isinstance(t, DTensor) for t in shards.values())
-        # A list, not a generator: every rank must take part in every gather.
-        shards_match = all([torch.equal(t.full_tensor(), after_first[n]) for n, t in shards.items()])
+        full = {n: t.full_tensor() for n, t in shards.items()}  # DTensor's own gather, on every rank
         saved = trainer.save_checkpoint(Path(out_dir) / "ckpt")
         second = trainer.train_step(make_batch(9))
         after_second = trainer.hf_state_dict()
         trainer.load_checkpoint(saved)
         resumed = trainer.train_step(make_batch(9))
         after_resumed = trainer.hf_state_dict()
-        if rank == 0:
-            result = dict(first=first, second=second, resumed=resumed, first_grads=first_grads,
-                          after_first=after_first, after_second=after_second, after_resumed=after_resumed,
-                          shards_are_sharded=shards_are_sharded, shards_match=shards_match, logprobs=logprobs)
-            torch.save(result, Path(out_dir) / "result.pt")
+        result = dict(first=first, second=second, resumed=resumed, first_grads=first_grads, after_first=after_first,
+                      after_first_bf16=after_first_bf16, after_second=after_second, after_resumed=after_resumed,
+                      shards_are_sharded=all(isinstance(t, DTensor) for t in shards.values()), full=full,
+                      logprobs=logprobs)
+        torch.save(result, Path(out_dir) / f"result{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def fsdp_result(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def fsdp_results(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     # Each rank runs this file as a script (see the bottom): torchmonarch installs a top-level `tests`
     # package that hides this one, so a spawned process could not unpickle a function defined here.
     out_dir, port, world_size = tmp_path_factory.mktemp("fsdp"), _free_port(), 2
@@ -311,10 +314,11 @@ def fsdp_result(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> d
                 proc.kill()
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-    return torch.load(out_dir / "result.pt", weights_only=False)
+    return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
-def test_fsdp_two_ranks_match_one_rank(fsdp_result: dict, checkpoint: Path) -> None:
+def test_fsdp_two_ranks_match_one_rank(fsdp_results: list[dict], checkpoint: Path) -> None:
+    fsdp_result = fsdp_results[0]
     single = TitanTrainer(trainer_config(checkpoint, micro_batch_size=4))
     expected = single.train_step(make_batch(8))
     assert fsdp_result["first"]["loss"] == pytest.approx(expected["loss"], abs=1e-6)
@@ -325,11 +329,22 @@ def test_fsdp_two_ranks_match_one_rank(fsdp_result: dict, checkpoint: Path) -> N
     torch.testing.assert_close(fsdp_result["logprobs"], single.logprobs(make_batch(10)), rtol=0, atol=1e-5)
 
 
-def test_fsdp_shards_are_dtensors_of_the_full_weights(fsdp_result: dict) -> None:
-    assert fsdp_result["shards_are_sharded"] and fsdp_result["shards_match"]
+def test_fsdp_shards_are_dtensors_of_the_full_weights(fsdp_results: list[dict]) -> None:
+    assert all(result["shards_are_sharded"] for result in fsdp_results)
+    assert_same_weights(fsdp_results[0]["full"], fsdp_results[0]["after_first"], atol=0)
 
 
-def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_result: dict) -> None:
+def test_fsdp_full_weights_are_gathered_to_rank_0_only(fsdp_results: list[dict]) -> None:
+    rank0, rank1 = fsdp_results
+    assert rank1["after_first"] == {} and rank1["after_first_bf16"] == {}
+    # Cast shard by shard before gathering: the same values as casting the full weights.
+    expected = {name: tensor.to(torch.bfloat16) for name, tensor in rank0["after_first"].items()}
+    assert {t.dtype for t in rank0["after_first_bf16"].values()} == {torch.bfloat16}
+    assert_same_weights(rank0["after_first_bf16"], expected, atol=0)
+
+
+def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_results: list[dict]) -> None:
+    fsdp_result = fsdp_results[0]
     assert fsdp_result["resumed"]["loss"] == fsdp_result["second"]["loss"]
     assert fsdp_result["resumed"]["policy_version"] == fsdp_result["second"]["policy_version"] == 2
     assert_same_weights(fsdp_result["after_resumed"], fsdp_result["after_second"], atol=0)
@@ -350,6 +365,7 @@ def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_result: dict) -> None:
     ({"lr_decay": "step"}, "lr_decay", "one of constant, linear, cosine"),
     ({"checkpoint_interval": 5}, "checkpoint_dir", "a folder when checkpoint_interval=5 > 0"),
     ({"model_path": "/no/such/folder"}, "model_path", "a Hugging Face checkpoint folder with config.json"),
+    ({"publish_dtype": "int8"}, "publish_dtype", "None (the trainer's dtype) or one of float32, bfloat16, float16"),
 ])
 def test_config_errors_name_the_field_value_and_allowed(checkpoint: Path, overrides: dict, field: str,
                                                         allowed: str) -> None:
@@ -358,6 +374,11 @@ def test_config_errors_name_the_field_value_and_allowed(checkpoint: Path, overri
     expected = re.escape(f"TrainerConfig.{field}={value!r}: must be {allowed}")
     with pytest.raises(ValueError, match=expected):
         TrainerConfig(**kwargs)
+
+
+def test_publish_dtype_defaults_to_the_trainers_dtype(checkpoint: Path) -> None:
+    assert TrainerConfig(model_path=str(checkpoint), dtype="bfloat16").publish_dtype == "bfloat16"
+    assert TrainerConfig(model_path=str(checkpoint), publish_dtype="float16").publish_dtype == "float16"
 
 
 def test_unknown_loss_or_loss_param_is_rejected(checkpoint: Path) -> None:

@@ -1,6 +1,8 @@
 """The weight store across real processes: publish in one, fetch in another, delete, and stay flat."""
 
+import errno
 import os
+import re
 
 import pytest
 import torch
@@ -8,7 +10,8 @@ import torch
 from forge.actor import ForgeActor
 from forge.provisioner import get_provisioner
 from forge.testing import ShardedPublisher, WeightReader, constant_state_dict as _state_dict
-from forge.weight_store import SHM_DIR, WeightStore, WeightVersionError, job_id
+from forge import weight_store
+from forge.weight_store import SHM_DIR, SharedMemoryError, WeightStore, WeightVersionError, job_id
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,63 @@ async def test_chunked_threaded_io_round_trips_every_byte(store, monkeypatch):
         assert torch.equal(fresh[name], tensor), name
         assert copied[name] is into[name] and torch.equal(copied[name], tensor.to(into[name].dtype)), name
     await store.delete(50)
+
+
+async def test_publish_casts_every_tensor_to_the_given_dtype(store):
+    weights = {"a": torch.randn(10, 3), "b": torch.arange(6, dtype=torch.float32), "c": torch.ones(4, dtype=torch.float16)}
+    manifest = await store.publish(weights, version=60, dtype=torch.bfloat16)
+    assert {entry.dtype for entry in manifest.entries.values()} == {"bfloat16"}
+    fetched = await store.fetch(60)
+    for name, tensor in weights.items():
+        assert fetched[name].dtype == torch.bfloat16 and torch.equal(fetched[name], tensor.to(torch.bfloat16)), name
+    await store.delete(60)
+
+
+def _files_of(version: int) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(f"forge-{job_id()}-test-policy-v{version}*"))
+
+
+async def test_too_little_shared_memory_is_refused_before_writing_anything(store, monkeypatch):
+    monkeypatch.setattr(weight_store, "shm_free_bytes", lambda: 1000)
+    latest = await store.latest_version()
+    weights = {"big": torch.zeros(1 << 18)}  # 1 MiB, more than any spare file this module leaves
+    needed = 64 + (1 << 20)
+    with pytest.raises(SharedMemoryError, match=re.escape(f"policy version 61 needs {needed} bytes in {SHM_DIR}, "
+                                                          "but 1000 are free")):
+        await store.publish(weights, version=61)
+    assert _files_of(61) == [] and 61 not in await store.versions() and await store.latest_version() == latest
+
+
+async def test_a_failed_write_leaves_no_segment_and_publishes_nothing(store, monkeypatch):
+    real_pwrite, data_writes = os.pwrite, []
+
+    def pwrite_until_full(fd: int, data, offset: int) -> int:
+        if offset >= 64:  # past the header: tensor bytes
+            data_writes.append(offset)
+            if len(data_writes) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(weight_store.os, "pwrite", pwrite_until_full)
+    latest = await store.latest_version()
+    with pytest.raises(SharedMemoryError, match=r"No space left on device.*partial segment was removed"):
+        await store.publish(_state_dict(62), version=62)
+    assert len(data_writes) == 2 and _files_of(62) == []
+    assert 62 not in await store.versions() and await store.latest_version() == latest
+
+
+async def test_torchstore_transport_round_trips_tensor_by_tensor(store):
+    remote = WeightStore("test-remote", transport="torchstore")
+    manifest = await remote.publish(_state_dict(3), version=3, dtype=torch.bfloat16)
+    assert manifest.segment is None and manifest.in_torchstore
+    into = {name: torch.zeros(t.shape) for name, t in _state_dict(0).items()}  # float32 receivers
+    fetched = await remote.fetch(3, into=into)
+    for name, tensor in _state_dict(3).items():
+        assert fetched[name] is into[name] and torch.equal(into[name], tensor.to(torch.bfloat16).float()), name
+    await remote.delete(3)
+    assert await weight_store._keys_with_prefix("test-remote/tensors/3/") == []
+    with pytest.raises(WeightVersionError):
+        await remote.fetch(3)
 
 
 async def test_missing_version_error_names_version_and_available(store):

@@ -1,0 +1,165 @@
+"""A torchtitan model built from a Hugging Face checkpoint: arguments read from its `config.json` (so one code
+path loads a tiny test model and Qwen3-8B), parallelized (FSDP2, TP) over the ranks, and loaded from the
+checkpoint's safetensors or from a torchtitan/DCP checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torchtitan.distributed.parallel_dims as titan_parallel_dims
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.models.qwen3 import Qwen3ModelArgs
+from torchtitan.protocols import BaseModelArgs, BaseStateDictAdapter
+from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.tools.utils import set_default_dtype
+
+from actors.model_config import is_int
+
+# The HF `model_type` each family's torchtitan model and state-dict adapter reproduce.
+HF_MODEL_TYPES = {"qwen3": "qwen3", "llama3": "llama"}
+
+
+def model_args_from_hf(family: str, hf_config: dict[str, Any]) -> BaseModelArgs:
+    """torchtitan model arguments equivalent to a Hugging Face `config.json` of that family."""
+    model_type = hf_config.get("model_type")
+    if model_type != HF_MODEL_TYPES[family]:
+        raise ValueError(f"config.json model_type={model_type!r} is not family {family!r}; "
+                         f"that family needs model_type {HF_MODEL_TYPES[family]!r}")
+    for key, supported in (("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)):
+        if hf_config.get(key, supported) != supported:
+            raise ValueError(f"config.json {key}={hf_config[key]!r}: torchtitan's {family} supports only {supported}")
+    dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or dim // n_heads
+    common = dict(
+        dim=dim,
+        n_layers=hf_config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf_config.get("num_key_value_heads") or n_heads,
+        vocab_size=hf_config["vocab_size"],
+        norm_eps=hf_config["rms_norm_eps"],
+        rope_theta=hf_config["rope_theta"],
+        max_seq_len=hf_config["max_position_embeddings"],
+    )
+    eos_id = hf_config.get("eos_token_id")
+    if is_int(eos_id):
+        common["eos_id"] = eos_id
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    rope_scaling = hf_config.get("rope_scaling")
+    if family == "qwen3":
+        if rope_scaling is not None:
+            raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's qwen3 supports only None")
+        return Qwen3ModelArgs(**common, head_dim=head_dim, hidden_dim=hf_config["intermediate_size"],
+                              qk_norm=True, enable_weight_tying=tied)
+    if tied:
+        raise ValueError("config.json tie_word_embeddings=True: torchtitan's llama3 has no weight tying")
+    if head_dim != dim // n_heads:
+        raise ValueError(f"config.json head_dim={head_dim}: torchtitan's llama3 needs hidden_size / "
+                         f"num_attention_heads = {dim // n_heads}")
+    # torchtitan sizes the SwiGLU layer as multiple_of * ceil(int(multiplier * int(8 dim / 3)) / multiple_of);
+    # multiple_of = intermediate_size makes that exactly intermediate_size whatever the float rounding.
+    intermediate = hf_config["intermediate_size"]
+    ffn = dict(multiple_of=intermediate, ffn_dim_multiplier=intermediate / int(8 * dim / 3))
+    if rope_scaling is None:
+        rope = RoPEScalingArgs(scaling_factor=1.0)  # torchtitan always applies Llama 3.1 scaling; 1 = none
+    elif rope_scaling.get("rope_type") == "llama3":
+        rope = RoPEScalingArgs(
+            scaling_factor=rope_scaling["factor"],
+            low_freq_factor=rope_scaling["low_freq_factor"],
+            high_freq_factor=rope_scaling["high_freq_factor"],
+            original_max_position_embeddings=rope_scaling["original_max_position_embeddings"],
+        )
+    else:
+        raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's llama3 supports None or "
+                         "rope_type 'llama3'")
+    return TransformerModelArgs(**common, **ffn, rope_scaling_args=rope)
+
+
+def resolve_model_path(model_path: str) -> Path:
+    """A local checkpoint folder as is; a hub id downloaded (config, tokenizer, safetensors only)."""
+    if Path(model_path).exists():
+        return Path(model_path)
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    return Path(snapshot_download(model_path, allow_patterns=patterns))
+
+
+def parallel_dims(world_size: int, tensor_parallel_degree: int = 1) -> ParallelDims:
+    """FSDP over every rank (times TP when asked): the only layout forge trains and scores with."""
+    return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tensor_parallel_degree, pp=1, ep=1, etp=1,
+                        world_size=world_size)
+
+
+def build_job_config(*, dtype: str, tensor_parallel_degree: int = 1, activation_checkpoint: str = "none") -> JobConfig:
+    """The torchtitan job settings its parallelize functions read (`build_model` sets training.seq_len)."""
+    job = JobConfig()
+    job.parallelism.tensor_parallel_degree = tensor_parallel_degree
+    job.parallelism.disable_loss_parallel = True  # the trainer needs whole-vocabulary logits on each rank
+    job.training.mixed_precision_param = dtype
+    job.activation_checkpoint.mode = activation_checkpoint
+    return job
+
+
+def build_model(
+    model_path: Path,
+    family: str,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    init_checkpoint: str | None = None,
+) -> tuple[nn.Module, BaseModelArgs, BaseStateDictAdapter]:
+    """The family's torchtitan model for a checkpoint: built on meta, parallelized (FSDP2, TP) when there is
+    more than one rank, materialized on `device`, and loaded from the HF safetensors (or `init_checkpoint`)."""
+    hf_config = json.loads((model_path / "config.json").read_text())
+    model_args = model_args_from_hf(family, hf_config)
+    spec = get_train_spec(family)
+    with torch.device("meta"), set_default_dtype(param_dtype):
+        model = spec.model_cls(model_args)
+    tied = getattr(model_args, "enable_weight_tying", False)
+    if tied and parallel_dims.world_size > 1:
+        # parallelize_fn ties on the meta device and the tie does not survive materialization
+        # (pytorch/torchtitan#2252): the output layer would train as a separate, stale copy.
+        raise ValueError(f"config.json tie_word_embeddings=True with world_size={parallel_dims.world_size}: "
+                         "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
+    if parallel_dims.world_size > 1 and not dist.is_initialized():
+        raise RuntimeError(f"world_size={parallel_dims.world_size}: initialize torch.distributed first")
+    if parallel_dims.world_size > 1:
+        # parallelize_fn asserts seq_len is a multiple of 2 * TP; it bounds nothing at run time.
+        job_config.training.seq_len = model_args.max_seq_len - model_args.max_seq_len % (2 * parallel_dims.tp)
+        # torchtitan picks its device type at import and falls back to "cuda" on a host without GPUs;
+        # the mesh it builds for the parallelisms must be on this trainer's device type.
+        titan_parallel_dims.device_type = device.type
+        model = spec.parallelize_fn(model, parallel_dims, job_config)
+        model.to_empty(device=device)
+    else:
+        model.to_empty(device=device)
+        if tied:  # after materialization, which would untie them
+            model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)  # only to materialize buffers; the weights are loaded next
+    adapter = spec.state_dict_adapter(model_args, None)
+    model_state = get_model_state_dict(model)
+    # One rank reads alone even when the process has a process group (for other work) of several ranks.
+    no_dist = parallel_dims.world_size == 1
+    if init_checkpoint is not None:  # torchtitan's layout: the model's keys at the top level
+        dcp.load(model_state, checkpoint_id=init_checkpoint, no_dist=no_dist)
+    else:
+        # A tied checkpoint has no lm_head.weight: the tied output shares the embedding's storage.
+        hf_state = adapter.to_hf({k: v for k, v in model_state.items() if not (tied and k == "output.weight")})
+        dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(str(model_path)), no_dist=no_dist)
+        model_state = adapter.from_hf(hf_state)
+    # dcp.load wrote into the parameters unless the adapter made copies (llama3 permutes q and k): copy back.
+    set_model_state_dict(model, model_state, options=StateDictOptions(strict=False))
+    return model, model_args, adapter

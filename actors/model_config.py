@@ -1,0 +1,54 @@
+"""Where a model's weights come from and how it runs: the config fields the trainer and the reference model share.
+
+Every check raises a ValueError naming the config class, the field, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+FAMILIES = ("qwen3", "llama3")
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def require_field(config: object, name: str, ok: bool, allowed: str) -> None:
+    """Raise a ValueError naming the config class, the field, its value and what is allowed."""
+    if not ok:
+        raise ValueError(f"{type(config).__name__}.{name}={getattr(config, name)!r}: must be {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    model_path: str  # HF checkpoint folder or hub id: architecture, tokenizer and (by default) weights
+    family: str = "qwen3"  # torchtitan train spec of that checkpoint: qwen3 | llama3
+    init_checkpoint: str | None = None  # a torchtitan/DCP checkpoint to take the initial weights from
+    dtype: str = "float32"  # compute dtype (the trainer keeps float32 parameters; a frozen model stores this)
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    temperature: float = 1.0  # the generator's sampling temperature: log-probs are of logits / temperature
+
+    def __post_init__(self) -> None:
+        path = self.model_path
+        is_local = isinstance(path, str) and Path(path).exists()
+        has_config = Path(path, "config.json").is_file() if is_local else bool(_HUB_ID.match(str(path)))
+        require_field(self, "model_path", isinstance(path, str) and has_config,
+                      "a Hugging Face checkpoint folder with config.json, or a hub id 'org/name'")
+        require_field(self, "family", self.family in FAMILIES, f"one of {', '.join(FAMILIES)}")
+        init = self.init_checkpoint
+        require_field(self, "init_checkpoint", init is None or Path(init, ".metadata").is_file(),
+                      "None or a torchtitan/DCP checkpoint folder (with .metadata)")
+        require_field(self, "dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        require_field(self, "device", self.device in DEVICES, f"one of {', '.join(DEVICES)}")
+        require_field(self, "temperature", is_number(self.temperature) and self.temperature > 0,
+                      "a number > 0 (the generator's sampling temperature)")

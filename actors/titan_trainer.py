@@ -1,0 +1,267 @@
+"""The policy trainer: a TorchTitan model trained on RL batches, FSDP2-sharded across data-parallel ranks.
+
+A plain class; the trainer actor (actors/trainer.py) wraps it. The model, its parallelization, the optimizer,
+the LR schedule, the Hugging Face name mapping and the checkpoint state containers are torchtitan's own
+components. What this adds is what RL needs on top of them: a policy loss over per-token log-probs with exact
+gradient accumulation, several optimizer steps per policy version, and the weights in Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.config import JobConfig
+from torchtitan.distributed import utils as titan_dist
+from torchtitan.protocols.train_spec import get_train_spec
+
+from actors import checkpoint
+from actors.logprobs import check_input_ids, score_rows, token_entropy, token_logprobs
+from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
+from actors.trainer_config import TrainerConfig
+from forge.distributed import DataParallel, gather_to_rank0, local_device
+from forge.types import TrainBatch
+from losses import LossOutput, get_loss
+
+_STATEFUL_PARTS = ("optimizer", "lr_scheduler", "train_state")
+
+
+class TrainState(Stateful):
+    """Counters saved with every checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.policy_version = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "policy_version": self.policy_version}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.policy_version = int(state_dict["policy_version"])
+
+
+def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """The batch with every tensor on `device`."""
+    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return TrainBatch(**{k: None if v is None else v.to(device) for k, v in values.items()})
+
+
+class TitanTrainer:
+    """Trains a policy on `TrainBatch`es with a loss from `losses`.
+
+    With world_size > 1 the caller has initialized torch.distributed (gloo on CPU, nccl on GPU) and calls
+    every method on every rank with the same arguments: each rank then works on its own data-parallel
+    slice of the batch, and the collectives inside keep the ranks in step.
+
+    Gradient accumulation is exact for any loss, including losses that normalize over the whole batch
+    (a token mean, a sequence mean, a constant): the loss is evaluated once on the log-probs of the whole
+    global batch, and its gradient with respect to those log-probs is back-propagated micro-batch by
+    micro-batch. With more than one micro-batch per rank this costs one extra forward pass without grad.
+    """
+
+    def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        tp = config.tensor_parallel_degree
+        if world_size % tp:
+            raise ValueError(f"TrainerConfig.tensor_parallel_degree={tp}: must divide world_size={world_size}")
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.device = local_device(config.device)
+        self.loss_fn = get_loss(config.loss)
+        self.model_path = resolve_model_path(config.model_path)
+        self.parallel_dims = parallel_dims(world_size, tp)
+        job = build_job_config(dtype=config.dtype, tensor_parallel_degree=tp,
+                               activation_checkpoint=config.activation_checkpoint)
+        self._set_optimizer_config(job)
+        self.model, self.model_args, self.adapter = build_model(
+            self.model_path, config.family, device=self.device, param_dtype=torch.float32,
+            parallel_dims=self.parallel_dims, job_config=job, init_checkpoint=config.init_checkpoint)
+        self.model.train()
+        spec = get_train_spec(config.family)
+        self.optimizers = spec.build_optimizers_fn([self.model], job.optimizer, self.parallel_dims)
+        self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job.lr_scheduler, job.training.steps)
+        self.train_state = TrainState()
+        self.dp = DataParallel.of(self.parallel_dims)
+        # FSDP casts to the compute dtype itself; a single device needs autocast (torchtitan's choice).
+        self._autocast = (contextlib.nullcontext() if config.dtype == "float32" else
+                          titan_dist.maybe_enable_amp(self.parallel_dims, config.dtype, self.device.type))
+
+    def _set_optimizer_config(self, job: JobConfig) -> None:
+        c = self.config
+        job.optimizer.name = "AdamW"
+        job.optimizer.lr, job.optimizer.eps, job.optimizer.weight_decay = c.lr, c.eps, c.weight_decay
+        job.optimizer.beta1, job.optimizer.beta2 = c.betas
+        job.optimizer.implementation = "fused" if self.device.type == "cuda" else "foreach"
+        job.lr_scheduler.warmup_steps = c.warmup_steps
+        # decay_ratio=0: no decay phase (constant after warmup); None: decay from warmup to max_steps.
+        job.lr_scheduler.decay_ratio = 0.0 if c.lr_decay == "constant" else None
+        job.lr_scheduler.decay_type = "linear" if c.lr_decay == "constant" else c.lr_decay
+        job.training.steps = c.max_steps
+
+    @property
+    def step(self) -> int:
+        return self.train_state.step
+
+    @property
+    def policy_version(self) -> int:
+        return self.train_state.policy_version
+
+    # -- forward passes ---------------------------------------------------------------------------
+
+    def _forward(self, input_ids: torch.Tensor, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (differentiable when grad is on) and entropies (no grad) of input_ids[:, 1:]: [b, T-1]."""
+        inputs, targets = input_ids[:, :-1], input_ids[:, 1:]
+        # Sequence parallelism splits positions evenly across TP ranks; right padding changes no earlier logit.
+        inputs = F.pad(inputs, (0, -inputs.shape[1] % self.parallel_dims.tp))
+        with self._autocast:
+            logits = self.model(inputs)[:, : targets.shape[1]]
+        logprobs = token_logprobs(logits, targets, self.config.temperature)
+        entropy = token_entropy(logits, self.config.temperature) if with_entropy else None
+        return logprobs, entropy
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch."""
+        check_input_ids(batch.input_ids, self.model_args)
+        return score_rows(lambda rows: self._forward(rows, with_entropy=False)[0], batch.input_ids.to(self.device),
+                          self.config.micro_batch_size, self.dp)
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """`minibatches` optimizer steps, one per contiguous slice of the batch (every rank passes the same
+        batch), as one policy version; returns the slices' metrics averaged. The LR schedule advances once."""
+        if self.step >= self.config.max_steps:
+            raise RuntimeError(f"train_step: step {self.step} reached TrainerConfig.max_steps={self.config.max_steps}")
+        started = time.perf_counter()
+        check_input_ids(batch.input_ids, self.model_args)
+        count, rows = self.config.minibatches, batch.num_sequences
+        if rows % (count * self.dp.degree):
+            raise ValueError(f"batch of {rows} sequences: must be a multiple of TrainerConfig.minibatches={count} "
+                             f"x the data-parallel degree {self.dp.degree}")
+        batch = to_device(batch, self.device)
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        size = rows // count
+        # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
+        # samples are off-policy and the loss's clip bounds the update.
+        per_slice = [self._optimizer_step(batch.slice(s, s + size)) for s in range(0, rows, size)]
+        self.lr_schedulers.step()
+        self.train_state.step += 1
+        self.train_state.policy_version += 1
+        metrics = {key: sum(m[key] for m in per_slice) / count for key in per_slice[0]}
+        metrics.update(lr=lr, tokens_per_second=batch.input_ids.numel() / (time.perf_counter() - started),
+                       policy_version=float(self.policy_version))
+        interval = self.config.checkpoint_interval
+        if interval and self.step % interval == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def accumulate_gradients(
+        self, batch: TrainBatch, loss_fn: Any, loss_params: dict[str, Any], *, with_entropy: bool = False
+    ) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
+        """Add d(loss)/d(params) of the whole batch to the parameters' gradients, micro-batch by micro-batch.
+
+        Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if asked, the token entropies.
+        """
+        start, stop = self.dp.rows(batch.num_sequences)
+        size = self.config.micro_batch_size
+        micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
+        # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass.
+        keep_graph = len(micro) == 1
+        with torch.set_grad_enabled(keep_graph):
+            parts = [self._forward(mb.input_ids, with_entropy=with_entropy) for mb in micro]
+        local_logprobs = torch.cat([lp for lp, _ in parts])
+        entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
+        logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
+
+        out: LossOutput = loss_fn(logprobs, batch, **loss_params)
+        if not out.loss.requires_grad:
+            name = getattr(loss_fn, "__name__", repr(loss_fn))
+            raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
+        (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
+        # FSDP averages gradients over data-parallel ranks, but each rank's share is already exact: undo it.
+        local_grad = loss_grad[start : start + local_logprobs.shape[0]] * self.dp.degree
+        if keep_graph:
+            local_logprobs.backward(local_grad)
+        else:
+            offset = 0
+            for mb in micro:
+                mb_logprobs, _ = self._forward(mb.input_ids, with_entropy=False)
+                mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
+                offset += mb.num_sequences
+        return out, logprobs.detach(), entropy
+
+    def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the whole (mini)batch; each rank back-propagates its own rows."""
+        self.optimizers.zero_grad()
+        out, _, entropy = self.accumulate_gradients(batch, self.loss_fn, self.config.loss_params, with_entropy=True)
+        grad_norm = titan_dist.clip_grad_norm_(list(self.model.parameters()), self.config.max_grad_norm, foreach=True)
+        self.optimizers.step()
+        mask = batch.response_mask
+        return {
+            **out.metrics,
+            "loss": out.loss.item(),
+            "grad_norm": grad_norm.item(),
+            "entropy": ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
+        }
+
+    # -- weights in Hugging Face names --------------------------------------------------------------
+
+    def hf_state_dict_shards(self) -> dict[str, torch.Tensor]:
+        """The live parameters in HF names without a copy: DTensors (this rank's shard and its placement)
+        under FSDP/TP, plain tensors on one rank. Cheap for qwen3, whose names map one to one; llama3's
+        adapter permutes q and k, which redistributes those DTensors (a collective)."""
+        state = get_model_state_dict(self.model)
+        if getattr(self.model_args, "enable_weight_tying", False):
+            state.pop("output.weight")  # shares the embedding's storage; HF checkpoints leave lm_head out too
+        return self.adapter.to_hf(state)
+
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """A snapshot of the full weights in HF names, cast to `dtype` (shard by shard, before gathering) when
+        given, on rank 0; the other ranks get an empty dict. Under FSDP/TP a collective: call it on every rank."""
+        full = {}
+        for name, shard in self.hf_state_dict_shards().items():
+            tensor = gather_to_rank0(shard.detach().to(dtype or shard.dtype, copy=True))
+            if tensor is not None:
+                full[name] = tensor
+        return full
+
+    def export_hf(self, path: str | os.PathLike) -> str:
+        """Write a HF checkpoint folder that transformers loads: config.json and tokenizer files from the
+        source checkpoint, model.safetensors in the source's dtype. Call on every rank; rank 0 writes."""
+        state = self.hf_state_dict(checkpoint.source_dtype(self.model_path))
+        return checkpoint.export_hf(state, self.model_path, Path(path), rank=self.rank, world_size=self.world_size)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _checkpoint_states(self) -> dict[str, Any]:
+        # torchtitan's CheckpointManager layout: model keys at the top level, then the stateful parts.
+        # Fresh each time: FSDP re-allocates unevenly sharded parameters at its first forward pass, so a
+        # state dict taken earlier (torchtitan's ModelWrapper caches one) can hold stale shards.
+        return {**get_model_state_dict(self.model), "optimizer": self.optimizers,
+                "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+
+    def save_checkpoint(self, path: str | os.PathLike | None = None) -> str:
+        """Save model, optimizer, LR schedule, step and policy version with DCP (each rank writes its
+        shards) to `path`, default `<checkpoint_dir>/step-<step>`, plus the size and CRC32 of every file.
+        `path` is either absent or complete. Call on every rank."""
+        if path is None:
+            if self.config.checkpoint_dir is None:
+                raise ValueError("save_checkpoint: no path given and TrainerConfig.checkpoint_dir is None")
+            path = Path(self.config.checkpoint_dir) / f"step-{self.step}"
+        states = self._checkpoint_states()
+        return checkpoint.save(states, Path(path), rank=self.rank, world_size=self.world_size)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore everything `save_checkpoint` saved; the next step is the one the saved run took next.
+        Raises FileNotFoundError for an incomplete folder and RuntimeError for a corrupt one."""
+        states = self._checkpoint_states()
+        checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
+        set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS})

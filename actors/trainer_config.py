@@ -1,0 +1,86 @@
+"""The trainer's configuration, checked when it is built (before any process starts)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.model_config import ModelConfig, is_int, is_number, require_field
+from losses import get_loss
+from losses.terms import HYPERPARAM_RULES, check_hyperparams
+
+LR_DECAYS = ("constant", "linear", "cosine")
+ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
+PUBLISH_DTYPES = ("float32", "bfloat16", "float16")  # what a generator may run in
+
+
+@dataclass
+class TrainerConfig(ModelConfig):
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_decay: str = "constant"  # after warmup: constant | linear | cosine (to 0 at max_steps)
+    max_steps: int = 1_000_000  # the LR schedule's length; training past it is an error
+    max_grad_norm: float = 1.0  # float("inf"): report the norm, never clip
+    micro_batch_size: int = 8  # sequences per forward/backward pass on each rank
+    minibatches: int = 1  # optimizer steps per train_step, each on 1/minibatches of the batch's rows
+    loss: Any = "grpo"  # a name in losses.LOSSES, a callable, or "package.module:function"
+    loss_params: dict[str, Any] = field(default_factory=dict)
+    tensor_parallel_degree: int = 1
+    activation_checkpoint: str = "none"  # torchtitan's activation checkpointing: none | selective | full
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 0  # save into checkpoint_dir every N steps; 0: only when asked
+    torch_threads: int = 0  # CPU threads per trainer process on device=cpu (0 = torch's default, one per core)
+    # The dtype published weights are cast to: the generator's (apps set it from generator.dtype). None: `dtype`.
+    publish_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_field(self, "lr", is_number(self.lr) and self.lr > 0, "a number > 0")
+        betas = self.betas
+        valid_betas = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            is_number(b) and 0 <= b < 1 for b in betas)
+        require_field(self, "betas", valid_betas, "two numbers in [0, 1)")
+        self.betas = tuple(betas)
+        require_field(self, "eps", is_number(self.eps) and self.eps > 0, "a number > 0")
+        require_field(self, "weight_decay", is_number(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
+        require_field(self, "max_steps", is_int(self.max_steps) and self.max_steps >= 1, "an int >= 1")
+        require_field(self, "warmup_steps", is_int(self.warmup_steps) and 0 <= self.warmup_steps <= self.max_steps,
+                      f"an int in [0, max_steps={self.max_steps}]")
+        require_field(self, "lr_decay", self.lr_decay in LR_DECAYS, f"one of {', '.join(LR_DECAYS)}")
+        require_field(self, "max_grad_norm", is_number(self.max_grad_norm) and self.max_grad_norm > 0,
+                      "a number > 0 (inf: never clip)")
+        require_field(self, "torch_threads", is_int(self.torch_threads) and self.torch_threads >= 0, "an int >= 0")
+        for name in ("micro_batch_size", "minibatches", "tensor_parallel_degree"):
+            require_field(self, name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
+        require_field(self, "activation_checkpoint", self.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES,
+                      f"one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}")
+        require_field(self, "checkpoint_interval", is_int(self.checkpoint_interval) and self.checkpoint_interval >= 0,
+                      "an int >= 0")
+        require_field(self, "checkpoint_dir", self.checkpoint_dir is not None or self.checkpoint_interval == 0,
+                      f"a folder when checkpoint_interval={self.checkpoint_interval} > 0")
+        require_field(self, "publish_dtype", self.publish_dtype is None or self.publish_dtype in PUBLISH_DTYPES,
+                      f"None (the trainer's dtype) or one of {', '.join(PUBLISH_DTYPES)}")
+        self.publish_dtype = self.publish_dtype or self.dtype
+        require_field(self, "loss_params", isinstance(self.loss_params, dict), "a dict of the loss's hyperparameters")
+        loss_fn = get_loss(self.loss)  # raises a ValueError naming the loss when it is unknown
+        _check_loss_params(loss_fn, self.loss_params)
+
+
+def _check_loss_params(loss_fn: Any, loss_params: dict[str, Any]) -> None:
+    parameters = inspect.signature(loss_fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    taken = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+    taken -= {"logprobs", "batch", "old_logprobs"}  # supplied by the trainer
+    unknown = sorted(set(loss_params) - taken)
+    if unknown:
+        name = getattr(loss_fn, "__name__", repr(loss_fn))
+        raise ValueError(f"TrainerConfig.loss_params={loss_params!r}: {unknown} not taken by loss {name!r}; "
+                         f"allowed: {sorted(taken)}")
+    # The shared hyperparameters' ranges, checked now rather than at the first training step.
+    checked = {k: v for k, v in loss_params.items() if k in HYPERPARAM_RULES}
+    check_hyperparams(f"TrainerConfig.loss_params ({getattr(loss_fn, '__name__', 'loss')})", **checked)
