@@ -15,13 +15,38 @@ developed on.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import threading
+from functools import cache
 from pathlib import Path
 
 import torch
 
 from forge.types import Completion, SamplingParams
+
+
+@cache
+def engine_arg_names() -> frozenset[str]:
+    """The field names of vLLM's `AsyncEngineArgs` (what `engine_args` may hold), without importing vLLM.
+
+    Importing `vllm.engine.arg_utils` pulls in vLLM's whole stack (~15 s on a loaded 2-core host), too slow for
+    a config check before anything spawns; the dataclass fields are read from its source text instead
+    (tests/actors/engines/test_vllm_args.py checks they equal `dataclasses.fields`).
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("engine_arg_names: the vllm package is not installed; install it with "
+                          "`pip install 'forge[vllm]'` (CUDA) or `make install-vllm` (CPU)")
+    source = Path(spec.submodule_search_locations[0], "engine", "arg_utils.py").read_text()
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
+            names.update(statement.target.id for statement in node.body
+                         if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                         and "ClassVar" not in ast.unparse(statement.annotation))
+    return frozenset(names)
 
 
 class VLLMEngine:
