@@ -38,16 +38,12 @@ from pathlib import Path
 
 import torch
 
-import forge.native
+from forge import compat, provisioner
+from forge.actor import ForgeActor, endpoint
+from forge.weight_store import SHM_DIR, WeightStore, job_id
+from monarch.actor import current_rank  # after forge.compat, which makes Monarch importable
 
-forge.native.setup()
-
-import torchstore as ts  # noqa: E402
-from monarch.actor import current_rank  # noqa: E402
-
-from forge import provisioner  # noqa: E402
-from forge.actor import ForgeActor, endpoint  # noqa: E402
-from forge.weight_store import SHM_DIR, WeightStore, job_id  # noqa: E402
+ts = compat.import_torchstore()
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SWAP_MODES = ("copy", "pointer")

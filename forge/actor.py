@@ -19,16 +19,11 @@ Construction arguments may come straight from a config section (`as_actor(**cfg.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import logging
-import traceback
 from dataclasses import dataclass, is_dataclass
 from typing import Any, TypeVar
 
-import forge.native
-
-forge.native.setup()
+from forge import compat
+from forge.compat import EndpointError, raise_if_failed
 
 from monarch._src.actor.endpoint import EndpointProperty  # noqa: E402
 from monarch.actor import Actor, endpoint  # noqa: E402
@@ -36,7 +31,6 @@ from monarch.actor import Actor, endpoint  # noqa: E402
 from forge.provisioner import ProvisionedMesh, get_provisioner  # noqa: E402
 
 T = TypeVar("T", bound="ForgeActor")
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,59 +69,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class EndpointError(RuntimeError):
-    """An exception raised inside an actor's endpoint, re-raised in the caller with the remote traceback."""
-
-
-@dataclass(frozen=True)
-class _RaisedInEndpoint:
-    """What an endpoint returns instead of raising (see `ForgeActor.__init_subclass__`)."""
-
-    actor: str
-    endpoint: str
-    error: str  # "ValueError: ..."
-    remote_traceback: str
-
-    def exception(self) -> EndpointError:
-        return EndpointError(f"{self.actor}.{self.endpoint} raised {self.error}\n"
-                             f"--- remote traceback ---\n{self.remote_traceback}")
-
-
-def raise_if_failed(value: Any) -> Any:
-    """Turn an endpoint's reported exception back into one (values of a whole mesh too)."""
-    if isinstance(value, _RaisedInEndpoint):
-        raise value.exception()
-    if hasattr(value, "values") and callable(value.values) and not isinstance(value, dict):
-        for item in value.values():
-            if isinstance(item, _RaisedInEndpoint):
-                raise item.exception()
-    return value
-
-
-def _reporting_errors(cls_name: str, name: str, method: Any) -> Any:
-    # Monarch 0.1.2 can wedge or crash the controller when an endpoint raises (a reply with a remote
-    # traceback racing its ack), so forge's endpoints never raise across the wire: they return the error
-    # and the caller's handle re-raises it.
-    def report(error: Exception) -> _RaisedInEndpoint:
-        return _RaisedInEndpoint(cls_name, name, f"{type(error).__name__}: {error}", traceback.format_exc())
-
-    if inspect.iscoroutinefunction(method):
-        @functools.wraps(method)
-        async def wrapped(self, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return await method(self, *args, **kwargs)
-            except Exception as error:
-                return report(error)
-    else:
-        @functools.wraps(method)
-        def wrapped(self, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as error:
-                return report(error)
-    return wrapped
-
-
 class ForgeActor(Actor):
     """Base class of forge's actors. Subclasses add `@endpoint` methods and may override `setup`.
 
@@ -142,8 +83,7 @@ class ForgeActor(Actor):
         for name, value in list(vars(cls).items()):
             if isinstance(value, EndpointProperty) and not value._explicit_response_port \
                     and not getattr(value._method, "_forge_reports_errors", False):
-                value._method = _reporting_errors(cls.__name__, name, value._method)
-                value._method._forge_reports_errors = True
+                value._method = compat.report_endpoint_errors(cls.__name__, name, value._method)
 
     @classmethod
     def options(
@@ -170,10 +110,7 @@ class ForgeActor(Actor):
     async def teardown(self) -> None:
         """Run before the actor's processes are stopped; override to stop background work."""
 
-    def _handle_undeliverable_message(self, message: Any) -> bool:
-        # A reply whose caller has died (a killed replica, a stopped client) is not this actor's failure.
-        logger.debug("%s: undeliverable message dropped: %s", type(self).__name__, message)
-        return True
+    _handle_undeliverable_message = compat.drop_undeliverable
 
     @classmethod
     async def as_actor(cls: type[T], *args: Any, **kwargs: Any) -> T:
@@ -188,15 +125,18 @@ class ForgeActor(Actor):
 
     @classmethod
     async def _spawn_on(cls: type[T], mesh: ProvisionedMesh, args: tuple, kwargs: dict) -> T:
+        provisioner = get_provisioner()
         args = tuple(_plain(a) for a in args)
         kwargs = {k: _plain(v) for k, v in kwargs.items()}
         try:
-            actor = ActorHandle(mesh.procs.spawn(cls.__name__.lower(), cls, *args, **kwargs))
-            if "teardown" in {n for c in cls.__mro__ if c is not ForgeActor for n in vars(c)}:
-                mesh.actors.append(actor)  # only actors with background work get a teardown call
-            await actor.setup.call()
+            # Shutdown lets a set-up under way finish before it stops the mesh (forge.compat, 10).
+            async with provisioner.busy(f"spawning {cls.__name__} on mesh {mesh.name!r}"):
+                actor = ActorHandle(mesh.procs.spawn(cls.__name__.lower(), cls, *args, **kwargs))
+                if "teardown" in {n for c in cls.__mro__ if c is not ForgeActor for n in vars(c)}:
+                    mesh.actors.append(actor)  # only actors with background work get a teardown call
+                await actor.setup.call()
         except BaseException:
-            await get_provisioner().stop_proc_mesh(mesh)
+            await provisioner.stop_proc_mesh(mesh)
             raise
         _MESH_OF[id(actor)] = (actor, mesh)
         return actor  # type: ignore[return-value]

@@ -15,61 +15,31 @@ to end the job fast with the root cause.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
 import os
-import socket
-import sys
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
-import forge.native
-
-forge.native.setup()
-
-import monarch.actor  # noqa: E402
-from monarch.actor import Actor, HostMesh, ProcMesh, current_rank, endpoint, this_host  # noqa: E402
+from forge import compat, metrics, processes, weight_store
+from forge.proc_agent import ProcAgent
+from forge.processes import free_port, kill_job_processes, monarch_children  # noqa: F401 (public here too)
 
 import psutil  # noqa: E402
-import torchstore  # noqa: E402
-
-from forge import metrics, weight_store  # noqa: E402
+from monarch.actor import HostMesh, ProcMesh, this_host  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
-class ProcAgent(Actor):
-    """One per process of every provisioned mesh: environment set-up, metric hand-off, and a watchdog.
-
-    The watchdog exists because Monarch 0.1.2's host process outlives a controller that dies without
-    cleaning up (SIGKILL, OOM kill): when the controller is gone, the first agent to notice kills the
-    whole tree under the host process, so a crash leaves no orphans.
-    """
-
-    def __init__(self, controller_pid: int, controller_started: float) -> None:
-        if not _is_this_host(controller_pid, controller_started):
-            return  # on another host the controller's pid means nothing here
-        _write_to_the_controllers_console(controller_pid)
-        threading.Thread(target=_exit_with_controller, args=(controller_pid,), daemon=True).start()
-
-    @endpoint
-    def set_environment(self, shared: dict[str, str], per_rank: list[dict[str, str]]) -> int:
-        rank = current_rank().rank
-        os.environ.update(shared)
-        os.environ.update(per_rank[rank])
-        return os.getpid()
-
-    @endpoint
-    def drain_metrics(self) -> dict[str, metrics.Partial]:
-        return metrics.drain_local()
+class ShutDownError(RuntimeError):
+    """The job is shutting down (or has shut down): no new process, actor, service or call."""
 
 
 @dataclass
 class MeshFailure:
-    """A process or actor failure on a provisioned mesh, as Monarch reported it."""
+    """A process or actor failure on a provisioned mesh, as Monarch (or the pid watcher) reported it."""
 
     mesh_name: str
     message: str
@@ -88,13 +58,6 @@ class ProvisionedMesh:
     actors: list[Any] = field(default_factory=list)  # actors here that define `teardown`: called before the stop
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _visible_gpus() -> list[int]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
@@ -107,26 +70,57 @@ def _visible_gpus() -> list[int]:
         return []
 
 
+SPAWN_WAIT_S = 120.0  # how long shutdown waits for spawns already under way (a loaded host is slow)
+DRAIN_WAIT_S = 10.0  # how long shutdown lets calls in flight finish before stopping their processes
+
+
 @dataclass
 class Provisioner:
-    """Allocates proc meshes on this host (or on a configured Monarch host mesh)."""
+    """Allocates proc meshes on this host (or on a configured Monarch host mesh) and stops them all."""
 
     host_mesh: HostMesh | None = None
     gpus: list[int] = field(default_factory=_visible_gpus)
     meshes: dict[str, ProvisionedMesh] = field(default_factory=dict)
     fatal_failures: list[MeshFailure] = field(default_factory=list)
+    services: list[Any] = field(default_factory=list)  # stopped first at shutdown
     _names: itertools.count = field(default_factory=itertools.count)
     # Names of meshes already stopped: Monarch keeps reporting their deaths for a while.
     _retired: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        compat.configure_job_environment()
+        compat.append_mode_for_file_output()
         self._free_gpus = list(self.gpus)
-        _append_when_writing_to_a_file()
+        self._closing = False
+        self._busy: set[asyncio.Future] = set()  # spawns (and actor set-ups) under way
         self._weight_store_started = False
         self._watcher: asyncio.Task | None = None
         self._store_mesh: ProvisionedMesh | None = None
         weight_store.job_id()  # this controller's pid names the job's shared-memory segments
         weight_store.remove_dead_jobs_segments()
+        # A script that ends without `shutdown()` must not leave its weights in shared memory.
+        atexit.register(weight_store.remove_job_segments)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def refuse_if_closing(self, what: str) -> None:
+        if self._closing:
+            raise ShutDownError(f"{what}: the job is shutting down; nothing new is started")
+
+    @contextlib.asynccontextmanager
+    async def busy(self, what: str) -> AsyncIterator[None]:
+        """Marks work (a spawn, an actor's set-up) that shutdown must let finish before it stops processes:
+        killing a mesh Monarch is still spawning panics the controller (forge.compat, 10)."""
+        self.refuse_if_closing(what)
+        done = asyncio.get_running_loop().create_future()
+        self._busy.add(done)
+        try:
+            yield
+        finally:
+            self._busy.discard(done)
+            done.set_result(None)
 
     async def start_weight_store(self) -> None:
         """Start torchstore's controller and storage volume (once); keys of the weight store live there."""
@@ -134,7 +128,7 @@ class Provisioner:
             # The storage volume runs on a mesh of ours, so its output bypasses Monarch's host like every
             # other process's (ProcAgent) and its death is reported like any other mesh's.
             self._store_mesh = await self.get_proc_mesh(1, mesh_name="weight_store")
-            await torchstore.initialize(mesh=self._store_mesh.procs)
+            await compat.import_torchstore().initialize(mesh=self._store_mesh.procs)
             self._weight_store_started = True
 
     async def get_proc_mesh(
@@ -158,15 +152,24 @@ class Provisioner:
                 )
             if hosts > len(self.host_mesh.region.slice()):
                 raise ValueError(f"hosts={hosts}: the configured host mesh has {len(self.host_mesh.region.slice())} hosts")
+        if with_gpus and procs > len(self._free_gpus):
+            raise ValueError(
+                f"mesh {mesh_name or 'anon'!r} asks for {procs} GPUs (with_gpus=True, procs={procs}) but only "
+                f"{len(self._free_gpus)} of {len(self.gpus)} GPUs on this host are free: {self._free_gpus}"
+            )
+        name = f"{mesh_name or 'mesh'}-{next(self._names)}"
+        async with self.busy(f"spawning mesh {name!r}"):
+            # Shielded: a caller that is cancelled (a service stopping a restart) does not abort Monarch's
+            # spawn half-way; the mesh is registered anyway, and shutdown stops it.
+            mesh = await asyncio.shield(self._spawn(name, procs, with_gpus, env, on_failure))
+        self.refuse_if_closing(f"spawning mesh {name!r}")  # shutdown began meanwhile: it stops this mesh
+        return mesh
+
+    async def _spawn(self, name: str, procs: int, with_gpus: bool, env: dict[str, str] | None,
+                     on_failure: Callable[[MeshFailure], None] | None) -> ProvisionedMesh:
         gpus: list[int] = []
         if with_gpus:
-            if procs > len(self._free_gpus):
-                raise ValueError(
-                    f"mesh {mesh_name or 'anon'!r} asks for {procs} GPUs (with_gpus=True, procs={procs}) but only "
-                    f"{len(self._free_gpus)} of {len(self.gpus)} GPUs on this host are free: {self._free_gpus}"
-                )
             gpus, self._free_gpus = self._free_gpus[:procs], self._free_gpus[procs:]
-        name = f"{mesh_name or 'mesh'}-{next(self._names)}"
         host = self.host_mesh if self.host_mesh is not None else this_host()
         try:
             proc_mesh = host.spawn_procs(per_host={"procs": procs}, name=name)
@@ -176,14 +179,11 @@ class Provisioner:
                 "MASTER_PORT": str(free_port()),
                 "WORLD_SIZE": str(procs),
                 "FORGE_JOB_ID": weight_store.job_id(),
+                **(env or {}),
             }
-            shared.update(env or {})
-            per_rank = []
-            for rank in range(procs):
-                rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(procs)}
-                # Each process sees only its own GPU, always as cuda:0.
-                rank_env["CUDA_VISIBLE_DEVICES"] = str(gpus[rank]) if gpus else ""
-                per_rank.append(rank_env)
+            # Each process sees only its own GPU, always as cuda:0.
+            per_rank = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(procs),
+                         "CUDA_VISIBLE_DEVICES": str(gpus[rank]) if gpus else ""} for rank in range(procs)]
             pids = list((await agents.set_environment.call(shared, per_rank)).values())
         except BaseException:
             self._free_gpus = sorted(self._free_gpus + gpus)
@@ -204,7 +204,7 @@ class Provisioner:
             for mesh in list(self.meshes.values()):
                 if mesh.stopped or mesh.failed:
                     continue
-                gone = [pid for pid in mesh.pids if not _is_alive(pid)]
+                gone = [pid for pid in mesh.pids if not processes.is_alive(pid)]
                 if gone:
                     mesh.failed = True
                     self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited "
@@ -215,11 +215,14 @@ class Provisioner:
         if mesh is not None and mesh.on_failure is not None:
             mesh.on_failure(event)
             return
+        if self._closing:
+            logger.debug("failure on mesh %s during shutdown: %s", event.mesh_name, message)
+            return
         logger.error("fatal failure on mesh %s: %s", event.mesh_name, message)
         self.fatal_failures.append(event)
 
-    def _on_mesh_failure(self, failure: Any) -> None:
-        # Called by Monarch on its own thread; must never raise (that would exit the process).
+    def on_supervision_event(self, failure: Any) -> None:
+        # Called by Monarch on its own thread (forge.compat, 4); must never raise.
         try:
             message = str(failure)
             if any(f"{name}_" in message for name in self._retired):
@@ -240,18 +243,14 @@ class Provisioner:
 
     def memory_rss(self) -> dict[str, int]:
         """Resident memory in bytes of the controller and of every live process of every mesh, by name."""
-        rss = {"controller": psutil.Process().memory_info().rss}
-        for mesh in self.meshes.values():
-            for rank, pid in enumerate(mesh.pids):
-                with contextlib.suppress(psutil.Error):
-                    rss[f"{mesh.name}[{rank}]"] = psutil.Process(pid).memory_info().rss
-        return rss
+        return processes.resident_memory({f"{mesh.name}[{rank}]": pid for mesh in self.meshes.values()
+                                          for rank, pid in enumerate(mesh.pids)})
 
     async def collect_metrics(self) -> list[dict[str, metrics.Partial]]:
         """Every live process's partial metrics since the last call, plus the controller's own."""
         groups = [metrics.drain_local()]
         for mesh in list(self.meshes.values()):
-            if mesh.stopped:
+            if mesh.stopped or mesh.failed:
                 continue
             try:
                 values = await asyncio.wait_for(mesh.agents.drain_metrics.call(), timeout=10)
@@ -265,30 +264,36 @@ class Provisioner:
             return
         mesh.stopped = True
         self._retired.add(mesh.name)
-        if mesh.failed or not all(_is_alive(pid) for pid in mesh.pids):
+        if mesh.failed or not all(processes.is_alive(pid) for pid in mesh.pids):
             # A mesh that lost a process cannot be stopped through Monarch (the requests wait for answers
             # that never come): kill what is left of it.
-            _kill_leftovers(mesh.pids)
-            self._free_gpus = sorted(self._free_gpus + mesh.gpus)
-            self.meshes.pop(mesh.name, None)
-            return
-        # Let actors finish what they are doing (background tasks, in-flight store requests): a reply sent
-        # to an actor that is already gone is a supervision failure in Monarch 0.1.2.
-        for actor in mesh.actors:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(actor.teardown.call(), timeout=10)
-        try:
-            await asyncio.wait_for(mesh.procs.stop(), timeout=timeout)
-        except Exception as e:
-            logger.debug("stopping mesh %s: %s", mesh.name, e)
-            # Only a mesh that did not stop cleanly is killed: killing processes Monarch is still winding
-            # down leaves its agent with undeliverable messages, which it treats as fatal.
-            _kill_leftovers(mesh.pids)
+            processes.kill(mesh.pids)
+        else:
+            # Let actors finish what they are doing (background tasks, in-flight store requests): a reply
+            # sent to an actor that is already gone is a supervision failure (forge.compat, 8).
+            for actor in mesh.actors:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(actor.teardown.call(), timeout=10)
+            try:
+                await asyncio.wait_for(mesh.procs.stop(), timeout=timeout)
+            except Exception as e:
+                # Only a mesh that did not stop cleanly is killed (forge.compat, 10).
+                logger.debug("stopping mesh %s: %s", mesh.name, e)
+                processes.kill(mesh.pids)
         self._free_gpus = sorted(self._free_gpus + mesh.gpus)
         self.meshes.pop(mesh.name, None)
 
     async def shutdown(self) -> None:
-        """Stop every mesh this provisioner made (in parallel); leaves no child processes or segments."""
+        """Stop everything this provisioner made, in order: services (their restarts, then their calls in
+        flight, bounded), spawns under way (let finish), every mesh (in parallel), the weight store, and
+        the job's shared memory. Leaves no child process and no segment; a second call does nothing."""
+        if self._closing:
+            return
+        self._closing = True
+        await asyncio.gather(*(service.stop() for service in list(self.services)), return_exceptions=True)
+        if self._busy:
+            logger.info("shutdown: waiting for %d spawn(s) under way", len(self._busy))
+            await asyncio.wait(list(self._busy), timeout=SPAWN_WAIT_S)
         if self._watcher is not None:
             self._watcher.cancel()
         store_mesh = self._store_mesh
@@ -296,6 +301,7 @@ class Provisioner:
         await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values()) if m is not store_mesh))
         if self._weight_store_started:
             self._weight_store_started = False
+            torchstore = compat.import_torchstore()
             if store_mesh is not None and not store_mesh.failed:
                 try:
                     await asyncio.wait_for(torchstore.shutdown(), timeout=20)
@@ -305,120 +311,33 @@ class Provisioner:
         if store_mesh is not None:
             await self.stop_proc_mesh(store_mesh)
             self._store_mesh = None
-        weight_store.remove_job_segments()
-        _kill_leftovers(monarch_children())
-
-
-def _is_this_host(pid: int, started: float) -> bool:
-    """Whether the process `pid`, started at `started` (psutil create_time), runs on this host."""
-    try:
-        return abs(psutil.Process(pid).create_time() - started) < 1e-3
-    except psutil.Error:
-        return False
-
-
-def _append_when_writing_to_a_file() -> None:
-    """The controller's stdout/stderr, when a regular file, in append mode: its processes append to the same
-    file (`_write_to_the_controllers_console`), and a writer at its own offset would overwrite their lines."""
-    import fcntl
-    import stat
-
-    for fd in (1, 2):
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
-        except OSError:
-            pass
-
-
-def _write_to_the_controllers_console(controller_pid: int) -> None:
-    """Point this process's stdout and stderr at the controller's, bypassing Monarch's host process.
-
-    Monarch 0.1.2's host reads every child's output from a pipe and forwards it through its log sender, whose
-    first use can deadlock the host (a re-entrant lock in hyperactor's type-name cache, `Named::typename` for
-    nested generic types, taken while the same lock shard is held): every process of the job then stops
-    answering and the job hangs. It struck about 1 start in 3 on a 2-core host. Output written here goes
-    straight to the controller's terminal, file or pipe instead, so the host never forwards a line.
-    """
-    import stat
-
-    for fd in (1, 2):
-        target = f"/proc/{controller_pid}/fd/{fd}"
-        try:
-            flags = os.O_WRONLY | (os.O_APPEND if stat.S_ISREG(os.stat(target).st_mode) else 0)
-            opened = os.open(target, flags)
-        except OSError:  # a socket or a closed descriptor: keep Monarch's pipe
-            continue
-        (sys.stdout if fd == 1 else sys.stderr).flush()
-        os.dup2(opened, fd)
-        os.close(opened)
-
-
-def _exit_with_controller(controller_pid: int, poll_s: float = 1.0) -> None:
-    while psutil.pid_exists(controller_pid):
-        time.sleep(poll_s)
-    me = psutil.Process()
-    host = me.parent()
-    tree = [host, *host.children(recursive=True)] if host and "bootstrap_main" in " ".join(host.cmdline()) else [me]
-    for proc in tree:
-        if proc.pid != me.pid:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-    os._exit(1)
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _kill_leftovers(pids: list[int]) -> None:
-    """A process that ignored the stop request (or a wedged one) is killed outright."""
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def kill_job_processes() -> None:
-    """The last resort of a controller that must exit now: kill every Monarch process it started and
-    remove its shared-memory segments (safe from any thread)."""
-    _kill_leftovers(monarch_children())
-    weight_store.remove_job_segments()
-
-
-def monarch_children() -> list[int]:
-    """Pids of this process's descendants that Monarch started (proc meshes, torchstore volumes)."""
-    pids = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if any("monarch" in part for part in child.cmdline()):
-                pids.append(child.pid)
-        except psutil.Error:
-            pass
-    return pids
+        kill_job_processes(hosts=False)
 
 
 _provisioner: Provisioner | None = None
+_shutting_down: asyncio.Future | None = None
 
 
 def get_provisioner() -> Provisioner:
-    """The controller's provisioner (created on first use)."""
+    """The controller's provisioner (created on first use, or after a shutdown)."""
     global _provisioner
     if _provisioner is None:
         _provisioner = Provisioner()
-        monarch.actor.unhandled_fault_hook = _provisioner._on_mesh_failure
+        compat.install_fault_hook(_provisioner.on_supervision_event)
     return _provisioner
 
 
 async def shutdown() -> None:
-    """Stop every actor, service and mesh this controller started."""
-    global _provisioner
-    if _provisioner is not None:
-        await _provisioner.shutdown()
+    """Stop every service, actor and mesh this controller started. Safe in any state: twice, concurrently
+    (callers wait for the one shutdown), during start-up, with a restart or a hung call in flight."""
+    global _provisioner, _shutting_down
+    if _shutting_down is not None and not _shutting_down.done():
+        await asyncio.shield(_shutting_down)
+        return
+    if _provisioner is None:
+        return
+    _shutting_down = asyncio.ensure_future(_provisioner.shutdown())
+    try:
+        await asyncio.shield(_shutting_down)
+    finally:
         _provisioner = None

@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch._src.actor.endpoint import EndpointProperty
+from forge.compat import SupervisionError
+from forge.provisioner import DRAIN_WAIT_S, SPAWN_WAIT_S, MeshFailure, ProvisionedMesh, ShutDownError, get_provisioner
 
-from forge.provisioner import MeshFailure, ProvisionedMesh, get_provisioner
+from monarch._src.actor.endpoint import EndpointProperty  # noqa: E402 (after forge.compat)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,9 @@ class Service:
         service = cls(actor_cls, placement, args, kwargs, **options)
         service._loop = asyncio.get_running_loop()
         service._changed = asyncio.Condition()
+        provisioner = get_provisioner()
+        provisioner.refuse_if_closing(f"starting service {service.name!r}")
+        provisioner.services.append(service)  # shutdown stops services before their meshes
         try:
             service.replicas = list(await asyncio.gather(*(service._spawn(i) for i in range(placement.num_replicas))))
         except BaseException:
@@ -125,13 +128,17 @@ class Service:
         old = self.replicas[index]
         try:
             await get_provisioner().stop_proc_mesh(old.mesh, timeout=10)
+            if self._stopped:
+                return
             new = await self._spawn(index)
             new.restarts = old.restarts + 1
-            if self._stopped:
+            if self._stopped:  # stopped while the new replica was starting: it never serves
                 await get_provisioner().stop_proc_mesh(new.mesh)
                 return
             self.replicas[index] = new
             logger.warning("service %s: replica %d restarted (restart %d)", self.name, index, new.restarts)
+        except ShutDownError:
+            logger.debug("service %s: replica %d not restarted: shutting down", self.name, index)
         except Exception as e:
             old.restarts = self.max_restarts  # give up on this replica
             old.last_failure = f"{old.last_failure}\nrestart failed: {e!r}"
@@ -157,7 +164,7 @@ class Service:
         deadline = time.monotonic() + self.restart_wait
         while True:
             if self._stopped:
-                raise NoHealthyReplicaError(f"service {self.name} has been stopped")
+                raise ShutDownError(f"service {self.name!r} has been stopped; it takes no new calls")
             healthy = self.healthy_replicas()
             sessions = _session_replica.get()
             if sessions is not None and id(self) in sessions:
@@ -181,6 +188,8 @@ class Service:
                     await asyncio.wait_for(self._changed.wait(), timeout=1.0)
 
     async def _call(self, endpoint: str, args: tuple, kwargs: dict, replica: Replica | None = None) -> Any:
+        if self._stopped:
+            raise ShutDownError(f"service {self.name!r} has been stopped; it takes no new calls")
         while True:
             target = replica or await self._choose()
             target.in_flight += 1
@@ -217,11 +226,23 @@ class Service:
         return ServiceEndpoint(self, name)
 
     async def stop(self) -> None:
+        """Refuse new calls, let restarts under way finish (their new replica is stopped, never killed
+        mid-spawn: forge.compat, 10), give calls in flight `DRAIN_WAIT_S`, then stop every replica."""
+        if self._stopped:
+            return
         self._stopped = True
-        for task in list(self._restarting.values()):
-            task.cancel()
+        restarts = list(self._restarting.values())
+        if restarts:
+            _, late = await asyncio.wait(restarts, timeout=SPAWN_WAIT_S)
+            for task in late:
+                task.cancel()
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        while any(r.in_flight for r in self.replicas) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         provisioner = get_provisioner()
         await asyncio.gather(*(provisioner.stop_proc_mesh(r.mesh) for r in self.replicas))
+        with contextlib.suppress(ValueError):
+            provisioner.services.remove(self)
 
 
 class ServiceEndpoint:

@@ -43,20 +43,10 @@ import torch
 
 import torch.distributed as dist
 
-import forge.native
+from forge import compat
+from forge.distributed import gather_to_rank0, group_rank, group_size
 
-forge.native.setup()
-
-import torchstore as ts  # noqa: E402
-from torchstore.controller import Controller as _TorchStoreController  # noqa: E402
-from torchstore.storage_volume import StorageVolume as _TorchStoreVolume  # noqa: E402
-
-from forge.distributed import gather_to_rank0, group_rank, group_size  # noqa: E402
-
-# A reply to a caller that has died (a killed generator replica) is not the store's failure; without this,
-# Monarch 0.1.2 turns it into a supervision failure of the store, which takes the whole job down.
-_TorchStoreController._handle_undeliverable_message = lambda self, message: True
-_TorchStoreVolume._handle_undeliverable_message = lambda self, message: True
+ts = compat.import_torchstore()
 
 SHM_DIR = Path(os.environ.get("FORGE_SHM_DIR", "/dev/shm"))
 _ALIGN = 64
@@ -268,8 +258,7 @@ class WeightStore:
 
 
 async def _keys_with_prefix(prefix: str) -> list[str]:
-    # torchstore 0.1.2's keys(prefix) returns [] for any prefix (its trie lookup misses); filter here.
-    return [k for k in await ts.keys() if k.startswith(prefix)]
+    return await compat.keys_with_prefix(ts, prefix)
 
 
 def check_compatible(manifest: Manifest, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:

@@ -9,14 +9,16 @@ this module does nothing. On a CPU-only host:
   `<repo>/.native/lib` by `python -m forge.native install` (no root needed once apt lists exist);
 - libcuda.so.1 is a stub built from `cuda_stub.c` whose every entry point says "no device".
 
-`setup()` (run by `import forge`) preloads them with RTLD_GLOBAL for this process and puts their
-folders on LD_LIBRARY_PATH for the processes Monarch spawns. A real driver is never shadowed: the
+`preload()` (run by `forge.compat` before Monarch is imported) loads them with RTLD_GLOBAL into this
+process; `export_library_path()` (run when a job starts) puts their folders on LD_LIBRARY_PATH for the
+processes Monarch spawns. A real driver is never shadowed: the
 stub is used only when `libcuda.so.1` cannot be loaded from the system.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import shutil
@@ -61,8 +63,10 @@ def _nvidia_wheel_lib_dirs() -> list[Path]:
     return dirs
 
 
+@functools.cache
 def needs_shim() -> bool:
-    """True on a host where Monarch's native dependencies are not all on the system."""
+    """True on a host where Monarch's native dependencies are not all on the system (asked once: after
+    `preload`, the stand-ins themselves would answer)."""
     return not all(_loadable(n) for n in ("libcuda.so.1", "libibverbs.so.1", "libmlx5.so.1"))
 
 
@@ -123,37 +127,37 @@ def library_dirs() -> list[Path]:
     return [native_dir() / "lib", *_nvidia_wheel_lib_dirs()]
 
 
-def setup(strict: bool = True) -> bool:
-    """Make `import monarch` work in this process and in the processes it spawns (idempotent).
-
-    With strict=False (what `import forge` does, so the installer itself can run) a missing shim is
-    reported by the return value instead of an ImportError.
-    """
+def preload() -> None:
+    """Load the stand-ins into this process (RTLD_GLOBAL) so `import monarch` works; idempotent, and
+    changes no environment variable. A missing shim is an ImportError that says how to install it."""
     global _done
-    if _done:
-        return True
-    if not needs_shim():
+    if _done or not needs_shim():
         _done = True
-        return True
+        return
     lib = native_dir() / "lib"
     if not (lib / "libcuda.so.1").exists():
-        if not strict:
-            return False
         raise ImportError(
             f"forge: Monarch needs libcuda.so.1 and there is no GPU driver on this host, nor a CPU stub in {lib}. "
             "Run `python -m forge.native install` (the README's set-up commands do this)."
         )
-    _done = True
-    dirs = [str(d) for d in library_dirs() if d.is_dir()]
-    current = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(dirs + [p for p in current if p not in dirs])
+    dirs = [d for d in library_dirs() if d.is_dir()]
     for name in ["libcudart.so.12", "libnccl.so.2", "libcuda.so.1", *_SHIM_LIBS]:
         for d in dirs:
-            path = Path(d) / name
+            path = d / name
             if path.exists():
                 ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
                 break
-    return True
+    _done = True
+
+
+def export_library_path() -> None:
+    """Put the stand-ins' folders on LD_LIBRARY_PATH, for the processes Monarch spawns from now on (they
+    load Monarch at their own start, before any Python of ours runs). Nothing on a host that has the real ones."""
+    if not needs_shim():
+        return
+    dirs = [str(d) for d in library_dirs() if d.is_dir()]
+    current = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(dirs + [p for p in current if p not in dirs])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,3 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("usage: python -m forge.native install", file=sys.stderr)
     return 2
+
+
+def setup(strict: bool = True) -> bool:
+    """Deprecated spelling of `preload()` + `export_library_path()`; use `forge.compat` instead."""
+    preload()
+    export_library_path()
+    return True

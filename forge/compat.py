@@ -1,0 +1,227 @@
+"""Every workaround forge needs for torchmonarch 0.1.2 and torchstore 0.1.2, and nothing else.
+
+Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
+around, what forge does about it, and how to tell when it can go (a check to run on the new version).
+Nothing here runs at import, except making Monarch importable for the modules that import Monarch.
+
+ #  behaviour of 0.1.2                                     forge's answer (where)
+ 1  `_rust_bindings.so` links libcuda/libcudart/libnccl/   preload CPU stand-ins (`import_monarch`; the
+    libibverbs/libmlx5 even on a host without a GPU        stand-ins are built by `python -m forge.native install`)
+ 2  a process that misses proc-state queries for 60 s is   raise the deadline to 300 s (`configure_job_environment`);
+    declared dead, live but starved ones included          the provisioner watches pids to report real deaths fast
+ 3  torchstore sets HYPERACTOR_CODEC_MAX_FRAME_LENGTH at   set it first, quietly (`configure_job_environment`,
+    import and prints a warning in every process           `import_torchstore`)
+ 4  any unhandled supervision event exits the controller   `install_fault_hook` routes them to the provisioner
+ 5  the host process forwards children's output, and the   every process writes straight to the controller's
+    first forwarded line can deadlock it (a re-entrant     stdout/stderr (`route_output_to_controller`)
+    lock in hyperactor's `Named::typename` cache)
+ 6  the host process outlives a SIGKILLed controller       each process's agent kills the tree (`exit_with_controller`)
+ 7  an endpoint that raises can wedge or crash the caller  endpoints return their error; handles re-raise
+    (a reply with a remote traceback racing its ack)       (`report_endpoint_errors`)
+ 8  a reply to an actor that is gone is a supervision      forge's and torchstore's actors drop such messages
+    failure of the sender                                  (`drop_undeliverable`, `import_torchstore`)
+ 9  torchstore's `keys(prefix)` returns [] for any prefix  filter all keys by hand (`keys_with_prefix`)
+10  killing a proc mesh while Monarch spawns or stops it   never kill a mesh Monarch is working on: shutdown waits
+    panics the controller ("could not propagate            for spawns in flight and stops meshes through Monarch;
+    supervision event: coordinator port is not set")       only meshes that lost a process are killed (provisioner)
+11  `SupervisionError` is only exported privately          `SupervisionError` below
+12  pytest's fd-level capture stalls replies that carry    the suite runs with `--capture=sys` (pyproject.toml)
+    remote tracebacks
+13  a starved start-up on a loaded 2-core host can miss    `make test` runs each Monarch test module in its own
+    Monarch's deadlines                                    process and retries a failed one once, printing why
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import stat
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from forge import native
+
+logger = logging.getLogger(__name__)
+
+# -- 1. native libraries ----------------------------------------------------------------------------------
+# Can go when `python -c "import monarch.actor"` works on a host without CUDA or verbs libraries.
+
+
+def import_monarch() -> None:
+    """Make `import monarch` work in this process (idempotent; changes no environment variable)."""
+    native.preload()
+
+
+import_monarch()  # every module that imports this one goes on to import Monarch
+
+from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env  # noqa: E402
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402,F401 (11)
+
+# -- 2, 3. the environment of a job's processes -------------------------------------------------------------
+# 2 can go when a busy process is no longer declared dead at the default deadline (run tests/forge with
+# the variable unset on a loaded 2-core host). 3 can go when `import torchstore` prints nothing.
+JOB_ENVIRONMENT = {
+    "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "300s",
+    "HYPERACTOR_CODEC_MAX_FRAME_LENGTH": "910737418240",
+}
+
+
+def configure_job_environment() -> None:
+    """Set what every process of the job needs before the first mesh is spawned (values the user set win):
+    the deadlines above, and the library path of the CPU stand-ins for the processes Monarch spawns."""
+    for key, value in JOB_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    native.export_library_path()
+    reload_config_from_env()
+
+
+def import_torchstore() -> Any:
+    """torchstore, imported quietly, with its actors dropping replies to callers that are gone (8)."""
+    os.environ.setdefault("HYPERACTOR_CODEC_MAX_FRAME_LENGTH", JOB_ENVIRONMENT["HYPERACTOR_CODEC_MAX_FRAME_LENGTH"])
+    import torchstore
+    from torchstore.controller import Controller
+    from torchstore.storage_volume import StorageVolume
+
+    Controller._handle_undeliverable_message = drop_undeliverable
+    StorageVolume._handle_undeliverable_message = drop_undeliverable
+    return torchstore
+
+
+# -- 4. supervision events --------------------------------------------------------------------------------
+# Can go when an unhandled supervision event no longer ends the controller (kill a replica's process
+# with the hook left alone).
+
+
+def install_fault_hook(handler: Callable[[Any], None]) -> None:
+    """Monarch calls `handler` on its own thread for every unhandled supervision event instead of exiting."""
+    import monarch.actor
+
+    monarch.actor.unhandled_fault_hook = handler
+
+
+# -- 5, 6. process output and orphans -----------------------------------------------------------------------
+# 5 can go when 20 starts in a row of a job whose processes print at start-up all finish (tests/apps);
+# 6 when SIGKILLing the controller leaves no Monarch process behind within a few seconds.
+
+
+def append_mode_for_file_output() -> None:
+    """The controller's stdout/stderr, when regular files, in append mode: its processes append to the same
+    files (`route_output_to_controller`), and a writer at its own offset would overwrite their lines."""
+    import fcntl
+
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+
+
+def route_output_to_controller(controller_pid: int) -> None:
+    """Point this process's stdout and stderr at the controller's, so Monarch's host never forwards a line."""
+    for fd in (1, 2):
+        target = f"/proc/{controller_pid}/fd/{fd}"
+        try:
+            flags = os.O_WRONLY | (os.O_APPEND if stat.S_ISREG(os.stat(target).st_mode) else 0)
+            opened = os.open(target, flags)
+        except OSError:  # a socket or a closed descriptor: keep Monarch's pipe
+            continue
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        os.dup2(opened, fd)
+        os.close(opened)
+
+
+def exit_with_controller(controller_pid: int, poll_s: float = 1.0) -> None:
+    """A daemon thread that, once the controller is gone, kills the host process's tree and this process."""
+    import psutil
+
+    def watch() -> None:
+        while psutil.pid_exists(controller_pid):
+            time.sleep(poll_s)
+        me = psutil.Process()
+        host = me.parent()
+        tree = [host, *host.children(recursive=True)] if host and "bootstrap_main" in " ".join(host.cmdline()) else [me]
+        for proc in tree:
+            if proc.pid != me.pid:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-controller").start()
+
+
+# -- 7, 8. endpoint errors and undeliverable replies ----------------------------------------------------------
+# 7 can go when an endpoint raising 1,000 times in a row (tests/forge/test_actor.py) neither wedges nor
+# crashes the caller with the wrapper removed; 8 when killing a caller mid-call leaves the callee's mesh up.
+
+
+class EndpointError(RuntimeError):
+    """An exception raised inside an actor's endpoint, re-raised in the caller with the remote traceback."""
+
+
+@dataclass(frozen=True)
+class RaisedInEndpoint:
+    """What an endpoint returns instead of raising."""
+
+    actor: str
+    endpoint: str
+    error: str  # "ValueError: ..."
+    remote_traceback: str
+
+    def exception(self) -> EndpointError:
+        return EndpointError(f"{self.actor}.{self.endpoint} raised {self.error}\n"
+                             f"--- remote traceback ---\n{self.remote_traceback}")
+
+
+def report_endpoint_errors(cls_name: str, name: str, method: Callable) -> Callable:
+    """`method`, returning a `RaisedInEndpoint` instead of raising across the wire."""
+
+    def report(error: Exception) -> RaisedInEndpoint:
+        return RaisedInEndpoint(cls_name, name, f"{type(error).__name__}: {error}", traceback.format_exc())
+
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await method(self, *args, **kwargs)
+            except Exception as error:
+                return report(error)
+    else:
+        @functools.wraps(method)
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as error:
+                return report(error)
+    wrapped._forge_reports_errors = True
+    return wrapped
+
+
+def raise_if_failed(value: Any) -> Any:
+    """Turn an endpoint's reported exception back into one (the values of a whole mesh too)."""
+    if isinstance(value, RaisedInEndpoint):
+        raise value.exception()
+    if hasattr(value, "values") and callable(value.values) and not isinstance(value, dict):
+        for item in value.values():
+            if isinstance(item, RaisedInEndpoint):
+                raise item.exception()
+    return value
+
+
+def drop_undeliverable(actor: Any, message: Any) -> bool:
+    """`Actor._handle_undeliverable_message`: a reply whose caller died is not this actor's failure."""
+    logger.debug("%s: undeliverable message dropped: %s", type(actor).__name__, message)
+    return True
+
+
+# -- 9. torchstore keys ------------------------------------------------------------------------------------
+# Can go when `await torchstore.keys("a/")` returns the keys put under "a/".
+
+
+async def keys_with_prefix(torchstore: Any, prefix: str) -> list[str]:
+    return [key for key in await torchstore.keys() if key.startswith(prefix)]
