@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import difflib
 import re
+import sys
 import types
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -41,13 +42,22 @@ class ConfigError(ValueError):
 
 def parse_args(argv: Sequence[str], *, description: str = "") -> tuple[Path | None, list[str], argparse.Namespace]:
     """Parses `--config PATH`, `--resume` and the overrides; `-h` prints usage and exits."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=program_name(), description=description)
     parser.add_argument("--config", type=Path, metavar="PATH", help="YAML config file")
     parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help=_OVERRIDE_HELP)
     # Intermixed so that `--resume` may come after the overrides too.
     args = parser.parse_intermixed_args(list(argv))
     return args.config, args.overrides, args
+
+
+def program_name() -> str:
+    """How the running program was started, for its usage line: `python -m apps.grpo` for a module run with -m
+    (argparse alone would say `__main__.py`), else the script's file name."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    return Path(sys.argv[0]).name
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:

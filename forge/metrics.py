@@ -215,12 +215,14 @@ class MetricLogger:
     history: list[dict[str, float]] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, config: MetricsConfig, total_steps: int | None = None) -> MetricLogger:
+    def from_config(cls, config: MetricsConfig, total_steps: int | None = None,
+                    jsonl_default: str | Path | None = None) -> MetricLogger:
+        """The configured backends; `jsonl_default` is the JSONL file written when `config.jsonl` is not set."""
         backends: list[MetricBackend] = []
         if config.console:
             backends.append(ConsoleBackend(config.console_keys, total_steps))
-        if config.jsonl:
-            backends.append(JsonlBackend(config.jsonl))
+        if config.jsonl or jsonl_default:
+            backends.append(JsonlBackend(config.jsonl or jsonl_default))
         if config.tensorboard:
             backends.append(TensorBoardBackend(config.tensorboard))
         if config.wandb_project:
