@@ -100,6 +100,22 @@ def parallel_dims(world_size: int, tensor_parallel_degree: int = 1) -> ParallelD
                         world_size=world_size)
 
 
+def check_parallel_layout(model_args: BaseModelArgs, world_size: int, tensor_parallel_degree: int = 1) -> None:
+    """Whether the model can be sharded over `world_size` ranks (FSDP, times TP): checked when the model is
+    built, and by apps before any process starts (apps/grpo/config.py)."""
+    if getattr(model_args, "enable_weight_tying", False) and world_size > 1:
+        # parallelize_fn ties on the meta device and the tie does not survive materialization
+        # (pytorch/torchtitan#2252): the output layer would train as a separate, stale copy.
+        raise ValueError(f"config.json tie_word_embeddings=True with world_size={world_size}: "
+                         "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
+    if world_size % tensor_parallel_degree:
+        raise ValueError(f"world_size={world_size}: must be a multiple of tensor_parallel_degree={tensor_parallel_degree}")
+    for field, heads in (("num_attention_heads", model_args.n_heads), ("num_key_value_heads", model_args.n_kv_heads)):
+        if heads % tensor_parallel_degree:
+            raise ValueError(f"tensor_parallel_degree={tensor_parallel_degree}: must divide config.json "
+                             f"{field}={heads} (each rank holds whole heads)")
+
+
 def build_job_config(*, dtype: str, tensor_parallel_degree: int = 1, activation_checkpoint: str = "none") -> JobConfig:
     """The torchtitan job settings its parallelize functions read (`build_model` sets training.seq_len)."""
     job = JobConfig()
@@ -128,11 +144,7 @@ def build_model(
     with torch.device("meta"), set_default_dtype(param_dtype):
         model = spec.model_cls(model_args)
     tied = getattr(model_args, "enable_weight_tying", False)
-    if tied and parallel_dims.world_size > 1:
-        # parallelize_fn ties on the meta device and the tie does not survive materialization
-        # (pytorch/torchtitan#2252): the output layer would train as a separate, stale copy.
-        raise ValueError(f"config.json tie_word_embeddings=True with world_size={parallel_dims.world_size}: "
-                         "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
+    check_parallel_layout(model_args, parallel_dims.world_size, parallel_dims.tp)
     if parallel_dims.world_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"world_size={parallel_dims.world_size}: initialize torch.distributed first")
     if parallel_dims.world_size > 1:

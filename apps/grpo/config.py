@@ -6,12 +6,15 @@ Each actor's section is that actor's own config dataclass; `model` fills the mod
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from actors.engines.vllm import engine_arg_names
 from actors.generator import GeneratorConfig
+from actors.model_builder import check_parallel_layout, model_args_from_hf
 from actors.replay_buffer import ReplayBufferConfig
 from actors.trainer import TrainerConfig
 from forge.metrics import MetricsConfig
@@ -165,17 +168,86 @@ class GRPOConfig:
                 f"rollout.temperature={self.rollout.temperature}: generator.engine='vllm' samples at 1.0 only (vLLM "
                 "reports log-probs of the raw logits); use rollout.temperature=1.0 or generator.engine=hf"
             )
-        tied = _tied_embeddings(self.trainer.model_path)
-        if tied and (dp > 1 or self.reference.enabled and self.resources.reference_procs > 1):
-            raise ValueError(
-                f"resources.trainer_procs={dp}: {self.trainer.model_path} ties its input and output embeddings, which "
-                "torchtitan 0.2.0 cannot shard (pytorch/torchtitan#2252); use trainer_procs=1 or an untied checkpoint"
-            )
+        if self.generator.engine == "vllm":
+            check_vllm_engine_args(self.generator.engine_args)
+        check_model_layout(self)
         if self.trainer.max_steps < self.steps:
             raise ValueError(f"trainer.max_steps={self.trainer.max_steps}: must be >= steps={self.steps}")
 
 
-def _tied_embeddings(model_path: str) -> bool:
-    """From a local checkpoint's config.json (a hub id is checked when the trainer loads it)."""
-    config = Path(model_path) / "config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+def read_hf_config(model: str) -> dict:
+    """The checkpoint's config.json: from its folder, or for a hub id fetched alone (no weights)."""
+    if Path(model).exists():
+        return json.loads((Path(model) / "config.json").read_text())
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+    except (OSError, ValueError) as e:  # the hub's errors are OSErrors; a broken file is a ValueError
+        raise ValueError(f"model={model!r}: cannot read its config.json to check the job before anything starts "
+                         f"({type(e).__name__}: {e}); use a reachable hub id or a local checkpoint folder") from None
+
+
+def check_model_layout(cfg: GRPOConfig) -> None:
+    """The job's layout against the model's config.json, so a layout the trainer, the reference model or vLLM
+    would refuse after spawning is refused now (with the same checks the trainer makes when it builds)."""
+    model = cfg.trainer.model_path
+    hf_config = read_hf_config(model)
+    try:
+        model_args = model_args_from_hf(cfg.trainer.family, hf_config)
+    except KeyError as e:
+        raise ValueError(f"model={model!r}: config.json has no {e} (a {cfg.trainer.family} checkpoint needs it)") from None
+    except ValueError as e:
+        raise ValueError(f"model={model!r} with trainer.family={cfg.trainer.family!r}: {e}") from None
+    r = cfg.resources
+    meshes = [("resources.trainer_procs", r.trainer_procs, cfg.trainer.tensor_parallel_degree)]
+    if cfg.reference.enabled:
+        meshes.append(("resources.reference_procs", r.reference_procs, 1))
+    for name, procs, tp in meshes:
+        try:
+            check_parallel_layout(model_args, procs, tp)
+        except ValueError as e:
+            raise ValueError(f"{name}={procs}: {e} ({model})") from None
+    if cfg.generator.engine == "vllm":
+        _check_vllm_layout(cfg, hf_config)
+
+
+def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:
+    # vLLM splits a replica's model over its processes (tensor parallelism), whole heads per process.
+    tp = cfg.resources.generator_procs
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(f"resources.generator_procs={tp}: vLLM splits the model over a replica's processes; must "
+                         f"divide num_attention_heads={heads} and divide or be a multiple of num_key_value_heads="
+                         f"{kv_heads} ({cfg.generator.model})")
+    max_model_len = cfg.generator.engine_args.get("max_model_len")
+    positions = hf_config.get("max_position_embeddings")
+    if max_model_len is not None and positions is not None and max_model_len > positions:
+        raise ValueError(f"generator.engine_args.max_model_len={max_model_len}: must be <= the model's "
+                         f"max_position_embeddings={positions}")
+    if max_model_len is not None and cfg.rollout.max_tokens >= max_model_len:
+        raise ValueError(f"rollout.max_tokens={cfg.rollout.max_tokens}: must be < generator.engine_args.max_model_len="
+                         f"{max_model_len} (the prompt takes part of the window)")
+
+
+# Constructor arguments of vLLM's engine that forge sets from its own fields.
+VLLM_ARGS_SET_BY_FORGE = {"model": "generator.model", "dtype": "generator.dtype", "seed": "generator.seed",
+                          "tensor_parallel_size": "resources.generator_procs"}
+
+
+def check_vllm_engine_args(engine_args: dict) -> None:
+    """`generator.engine_args` reach vLLM's engine as they are: every key must be one of its arguments."""
+    try:
+        allowed = engine_arg_names()
+    except ImportError as e:
+        raise ValueError(f"generator.engine='vllm': {e}") from None
+    for key in engine_args:
+        if key in VLLM_ARGS_SET_BY_FORGE:
+            raise ValueError(f"generator.engine_args.{key}={engine_args[key]!r}: set by forge from "
+                             f"{VLLM_ARGS_SET_BY_FORGE[key]}; set that instead")
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"generator.engine_args.{key}={engine_args[key]!r}: not an argument of vLLM's engine "
+                             f"(allowed: the {len(allowed)} fields of vllm.engine.arg_utils.AsyncEngineArgs).{hint}")

@@ -1,11 +1,12 @@
 """Every shipped GRPO config parses and validates on a CPU machine; bad configs fail before any process starts."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from apps.grpo.config import GRPOConfig
-from apps.grpo.main import check_resources, load_job_config
+from apps.grpo.cli import check_resources, load_job_config
 from forge.config import ConfigError, load_config, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -13,15 +14,120 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted([*(ROOT / "configs").glob("grpo_*.yaml"), *(ROOT / "configs").glob("qwen3_*.yaml")])
 
 
+# The config.json of each real model a shipped config names, with its real values (no hub in tests).
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "initializer_range": 0.02,
+    "max_position_embeddings": 40960, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": None, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+REAL_CONFIGS = {
+    "Qwen/Qwen3-1.7B": {**_QWEN3, "hidden_size": 2048, "intermediate_size": 6144, "max_window_layers": 28,
+                        "num_attention_heads": 16, "num_hidden_layers": 28, "tie_word_embeddings": True},
+    "Qwen/Qwen3-8B": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
+                      "num_attention_heads": 32, "num_hidden_layers": 36, "tie_word_embeddings": False},
+}
+
+
+@pytest.fixture(scope="module")
+def real_models(tmp_path_factory) -> dict[str, Path]:
+    """A checkpoint folder holding only config.json for each real model: what the pre-spawn checks read."""
+    folders = {}
+    for hub_id, hf_config in REAL_CONFIGS.items():
+        folder = tmp_path_factory.mktemp(hub_id.split("/")[1])
+        (folder / "config.json").write_text(json.dumps(hf_config))
+        folders[hub_id] = folder
+    return folders
+
+
+def load_with_real_model(path: Path, real_models: dict[str, Path], *overrides: str):
+    """A shipped config with its hub model replaced by the folder holding that model's config.json."""
+    hub_id = load_config(path)["model"]
+    cfg, _ = load_job_config(["--config", str(path), f"model={real_models[hub_id]}", *overrides])
+    return cfg
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_shipped_config_validates(path):
-    cfg, _ = load_job_config(["--config", str(path)])
+def test_shipped_config_validates(path, real_models):
+    if path.name.startswith("qwen3_"):
+        cfg = load_with_real_model(path, real_models)
+    else:
+        cfg, _ = load_job_config(["--config", str(path)])
     assert cfg.trainer.model_path == cfg.model and cfg.generator.model == cfg.model
     assert cfg.replay_buffer.batch_size % cfg.resources.trainer_procs == 0
 
 
-def test_gpu_layouts_need_their_gpus():
-    cfg = validate(load_config(ROOT / "configs/qwen3_8b.yaml"), GRPOConfig)
+QWEN3_1_7B, QWEN3_8B = ROOT / "configs/qwen3_1_7b.yaml", ROOT / "configs/qwen3_8b.yaml"
+LAYOUT_REFUSALS = [
+    # Qwen3-1.7B ties its embeddings: the trainer's own check (actors.model_builder.check_parallel_layout).
+    (QWEN3_1_7B, "resources.trainer_procs=2",
+     r"resources.trainer_procs=2: config.json tie_word_embeddings=True with world_size=2: torchtitan 0.2.0 cannot "
+     r"shard tied embeddings; use one rank or an untied checkpoint"),
+    (QWEN3_1_7B, "resources.reference_procs=2", r"resources.reference_procs=2: config.json tie_word_embeddings=True"),
+    (QWEN3_8B, "trainer.tensor_parallel_degree=3",
+     r"resources.trainer_procs=3: tensor_parallel_degree=3: must divide config.json num_attention_heads=32"),
+    (QWEN3_8B, "trainer.tensor_parallel_degree=2", r"resources.trainer_procs=3: world_size=3: must be a multiple of "
+                                                   r"tensor_parallel_degree=2"),
+    (QWEN3_8B, "resources.generator_procs=3",
+     r"resources.generator_procs=3: vLLM splits .* must divide num_attention_heads=32 and divide or be a multiple of "
+     r"num_key_value_heads=8"),
+    (QWEN3_8B, "generator.engine_args.max_model_len=50000",
+     r"generator.engine_args.max_model_len=50000: must be <= the model's max_position_embeddings=40960"),
+    (QWEN3_1_7B, "rollout.max_tokens=2048", r"rollout.max_tokens=2048: must be < generator.engine_args.max_model_len=2048"),
+    (QWEN3_8B, "trainer.family=llama3", r"trainer.family='llama3': config.json model_type='qwen3' is not family 'llama3'"),
+]
+
+
+@pytest.mark.parametrize("path,override,message", LAYOUT_REFUSALS, ids=[f"{p.stem}:{o}" for p, o, _ in LAYOUT_REFUSALS])
+def test_layout_is_checked_against_the_models_config_json(path, override, message, real_models):
+    with pytest.raises(ConfigError, match=message):
+        load_with_real_model(path, real_models, override)
+
+
+def test_layouts_the_model_allows_are_accepted(real_models):
+    # vLLM replicates KV heads when a replica has more processes than KV heads: 16 of 32 heads, 8 KV heads.
+    cfg = load_with_real_model(QWEN3_8B, real_models, "resources.generator_procs=16")
+    assert cfg.resources.generator_procs == 16
+    cfg = load_with_real_model(QWEN3_8B, real_models, "resources.trainer_procs=4", "replay_buffer.batch_size=256",
+                               "trainer.tensor_parallel_degree=2")
+    assert cfg.trainer.tensor_parallel_degree == 2
+
+
+def test_an_unreachable_hub_model_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    with pytest.raises(ConfigError, match=r"model='Qwen/Qwen3-1.7B': cannot read its config.json to check the job"):
+        load_job_config(["--config", str(QWEN3_1_7B)])
+
+
+ENGINE_ARG_REFUSALS = [
+    ("+generator.engine_args.gpu_memory_utilisation=0.5",
+     r"generator.engine_args.gpu_memory_utilisation=0.5: not an argument of vLLM's engine \(allowed: the \d+ fields "
+     r"of vllm.engine.arg_utils.AsyncEngineArgs\). Did you mean 'gpu_memory_utilization'"),
+    ("+generator.engine_args.dtype=float16",
+     r"generator.engine_args.dtype='float16': set by forge from generator.dtype; set that instead"),
+    ("+generator.engine_args.tensor_parallel_size=2",
+     r"generator.engine_args.tensor_parallel_size=2: set by forge from resources.generator_procs"),
+]
+
+
+@pytest.mark.parametrize("override,message", ENGINE_ARG_REFUSALS, ids=[o for o, _ in ENGINE_ARG_REFUSALS])
+def test_vllm_engine_args_must_be_vllm_engine_arguments(override, message, real_models):
+    with pytest.raises(ConfigError, match=message):
+        load_with_real_model(QWEN3_8B, real_models, override)
+
+
+def test_vllm_engine_args_that_vllm_takes_are_accepted(real_models):
+    cfg = load_with_real_model(QWEN3_8B, real_models, "+generator.engine_args.enable_prefix_caching=false",
+                               "+generator.engine_args.enforce_eager=true")
+    assert cfg.generator.engine_args["enable_prefix_caching"] is False
+
+
+def test_gpu_layouts_need_their_gpus(real_models):
+    cfg = validate(load_config(QWEN3_8B, [f"model={real_models['Qwen/Qwen3-8B']}"]), GRPOConfig)
     with pytest.raises(ConfigError, match=r"the layout needs 8 GPUs .* but 0 are visible"):
         check_resources(cfg)
 
