@@ -15,7 +15,7 @@ training client carry increasing `seq_id`s, so the server runs them in the order
 order they arrive in. A large `forward_backward` / `forward` batch is sent in chunks and runs as one batch.
 Results are `Result` objects: dicts whose keys are also attributes (`out.samples[0][0].text`).
 
-No torch needed here: plain HTTP with httpx.
+No torch and no Monarch here (a test checks): plain HTTP with httpx, and `forge.sampling.SamplingParams`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import concurrent.futures
 import itertools
 import os
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 import httpx
+
+from forge.sampling import SamplingParams
 
 T = TypeVar("T")
 BASE_URL_ENV = "FORGE_BASE_URL"
@@ -115,16 +117,6 @@ class AdamParams:
     grad_clip_norm: float | None = None
 
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-
 def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):  # tensors and arrays
         return value.tolist()
@@ -133,6 +125,14 @@ def _plain(value: Any) -> Any:
 
 def _datum_json(datum: Datum | dict) -> dict[str, Any]:
     return datum.to_json() if isinstance(datum, Datum) else datum
+
+
+def _sampling_body(params: SamplingParams | None, num_samples: int | None) -> dict[str, Any]:
+    """`num_samples` (Tinker's name) and `sampling_params.n` say the same thing; the request carries one count."""
+    params = params or SamplingParams()
+    if num_samples is not None:
+        params = replace(params, n=num_samples)  # validated again: num_samples=0 raises here, not on the server
+    return {"num_samples": params.n, "sampling_params": asdict(params)}
 
 
 # --- transport ---------------------------------------------------------------------------------------
@@ -333,22 +333,22 @@ class SamplingClient:
         self._transport = transport
 
     def sample(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-               num_samples: int = 1) -> APIFuture[Result]:
-        """`num_samples` completions of one prompt (text or token ids). Result: policy_version,
-        prompt_tokens[0], samples[0][j] with tokens, logprobs, text, finish_reason, policy_versions."""
+               num_samples: int | None = None) -> APIFuture[Result]:
+        """`num_samples` (default: `sampling_params.n`) completions of one prompt (text or token ids). Result:
+        policy_version, prompt_tokens[0], samples[0][j] with tokens, logprobs, text, finish_reason, policy_versions."""
         return self._transport.call("POST", "/api/v1/sample", {
-            "prompt": prompt if isinstance(prompt, str) else list(prompt), "num_samples": num_samples,
-            "sampling_params": asdict(sampling_params or SamplingParams())})
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            **_sampling_body(sampling_params, num_samples)})
 
     def sample_many(self, prompts: Sequence[str | Sequence[int]], sampling_params: SamplingParams | None = None,
-                    num_samples: int = 1) -> APIFuture[Result]:
+                    num_samples: int | None = None) -> APIFuture[Result]:
         """Several prompts in one request (one engine batch); samples[i] belongs to prompts[i]."""
         return self._transport.call("POST", "/api/v1/sample", {
-            "prompts": [p if isinstance(p, str) else list(p) for p in prompts], "num_samples": num_samples,
-            "sampling_params": asdict(sampling_params or SamplingParams())})
+            "prompts": [p if isinstance(p, str) else list(p) for p in prompts],
+            **_sampling_body(sampling_params, num_samples)})
 
     def sample_batch(self, prompts: Sequence[str | Sequence[int]], sampling_params: SamplingParams | None = None,
-                     num_samples: int = 1, timeout: float | None = None) -> APIFuture[SampleBatchResult]:
+                     num_samples: int | None = None, timeout: float | None = None) -> APIFuture[SampleBatchResult]:
         """One request per prompt, all in flight at once; prompts not answered within `timeout` seconds are
         reported as cancelled (stragglers), failures per prompt."""
         futures = [self.sample(p, sampling_params, num_samples) for p in prompts]

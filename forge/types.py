@@ -7,30 +7,11 @@ therefore needs only `log_softmax(logits[:, :-1]).gather(input_ids[:, 1:])`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class SamplingParams:
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n={self.n}: must be >= 1")
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
+from forge.sampling import SamplingParams  # noqa: F401  (re-exported: `from forge.types import SamplingParams`)
 
 
 @dataclass

@@ -5,8 +5,11 @@ What the real server does with these requests is tested over HTTP in tests/apps/
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -186,3 +189,36 @@ def test_result_gives_attribute_access_recursively():
     assert r.a[0].b == 1 and r.c.d == "x" and r["c"]["d"] == "x"
     with pytest.raises(AttributeError):
         r.missing
+
+
+def test_importing_the_client_loads_no_torch_no_monarch_and_leaves_the_environment_alone():
+    script = ("import os, sys, json\n"
+              "before = dict(os.environ)\n"
+              "import forge.client\n"
+              "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'monarch', 'torchstore'))\n"
+              "print(json.dumps({'heavy': heavy, 'changed': sorted(k for k in set(before) | set(os.environ)\n"
+              "                                                    if before.get(k) != os.environ.get(k))}))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"heavy": [], "changed": []}
+
+
+def test_one_sampling_params_everywhere():
+    import forge.sampling
+    import forge.types
+
+    assert SamplingParams is forge.sampling.SamplingParams is forge.types.SamplingParams
+    with pytest.raises(ValueError, match=r"SamplingParams.top_p=0: must be in \(0, 1\]"):
+        SamplingParams(top_p=0)
+
+
+def test_num_samples_and_n_are_one_count(service, fake):
+    sampler = service.create_sampling_client()
+    sampler.sample("1+1=", SamplingParams(n=3)).result(timeout=10)
+    sampler.sample("1+1=", SamplingParams(n=3), num_samples=5).result(timeout=10)
+    from_n, overridden = fake.bodies("/api/v1/sample")
+    assert (from_n["num_samples"], from_n["sampling_params"]["n"]) == (3, 3)
+    assert (overridden["num_samples"], overridden["sampling_params"]["n"]) == (5, 5)
+    with pytest.raises(ValueError, match="SamplingParams.n=0"):
+        sampler.sample("1+1=", num_samples=0)
