@@ -1,0 +1,66 @@
+"""forge.compat: importing forge changes nothing in the user's process; a job's start sets up Monarch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from forge import compat
+
+PROBE = """
+import json, os, sys
+before = dict(os.environ)
+import {modules}
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+print(json.dumps({{"changed": changed, "monarch": sorted(m for m in sys.modules if m.split('.')[0] in ("monarch", "torchstore"))}}))
+"""
+
+
+def probe(modules: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(modules=modules)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_importing_forge_libraries_changes_no_environment_and_loads_no_monarch():
+    modules = "forge, forge.client, forge.types, forge.sampling, losses, losses.grpo"
+    result = probe(modules)
+    assert result["changed"] == [], f"import {modules} changed {result['changed']}"
+    assert result["monarch"] == [], f"import {modules} loaded {result['monarch'][:5]}"
+
+
+def test_a_job_start_sets_the_job_environment_without_overriding_the_users():
+    script = textwrap.dedent("""
+        import json, os
+        os.environ["HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE"] = "123s"
+        from forge import compat
+        compat.configure_job_environment()
+        print(json.dumps({k: os.environ.get(k) for k in compat.JOB_ENVIRONMENT}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    values = json.loads(out.stdout.strip().splitlines()[-1])
+    assert values["HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE"] == "123s"  # the user's value wins
+    assert values["HYPERACTOR_CODEC_MAX_FRAME_LENGTH"] == compat.JOB_ENVIRONMENT["HYPERACTOR_CODEC_MAX_FRAME_LENGTH"]
+
+
+async def test_keys_with_prefix_filters_what_torchstore_returns():
+    class FakeStore:
+        async def keys(self, prefix: str | None = None) -> list[str]:
+            return ["policy/v1/w", "policy/v2/w", "ref/v1/w"]
+
+    assert await compat.keys_with_prefix(FakeStore(), "policy/") == ["policy/v1/w", "policy/v2/w"]
+
+
+def test_a_reported_endpoint_error_is_raised_again_in_the_caller():
+    def broken(self, x):
+        raise ValueError(f"bad x={x}")
+
+    wrapped = compat.report_endpoint_errors("Thing", "broken", broken)
+    reported = wrapped(None, 3)
+    with pytest.raises(compat.EndpointError, match=r"Thing.broken raised ValueError: bad x=3"):
+        compat.raise_if_failed(reported)
+    assert compat.raise_if_failed(5) == 5
