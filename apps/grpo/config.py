@@ -10,7 +10,7 @@ import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from actors.engines.vllm import engine_arg_names
 from actors.generator import GeneratorConfig
@@ -33,6 +33,9 @@ class TaskConfig:
     dataset_config: str | None = "main"
     train_split: str = "train"
     eval_split: str = "test"
+    # gsm8k asks in the model's chat template when its tokenizer has one; these reach the template (e.g.
+    # Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The reward: "package.module:function" taking (completion_text, answer) -> float; None = the task's own.
     reward: str | None = None
     reward_timeout_s: float = 10.0

@@ -36,6 +36,8 @@ class ArithmeticTask:
         reverse_answer: write the answer's digits least-significant first (a minus sign stays in front).
     """
 
+    stop_token_ids: tuple[int, ...] = ()  # no chat template: answers end at EOS, where the engines stop anyway
+
     def __init__(
         self,
         seed: int,

@@ -2,6 +2,8 @@
 
 Loaded with `datasets` from a hub id ("openai/gsm8k") or local files (a folder or .jsonl/.parquet files
 with `question` and `answer` columns, the answer ending in "#### <number>", as GSM8K ships it).
+Given the model's tokenizer, questions are asked in its chat template and answers stop at its end of turn
+(forge/tasks/chat.py); `stop_token_ids` is what the app passes to the generators.
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 from forge.tasks.arithmetic import Problem
+from forge.tasks.chat import PromptFormat
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-PROMPT_TEMPLATE = "Question: {question}\nThink step by step, then give the final answer after '####'.\nAnswer:"
+INSTRUCTION = "{question}\nThink step by step, then give the final answer after '####'."
+PROMPT_TEMPLATE = "Question: " + INSTRUCTION + "\nAnswer:"  # for a model without a chat template
 
 
 def final_number(text: str) -> str | None:
@@ -36,9 +41,13 @@ def math_reward(completion_text: str, answer: str) -> float:
 
 class GSM8KTask:
     def __init__(self, dataset: str, *, config: str | None = "main", train_split: str = "train",
-                 eval_split: str = "test", held_out: int = 500, seed: int = 0) -> None:
+                 eval_split: str = "test", held_out: int = 500, seed: int = 0, tokenizer: Any = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         from datasets import load_dataset
 
+        prompts = PromptFormat(tokenizer, chat_template_kwargs)
+        template = INSTRUCTION if prompts.uses_chat_template else PROMPT_TEMPLATE
+        self.stop_token_ids = prompts.stop_token_ids  # EOS and the chat template's end of turn
         if Path(dataset).exists() and Path(dataset).is_file():
             data = {"train": load_dataset(Path(dataset).suffix.lstrip(".").replace("jsonl", "json"),
                                           data_files=str(dataset), split="train")}
@@ -50,9 +59,12 @@ class GSM8KTask:
             missing = {"question", "answer"} - set(split.column_names)
             if missing:
                 raise ValueError(f"task.dataset={dataset!r} ({name} split) lacks columns {sorted(missing)}")
-        self._train = [Problem(PROMPT_TEMPLATE.format(question=q), a) for q, a in zip(train["question"], train["answer"])]
-        self._held_out = [Problem(PROMPT_TEMPLATE.format(question=q), a)
-                          for q, a in zip(evaluation["question"], evaluation["answer"])][:held_out]
+
+        def problem(question: str, answer: str) -> Problem:
+            return Problem(prompts.format(template.format(question=question)), answer)
+
+        self._train = [problem(q, a) for q, a in zip(train["question"], train["answer"])]
+        self._held_out = [problem(q, a) for q, a in zip(evaluation["question"][:held_out], evaluation["answer"][:held_out])]
         self.seed = seed
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[Problem]:
