@@ -52,6 +52,10 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[
     return sum(reward(out[0].text, p.answer) for p, out in zip(problems, outputs)) / len(problems)
 
 
+def log_now(line: str) -> None:
+    print(line, flush=True)  # flushed: the output is often a log file, and a start-up must not look hung
+
+
 def warm_start(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -62,30 +66,40 @@ def warm_start(
     config: WarmStartConfig,
     seed: int,
     max_tokens: int,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = log_now,
 ) -> tuple[Path, float]:
     """Train on `train_problems(n)` until greedy accuracy on `eval_problems` reaches the target.
 
     Returns the saved checkpoint directory and the accuracy reached. A checkpoint made earlier with the
-    same inputs is reused.
+    same inputs is reused. `log` gets what is happening as it happens: where the result is cached, then one
+    progress line per evaluation (a plain-text bar towards the target accuracy, elapsed and estimated time).
     """
     out_dir = Path(out_dir)
     key = hashlib.sha256(
         json.dumps({"model": str(Path(model_dir).resolve()), "seed": seed, "config": asdict(config),
                     "eval": [tuple(p) for p in eval_problems[:20]]}, sort_keys=True).encode()
     ).hexdigest()[:12]
-    target = out_dir / f"warm-{key}"
+    target = (out_dir / f"warm-{key}").resolve()
     if (target / "warm_start.json").exists():
         info = json.loads((target / "warm_start.json").read_text())
-        log(f"warm start: reusing {target} (accuracy {info['accuracy']:.1%})")
+        log(f"warm start: reusing {target} (accuracy {info['accuracy']:.1%}, cached by model, seed and settings)")
         return target, info["accuracy"]
 
+    log(f"warm start: none cached for this model, seed and settings; training one (cached in {target} for "
+        f"later starts)")
+    earlier = _earlier_durations(out_dir)
+    log(f"warm start: supervised steps of {config.batch_size} examples until greedy accuracy on "
+        f"{len(eval_problems)} prompts reaches {config.target_accuracy:.0%}, checked every {config.eval_every} steps "
+        f"(at most {config.max_steps} steps); "
+        + (f"earlier warm starts in {out_dir} took {min(earlier):.0f}-{max(earlier):.0f}s" if earlier
+           else "a time estimate follows each check"))
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     eos = tokenizer.eos_token_id
-    start, accuracy, step = time.perf_counter(), 0.0, 0
+    progress = Progress(config.target_accuracy, config.max_steps)
+    accuracy, step = 0.0, 0
     for step in range(1, config.max_steps + 1):
         model.train()
         problems = train_problems(config.batch_size)
@@ -98,8 +112,7 @@ def warm_start(
             model.eval()
             with torch.no_grad():
                 accuracy = greedy_accuracy(model, tokenizer, eval_problems, reward, max_tokens)
-            log(f"warm start: step {step} loss {loss.item():.3f} greedy accuracy {accuracy:.1%} "
-                f"({time.perf_counter() - start:.0f}s)")
+            log(f"warm start {progress.line(step, accuracy)} | loss {loss.item():.3f}")
             if accuracy >= config.target_accuracy:
                 break
     tmp = out_dir / f".warm-{key}.tmp"
@@ -109,11 +122,56 @@ def warm_start(
     for extra in ("generation_config.json",):
         if (Path(model_dir) / extra).exists() and not (tmp / extra).exists():
             shutil.copy(Path(model_dir) / extra, tmp / extra)
-    (tmp / "warm_start.json").write_text(json.dumps({"accuracy": accuracy, "steps": step}))
+    (tmp / "warm_start.json").write_text(json.dumps({"accuracy": accuracy, "steps": step,
+                                                     "seconds": round(progress.elapsed(), 1)}))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    log(f"warm start: {step} steps, greedy accuracy {accuracy:.1%}, saved {target}")
+    log(f"warm start: {step} steps in {progress.elapsed():.0f}s, greedy accuracy {accuracy:.1%}; saved {target} "
+        "(reused on later starts)")
     return target, accuracy
+
+
+def _earlier_durations(out_dir: Path) -> list[float]:
+    """Seconds that the warm starts cached in `out_dir` took (a first estimate for this one)."""
+    seconds = []
+    for record in out_dir.glob("warm-*/warm_start.json"):
+        try:
+            seconds.append(float(json.loads(record.read_text())["seconds"]))
+        except (ValueError, KeyError, OSError):
+            continue  # written before durations were recorded, or unreadable
+    return seconds
+
+
+class Progress:
+    """Progress towards the target accuracy as one plain-text line (no carriage returns: it reads the same in a
+    terminal and in a log file). The bar fills with the best accuracy so far over the target; the estimate
+    extrapolates that accuracy linearly in time, and is capped by what the remaining steps can take."""
+
+    WIDTH = 24
+
+    def __init__(self, target_accuracy: float, max_steps: int) -> None:
+        self.target = target_accuracy
+        self.max_steps = max_steps
+        self.best = 0.0
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def line(self, step: int, accuracy: float) -> str:
+        self.best = max(self.best, accuracy)
+        done = min(1.0, self.best / self.target)
+        filled = round(done * self.WIDTH)
+        elapsed = self.elapsed()
+        bound = elapsed / step * (self.max_steps - step)  # every remaining step at this pace
+        if done >= 1:
+            left = "done"
+        elif self.best > 0:
+            left = f"~{min(bound, elapsed * (1 - done) / done):.0f}s left"
+        else:
+            left = f"at most {bound:.0f}s left (an estimate once accuracy rises)"
+        return (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {done:4.0%} | step {step}/{self.max_steps} | greedy "
+                f"accuracy {accuracy:.1%} (target {self.target:.0%}) | {elapsed:.0f}s, {left}")
 
 
 def _teacher_forcing_batch(tokenizer, problems: list[Problem], eos: int) -> tuple[torch.Tensor, torch.Tensor]:
