@@ -109,7 +109,8 @@ def check_parallel_layout(model_args: BaseModelArgs, world_size: int, tensor_par
         raise ValueError(f"config.json tie_word_embeddings=True with world_size={world_size}: "
                          "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
     if world_size % tensor_parallel_degree:
-        raise ValueError(f"world_size={world_size}: must be a multiple of tensor_parallel_degree={tensor_parallel_degree}")
+        raise ValueError(f"world_size={world_size}: must be a multiple of "
+                         f"tensor_parallel_degree={tensor_parallel_degree}")
     for field, heads in (("num_attention_heads", model_args.n_heads), ("num_key_value_heads", model_args.n_kv_heads)):
         if heads % tensor_parallel_degree:
             raise ValueError(f"tensor_parallel_degree={tensor_parallel_degree}: must divide config.json "

@@ -199,7 +199,8 @@ def check_model_layout(cfg: GRPOConfig) -> None:
     try:
         model_args = model_args_from_hf(cfg.trainer.family, hf_config)
     except KeyError as e:
-        raise ValueError(f"model={model!r}: config.json has no {e} (a {cfg.trainer.family} checkpoint needs it)") from None
+        raise ValueError(f"model={model!r}: config.json has no {e} (a {cfg.trainer.family} checkpoint needs it)"
+                         ) from None
     except ValueError as e:
         raise ValueError(f"model={model!r} with trainer.family={cfg.trainer.family!r}: {e}") from None
     r = cfg.resources

@@ -45,7 +45,8 @@ class PromptFormat:
         return text
 
 
-def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """EOS, and the special token the chat template writes right after an assistant's answer."""
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     if not tokenizer.chat_template:

@@ -64,7 +64,8 @@ class GSM8KTask:
             return Problem(prompts.format(template.format(question=question)), answer)
 
         self._train = [problem(q, a) for q, a in zip(train["question"], train["answer"])]
-        self._held_out = [problem(q, a) for q, a in zip(evaluation["question"][:held_out], evaluation["answer"][:held_out])]
+        evaluation = evaluation.select(range(min(held_out, len(evaluation))))
+        self._held_out = [problem(q, a) for q, a in zip(evaluation["question"], evaluation["answer"])]
         self.seed = seed
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[Problem]:

@@ -74,8 +74,10 @@ LAYOUT_REFUSALS = [
      r"num_key_value_heads=8"),
     (QWEN3_8B, "generator.engine_args.max_model_len=50000",
      r"generator.engine_args.max_model_len=50000: must be <= the model's max_position_embeddings=40960"),
-    (QWEN3_1_7B, "rollout.max_tokens=2048", r"rollout.max_tokens=2048: must be < generator.engine_args.max_model_len=2048"),
-    (QWEN3_8B, "trainer.family=llama3", r"trainer.family='llama3': config.json model_type='qwen3' is not family 'llama3'"),
+    (QWEN3_1_7B, "rollout.max_tokens=2048",
+     r"rollout.max_tokens=2048: must be < generator.engine_args.max_model_len=2048"),
+    (QWEN3_8B, "trainer.family=llama3",
+     r"model='.*' with trainer.family='llama3': config.json model_type='qwen3' is not family 'llama3'"),
 ]
 
 

@@ -72,7 +72,8 @@ def test_a_template_that_writes_bos_does_not_get_it_twice():
     assert tokenizer("x").input_ids[0] == tokenizer.bos_token_id  # encoding adds BOS itself
     prompts = PromptFormat(tokenizer)
     messages = [{"role": "user", "content": "q"}]
-    assert tokenizer(prompts.format("q")).input_ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert tokenizer(prompts.format("q")).input_ids == rendered
     assert end_of_turn_ids(tokenizer) == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot|>")]
 
 
@@ -89,8 +90,9 @@ def test_gsm8k_asks_in_the_chat_template_and_names_its_stop_tokens(gsm8k_file, c
     task = GSM8KTask(str(gsm8k_file), held_out=2, tokenizer=chatml, chat_template_kwargs={"enable_thinking": False})
     held = task.held_out()
     assert len(held) == 2 and held[0].answer.endswith("#### 2")
-    assert held[0].prompt == ("<|im_start|>user\nTom has 0 apples and buys 2. How many?\nThink step by step, then give "
-                              "the final answer after '####'.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert held[0].prompt == ("<|im_start|>user\nTom has 0 apples and buys 2. How many?\nThink step by step, then "
+                              "give the final answer after '####'.<|im_end|>\n"
+                              "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert task.stop_token_ids == [chatml.eos_token_id, chatml.convert_tokens_to_ids("<|im_end|>")]
 
 
