@@ -1,4 +1,5 @@
-"""Actors for forge's own tests and for users testing their apps (importable by spawned processes)."""
+"""Actors and helpers shared by forge's tests (importable by the processes tests spawn, which start in the
+repository root like the test run itself: `python -m pytest` from there)."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def processes_with_mark(mark: str, timeout: float = 30.0) -> list[str]:
 
 def faulty_reward(completion_text: str, answer: str) -> float:
     """The arithmetic task's exact-match reward, except that a fixed quarter of completions make it raise,
-    a quarter hang for 2 s and a quarter return NaN (fault-injection tests: `task.reward=forge.testing:faulty_reward`)."""
+    a quarter hang for 2 s and a quarter return NaN (fault-injection tests: `task.reward=tests.support:faulty_reward`)."""
     kind = zlib.crc32(completion_text.encode()) % 4
     if kind == 0:
         raise RuntimeError(f"injected reward failure for {completion_text!r}")

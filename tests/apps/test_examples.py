@@ -12,7 +12,7 @@ from apps.examples.best_of_n import BestOfNConfig, main
 from apps.examples.scorer import closeness_reward
 from forge.config import load_config, validate
 from forge.tasks.arithmetic import ArithmeticTask
-from forge.testing import job_processes
+from tests.support import job_processes
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "example_best_of_n.yaml"

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from forge.provisioner import free_port
-from forge.testing import start_http_app, stop_http_app
+from tests.support import start_http_app, stop_http_app
 from apps.gateway.sessions import Interaction, RLSession, trajectory_episodes
 from bench.gateway_load import percentile, run_load
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.testing import marked_environment, processes_with_mark
+from tests.support import marked_environment, processes_with_mark
 
 # Whole-app runs: on a loaded 2-core host Monarch start-up alone has taken minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.testing import marked_environment, processes_with_mark
+from tests.support import marked_environment, processes_with_mark
 from forge.weight_store import SHM_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -130,7 +130,7 @@ def test_signal_stops_cleanly_with_a_final_checkpoint_within_30s(tmp_path, sig):
 
 
 def test_a_reward_that_raises_hangs_or_returns_nan_is_scored_as_failure_and_the_run_goes_on(tmp_path):
-    job = RunningJob(tmp_path / "run", "steps=3", "task.reward=forge.testing:faulty_reward",
+    job = RunningJob(tmp_path / "run", "steps=3", "task.reward=tests.support:faulty_reward",
                      "task.reward_timeout_s=0.2", "checkpoint.final=false")
     assert job.finish() == 0, job.output()[-3000:]
     out = job.output()

@@ -22,7 +22,7 @@ from apps.server.errors import ServiceError
 from apps.server.schemas import Datum
 from apps.server.sequencer import Sequencer
 from forge.provisioner import free_port
-from forge.testing import start_http_app, stop_http_app
+from tests.support import start_http_app, stop_http_app
 from forge.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 
 ROOT = Path(__file__).resolve().parents[2]

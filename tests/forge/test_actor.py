@@ -8,7 +8,7 @@ import pytest
 from forge.actor import ForgeActor
 from forge.metrics import drain_local, merge_partials
 from forge.provisioner import Provisioner, get_provisioner
-from forge.testing import EchoActor
+from tests.support import EchoActor
 
 
 async def test_two_process_actor_gets_distributed_environment_and_setup():

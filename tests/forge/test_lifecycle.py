@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.testing import job_processes
+from tests.support import job_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ APP = textwrap.dedent('''
         print("ready", *details, flush=True)
 
     async def spawn_echo_mesh():
-        from forge.testing import EchoActor
+        from tests.support import EchoActor
         await EchoActor.options(procs=2, mesh_name="echo").as_actor()
         (mesh,) = provisioner.get_provisioner().meshes.values()
         return mesh.pids

@@ -10,7 +10,7 @@ import pytest
 from forge.actor import ForgeActor
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.testing import EchoActor
+from tests.support import EchoActor
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from forge.actor import ForgeActor
 from forge.provisioner import get_provisioner
-from forge.testing import ShardedPublisher, WeightReader, constant_state_dict as _state_dict
+from tests.support import ShardedPublisher, WeightReader, constant_state_dict as _state_dict
 from forge import weight_store
 from forge.weight_store import SHM_DIR, SharedMemoryError, WeightStore, WeightVersionError, job_id
 
