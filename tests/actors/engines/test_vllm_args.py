@@ -23,3 +23,28 @@ def test_engine_arg_names_does_not_import_vllm():
     code = ("import sys; from actors.engines.vllm import engine_arg_names; "
             "assert len(engine_arg_names()) > 100; assert 'vllm' not in sys.modules, 'vllm was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("engine_args, message", [
+    ({"max_model_length": 256}, r"unknown vLLM engine argument\(s\) \['max_model_length'\]"),
+    ({"tokenizer": "other"}, r"\['tokenizer'\] are set by the generator"),
+    ({"logprobs_mode": "raw_logprobs"}, r"\['logprobs_mode'\] are set by the generator .* or by the engine"),
+    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 \(generator_procs\): the vllm engine runs tensor-parallel "
+                                  r"on CUDA only"),
+    ({"compilation_config": {"custom_ops": ["+rms_norm"]}}, r"'\+rms_norm': vLLM's CPU rms_norm kernel"),
+], ids=["unknown", "set-by-generator", "set-by-engine", "tp-on-cpu", "cpu-rms-norm-kernel"])
+def test_bad_engine_args_are_refused_before_vllm_starts(tmp_path, engine_args, message):
+    from actors.engines.vllm import VLLMEngine
+
+    with pytest.raises(ValueError, match=message):
+        VLLMEngine(tmp_path, dtype="float32", device="cpu", **engine_args)
+
+
+def test_a_device_this_vllm_build_cannot_run_on_is_refused(tmp_path):
+    from vllm.platforms import current_platform
+
+    from actors.engines.vllm import VLLMEngine
+
+    other = "cuda" if current_platform.device_type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match=rf"device='{other}': this vLLM build runs on '{current_platform.device_type}'"):
+        VLLMEngine(tmp_path, dtype="float32", device=other)
