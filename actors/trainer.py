@@ -99,6 +99,12 @@ class TrainerActor(ForgeActor):
         return metrics
 
     @endpoint
+    async def wait_published(self) -> int:
+        """Return once the publish in flight (if any) is complete: generators can fetch the returned version."""
+        await self.publisher.wait()
+        return self.trainer.policy_version
+
+    @endpoint
     async def policy_version(self) -> int:
         return self.trainer.policy_version
 

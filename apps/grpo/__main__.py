@@ -1,5 +1,5 @@
 import sys
 
-from apps.grpo.main import main
+from apps.grpo.cli import main
 
 sys.exit(main())

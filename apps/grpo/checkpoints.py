@@ -1,0 +1,56 @@
+"""GRPO job checkpoints: `folder/step_NNNNNN/` holds the trainer's own checkpoint (`trainer/`) and the job's
+state (`job_state.pkl`: step, policy version, RNG, episode counters, the replay buffer's contents).
+
+A checkpoint is written into `step_NNNNNN.partial/` and renamed when complete, so it is whole or absent; the
+newest `keep` are kept. `--resume` loads the newest complete one and names the others if it is corrupt.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+class JobCheckpoints:
+    def __init__(self, folder: str | Path, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1")
+        self.folder, self.keep = Path(folder), keep
+
+    def path(self, step: int) -> Path:
+        return self.folder / f"step_{step:06d}"
+
+    async def save(self, step: int, trainer: Any, job_state: dict[str, Any]) -> Path:
+        """The trainer's checkpoint (its `save_checkpoint` endpoint) and `job_state`, as step `step`."""
+        target, partial = self.path(step), self.folder / f"step_{step:06d}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        await trainer.save_checkpoint.call(str(partial / "trainer"))
+        (partial / "job_state.pkl").write_bytes(pickle.dumps(job_state))
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)  # a checkpoint is complete or absent, never half-written
+        for old in self._all()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        print(f"checkpoint: {target}", flush=True)
+        return target
+
+    async def load_latest(self, trainer: Any) -> tuple[Path, dict[str, Any]]:
+        """Load the newest complete checkpoint into `trainer`; return its path and the job state saved with it."""
+        done = [p for p in self._all() if (p / "job_state.pkl").exists()]
+        if not done:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.folder} (checkpoint.folder)")
+        path = done[-1]
+        try:
+            job_state = pickle.loads((path / "job_state.pkl").read_bytes())
+            await trainer.load_checkpoint.call(str(path / "trainer"))
+        except Exception as e:
+            older = [p.name for p in self._all() if p != path]
+            raise RuntimeError(f"--resume: checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e}); "
+                               f"move it aside to resume from an earlier one ({', '.join(older) or 'none left'})") from None
+        return path, job_state
+
+    def _all(self) -> list[Path]:
+        """Every checkpoint folder (complete or not, `.partial` ones excluded), oldest first."""
+        return sorted(self.folder.glob("step_*[0-9]"))

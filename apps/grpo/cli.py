@@ -1,0 +1,68 @@
+"""`python -m apps.grpo`: the command line is read and checked before the training stack is imported.
+
+`--help` and YAML or override errors import nothing heavy; validation imports the config schema
+(apps/grpo/config.py and the actors' config modules it names); torch, Monarch and TorchTitan come with
+apps.grpo.main, once the config is known to be good. Config errors exit with code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from forge.config import ConfigError, load_config, parse_args, to_yaml, validate
+
+if TYPE_CHECKING:
+    from apps.grpo.config import GRPOConfig
+
+DESCRIPTION = "Asynchronous GRPO: rollout loops and the training loop run concurrently, decoupled by the replay buffer."
+
+
+def load_job_config(argv: list[str]) -> tuple[GRPOConfig, bool]:
+    """Parse, resolve `model: tiny` to the built checkpoint, validate: every config error before any process."""
+    path, overrides, args = parse_args(argv, description=DESCRIPTION)
+    cfg = load_config(path, overrides)
+    from apps.grpo.config import GRPOConfig  # the schema: imported once the arguments have parsed
+
+    if cfg.get("model", "tiny") == "tiny":
+        from forge.tiny_model import ensure_tiny_checkpoint
+
+        tiny = ensure_tiny_checkpoint(Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3")
+        cfg = load_config(path, [*overrides, f"model={tiny}"])
+    job = validate(cfg, GRPOConfig)
+    if job.task.reward:
+        from forge.tasks import load_callable
+
+        load_callable(job.task.reward, field="task.reward")  # importable, before any process starts
+    return job, bool(args.resume or job.resume)
+
+
+def check_resources(cfg: GRPOConfig) -> None:
+    """With `resources.with_gpus`, the layout must fit the visible GPUs."""
+    if not cfg.resources.with_gpus:
+        return
+    import torch
+
+    r = cfg.resources
+    wanted = r.generator_replicas * r.generator_procs + r.trainer_procs + (r.reference_procs if cfg.reference.enabled else 0)
+    have = torch.cuda.device_count()
+    if wanted > have:
+        raise ConfigError(
+            f"resources: the layout needs {wanted} GPUs (generator_replicas={r.generator_replicas} x generator_procs="
+            f"{r.generator_procs} + trainer_procs={r.trainer_procs}"
+            f"{f' + reference_procs={r.reference_procs}' if cfg.reference.enabled else ''}) but {have} are visible"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, resume = load_job_config(sys.argv[1:] if argv is None else argv)
+        check_resources(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(to_yaml(cfg), flush=True)
+    from apps.grpo.main import run  # torch, Monarch, TorchTitan
+
+    return run(cfg, resume)

@@ -1,0 +1,100 @@
+"""What a GRPO run starts from: its task and reward, its (warm-started) model, and its actors.
+
+    task = make_task(cfg)
+    model_path, accuracy = warm_started_model(cfg, task)       # accuracy: None when there is no warm start
+    actors = await start_actors(cfg, model_path)               # trainer, replay buffer, generator service, reference
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from transformers import AutoTokenizer
+
+from actors.generator import Generator
+from actors.reference_model import ReferenceActor, ReferenceConfig
+from actors.replay_buffer import ReplayBufferActor
+from actors.trainer import TrainerActor
+from apps.grpo.config import GRPOConfig
+from forge.provisioner import get_provisioner
+from forge.tasks import ArithmeticTask, load_callable
+from forge.warm_start import warm_start
+
+WEIGHTS = "policy"  # the weight store namespace the trainer publishes to and the generators follow
+
+
+def make_task(cfg: GRPOConfig):
+    if cfg.task.name == "arithmetic":
+        return ArithmeticTask(seed=cfg.seed, num_digits=cfg.task.num_digits, held_out=cfg.task.held_out,
+                              reverse_answer=cfg.task.reverse_answer)
+    from forge.tasks.gsm8k import GSM8KTask  # needs `datasets`
+
+    return GSM8KTask(cfg.task.dataset, config=cfg.task.dataset_config, train_split=cfg.task.train_split,
+                     eval_split=cfg.task.eval_split, held_out=cfg.task.held_out, seed=cfg.seed,
+                     tokenizer=AutoTokenizer.from_pretrained(cfg.model),
+                     chat_template_kwargs=cfg.task.chat_template_kwargs)
+
+
+def reward_function(cfg: GRPOConfig, task) -> tuple[Callable[[str, str], float], float | None]:
+    """The reward and its timeout: the user's `task.reward` on threads under `task.reward_timeout_s`, or the
+    task's own exact-match reward inline (None: it cannot hang)."""
+    if cfg.task.reward:
+        return load_callable(cfg.task.reward, field="task.reward"), cfg.task.reward_timeout_s
+    return task.reward, None
+
+
+def warm_started_model(cfg: GRPOConfig, task) -> tuple[str, float | None]:
+    """`cfg.model`, briefly trained on the arithmetic task first when `warm_start.enabled` (cached by its inputs)."""
+    if not (cfg.warm_start.enabled and cfg.task.name == "arithmetic"):
+        return cfg.model, None
+    eval_problems = task.sample_prompts(cfg.warm_start.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
+    train_rng = random.Random(f"{cfg.seed}-warm-start")
+    path, accuracy = warm_start(cfg.model, Path(cfg.model_cache) / "warm_start",
+                                train_problems=lambda n: task.sample_prompts(n, train_rng), eval_problems=eval_problems,
+                                reward=task.reward, config=cfg.warm_start, seed=cfg.seed,
+                                max_tokens=cfg.rollout.max_tokens)
+    return str(path), accuracy
+
+
+@dataclass
+class JobActors:
+    trainer: Any  # TrainerActor mesh: train_step, publish_weights, checkpoints, export_hf
+    buffer: Any  # ReplayBufferActor
+    generators: Any  # Service of Generator replicas
+    reference: Any | None  # ReferenceActor mesh when reference.enabled
+    pad_id: int
+
+
+async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
+    """Spawn every actor of the job at once (and the weight store they share)."""
+    r = cfg.resources
+    provisioner = get_provisioner()
+    await provisioner.start_weight_store()
+    print(f"starting actors: trainer x{r.trainer_procs}, generator x{r.generator_replicas} replicas, replay buffer"
+          f"{', reference' if cfg.reference.enabled else ''}", flush=True)
+    trainer_cfg = replace(cfg.trainer, model_path=model_path, max_steps=max(cfg.trainer.max_steps, cfg.steps))
+    spawns = [
+        TrainerActor.options(procs=r.trainer_procs, with_gpus=r.with_gpus, mesh_name="trainer").as_actor(
+            trainer_cfg, weight_namespace=WEIGHTS),
+        ReplayBufferActor.options(mesh_name="replay_buffer").as_actor(cfg.replay_buffer),
+        Generator.options(num_replicas=r.generator_replicas, procs=r.generator_procs, with_gpus=r.with_gpus,
+                          mesh_name="generator").as_service(replace(cfg.generator, model=model_path,
+                                                                    weight_namespace=WEIGHTS)),
+    ]
+    if cfg.reference.enabled:
+        ref_cfg = ReferenceConfig(model_path=model_path, family=cfg.trainer.family, dtype=cfg.trainer.dtype,
+                                  device=cfg.trainer.device, temperature=cfg.trainer.temperature,
+                                  chunk_rows=cfg.reference.chunk_rows)
+        spawns.append(ReferenceActor.options(procs=r.reference_procs, with_gpus=r.with_gpus,
+                                             mesh_name="reference").as_actor(ref_cfg))
+    trainer, buffer, generators, *reference = await asyncio.gather(*spawns)
+    for mesh in provisioner.meshes.values():  # which process is which, for ps/top/py-spy and fault reports
+        print(f"provisioned mesh {mesh.name}: {len(mesh.pids)} procs (pids {mesh.pids})"
+              f"{f', gpus {mesh.gpus}' if mesh.gpus else ''}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return JobActors(trainer, buffer, generators, reference[0] if reference else None, pad_id)

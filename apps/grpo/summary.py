@@ -1,0 +1,98 @@
+"""What a GRPO run reports at its end: accuracy, reward, throughput, memory, and where every episode went.
+
+Every scored episode is trained, still held by the replay buffer, or dropped with a counted reason:
+`generated == trained + held_in_buffer + dropped_too_old + dropped_buffer_full + dropped_zero_variance`
+(tests/apps/test_grpo.py checks it on whole runs). The summary is printed and written to `run_dir/summary.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class EpisodeCounters:
+    """The controller's side of the accounting (the replay buffer counts the rest); saved in checkpoints."""
+
+    generated: int = 0  # episodes scored
+    zero_variance_dropped: int = 0
+    trained: int = 0
+    generation_failures: int = 0  # prompt groups whose generation failed (no episodes)
+
+
+@dataclass
+class RunSummary:
+    steps: int = 0
+    policy_version: int = 0
+    wall_s: float = 0.0
+    train_s: float = 0.0  # the training loop of this run (a resumed run counts from its resume)
+    steps_this_run: int = 0
+    warm_start_accuracy: float | None = None
+    accuracy_start: float | None = None
+    accuracy_end: float | None = None
+    first_step: dict[str, float] = field(default_factory=dict)  # this run's first and last step's metrics
+    last_step: dict[str, float] = field(default_factory=dict)
+    episodes: dict[str, int] = field(default_factory=dict)
+    reward_failures: int = 0
+    generation_failures: int = 0
+    rss_start: dict[str, int] = field(default_factory=dict)  # resident bytes per process at the first step
+    rss_end: dict[str, int] = field(default_factory=dict)
+    shm_bytes: int = 0  # the weight store's shared memory at the end
+    checkpoint: str | None = None
+    hf_model: str | None = None  # the exported model (None when the run was interrupted)
+    interrupted: str | None = None  # the signal that stopped the run early
+
+    def step_logged(self, metrics: dict[str, float], memory: Callable[[], dict[str, int]]) -> None:
+        """A training step's metrics; `memory()` (resident bytes per process) is read at the first step only."""
+        if not self.first_step:
+            self.first_step, self.rss_start = metrics, memory()
+        self.last_step = metrics
+
+    def count_episodes(self, counters: EpisodeCounters, buffer_stats: dict[str, int]) -> None:
+        self.episodes = {"generated": counters.generated, "trained": counters.trained,
+                         "consumed_by_buffer": buffer_stats["consumed"], "held_in_buffer": buffer_stats["held"],
+                         "dropped_too_old": buffer_stats["dropped_too_old"],
+                         "dropped_buffer_full": buffer_stats["dropped_buffer_full"],
+                         "dropped_zero_variance": counters.zero_variance_dropped}
+        self.generation_failures = counters.generation_failures
+
+    def write(self, path: str | Path) -> None:
+        """summary.json: everything but the per-step metrics (those are in metrics.jsonl)."""
+        fields = {k: v for k, v in asdict(self).items() if k not in ("first_step", "last_step")}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(fields, indent=2, default=str))
+
+    def text(self) -> str:
+        lines = ["", "=== GRPO run summary ===",
+                 f"steps: {self.steps} (policy version {self.policy_version}), wall time {self.wall_s:.0f}s"]
+        if self.warm_start_accuracy is not None:
+            lines.append(f"warm start: greedy accuracy {self.warm_start_accuracy:.1%} (on its own eval prompts)")
+        if self.accuracy_start is not None and self.accuracy_end is not None:
+            lines.append(f"held-out accuracy: {self.accuracy_start:.1%} -> {self.accuracy_end:.1%} "
+                         f"({self.accuracy_end - self.accuracy_start:+.1%})")
+        if self.first_step:
+            lines.append(f"reward (batch mean): first step {self.first_step.get('reward/mean', float('nan')):.3f} -> "
+                         f"last step {self.last_step.get('reward/mean', float('nan')):.3f}")
+        if self.train_s:
+            lines.append(f"throughput: {self.steps_this_run / self.train_s:.2f} steps/s, "
+                         f"{self.episodes['trained'] / self.train_s:.1f} trained episodes/s")
+        e = self.episodes
+        lines.append(f"episodes: generated {e['generated']} = trained {e['trained']} + held {e['held_in_buffer']} "
+                     f"+ dropped (too old {e['dropped_too_old']}, buffer full {e['dropped_buffer_full']}, "
+                     f"zero-variance {e['dropped_zero_variance']}); reward failures {self.reward_failures}")
+        if self.rss_start:
+            lines.append("resident memory, first step -> end (MB): " + ", ".join(
+                f"{name} {self.rss_start[name] / 2**20:.0f} -> {self.rss_end[name] / 2**20:.0f}"
+                for name in self.rss_start if name in self.rss_end)
+                + f"; weight store shared memory {self.shm_bytes / 2**20:.1f} MB")
+        if self.checkpoint:
+            lines.append(f"checkpoint: {self.checkpoint}  (resume with --resume)")
+        if self.interrupted:
+            lines.append(f"interrupted by {self.interrupted} after step {self.steps}: no final evaluation or export")
+        else:
+            lines.append(f"exported HF model: {self.hf_model}")
+        return "\n".join(lines)
+

@@ -1,0 +1,60 @@
+"""`python -m apps.grpo`'s command line: the usage line names the module, and `--help` and YAML or override
+errors answer before torch, Monarch or TorchTitan is imported (checked in `sys.modules`, not timed)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+HEAVY = ("torch", "monarch", "torchtitan", "transformers", "torchstore")
+
+# Runs `python -m MODULE ARGS` in this interpreter and reports its exit code and the heavy modules it imported.
+PROBE = """
+import json, runpy, sys
+module, sys.argv = sys.argv[1], [sys.argv[1], *json.loads(sys.argv[2])]
+code = None
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"exit": code, "heavy": sorted(m for m in %r if m in sys.modules)}))
+""" % (HEAVY,)
+
+
+def probe(*args: str, module: str = "apps.grpo") -> tuple[dict, subprocess.CompletedProcess]:
+    result = subprocess.run([sys.executable, "-c", PROBE, module, json.dumps(args)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    return json.loads(result.stdout.strip().splitlines()[-1]), result
+
+
+def test_the_usage_line_names_the_module():
+    result = subprocess.run([sys.executable, "-m", "apps.grpo", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m apps.grpo [-h] [--config PATH] [--resume]"), result.stdout
+    assert "__main__" not in result.stdout
+
+
+def test_help_imports_nothing_heavy():
+    outcome, result = probe("--help")
+    assert outcome == {"exit": 0, "heavy": []}, result.stderr
+    assert "usage:" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "configs/no_such.yaml"], "config error: config file 'configs/no_such.yaml' does not exist"),
+    (["--config", "configs/grpo_tiny.yaml", "steps"], "config error: override 'steps' has no '='"),
+    (["--config", "configs/grpo_tiny.yaml", "~no_such_key"], "config error: override '~no_such_key': there is no key"),
+])
+def test_yaml_and_override_errors_answer_before_the_heavy_imports(args, message):
+    outcome, result = probe(*args)
+    assert outcome == {"exit": 2, "heavy": []}, result.stderr
+    assert message in result.stderr
+
+
+def test_the_probe_sees_heavy_imports():
+    outcome, result = probe(module="losses.grpo")  # a loss is torch code
+    assert outcome == {"exit": None, "heavy": ["torch"]}, result.stderr
