@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from actors.engines import check_state_dict, hf_weight_specs
 from forge.types import Completion, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SHOWN_MISMATCHES = 5
 
 
 class HFEngine:
@@ -59,11 +59,8 @@ class HFEngine:
         self.pad_token_id: int = pad if pad is not None else self.eos_token_ids[0]
         self._generator = torch.Generator(self.device).manual_seed(seed)
 
-        # Tied weights appear under two names in a state dict; either name loads them.
         self._targets = self.model.state_dict(keep_vars=True)
-        aliases = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-        aliases -= {n for n, _ in self.model.named_parameters()}
-        self._required = set(self._targets) - aliases
+        _, self._required = hf_weight_specs(self.model)  # tied weights: either of their names loads them
 
         self._version = 0
         self._weights_lock = threading.Lock()  # held while the weights are used (generate) or written
@@ -100,26 +97,8 @@ class HFEngine:
                 self._weights_lock.release()
 
     def _validate(self, state_dict: dict[str, torch.Tensor], version: int, caller: str) -> None:
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"HFEngine.{caller}: version={version!r}: must be an int >= 0")
-        missing = sorted(self._required - state_dict.keys())
-        unexpected = sorted(state_dict.keys() - self._targets.keys())
-        mismatched = [
-            f"{name}: got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}, "
-            f"expected {tuple(self._targets[name].shape)}"
-            for name, t in sorted(state_dict.items())
-            if name in self._targets and not (isinstance(t, torch.Tensor) and t.shape == self._targets[name].shape)
-        ]
-        problems = [
-            f"{len(items)} {label} {items[:_SHOWN_MISMATCHES]}{' ...' if len(items) > _SHOWN_MISMATCHES else ''}"
-            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatches", mismatched))
-            if items
-        ]
-        if problems:
-            raise ValueError(
-                f"HFEngine.{caller}(version={version}): the state dict does not match the model: "
-                f"{'; '.join(problems)}. Weights stay at version {self._version}."
-            )
+        check_state_dict(state_dict, version, self.parameter_specs(), self._required, f"HFEngine.{caller}",
+                         current_version=self._version)
 
     def _copy_in(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Caller holds the weights lock. Tensors that already have the parameter's dtype, device and layout

@@ -40,9 +40,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines import check_state_dict, hf_weight_specs
+from actors.engines.hf import DTYPES
 from forge.types import Completion, SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # AsyncEngineArgs fields the engine sets itself; engine_args may hold any other field.
 _SHARED_MEMORY = "/dev/shm"
 _SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode",
