@@ -28,7 +28,8 @@ Nothing here runs at import, except making Monarch importable for the modules th
 12  pytest's fd-level capture stalls replies that carry    the suite runs with `--capture=sys` (pyproject.toml)
     remote tracebacks
 13  a starved start-up on a loaded 2-core host can miss    `make test` runs each Monarch test module in its own
-    Monarch's deadlines                                    process and retries a failed one once, printing why
+    Monarch's deadlines                                    process and retries a failed one once, reporting it as
+                                                           FLAKY; `tests/support.start_http_app` retries a start
 """
 
 from __future__ import annotations
