@@ -11,12 +11,14 @@ import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from actors.replay_buffer_config import ReplayBufferConfig, check_int
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from forge.types import Episode
 
+__all__ = ["ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
+
 DROP_REASONS = ("too_old", "buffer_full")
-SAMPLE_ORDERS = ("random", "oldest")
 
 
 @dataclass
@@ -24,12 +26,6 @@ class _Entry:
     episode: Episode
     seq: int  # insertion order, breaks ties between episodes of the same version
     times_sampled: int = 0
-
-
-def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
-    # bool is an int subclass; `batch_size=True` is a bug, not a 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"ReplayBuffer.{name}={value!r}: must be {allowed}")
 
 
 class ReplayBuffer:
@@ -65,22 +61,12 @@ class ReplayBuffer:
         sample_order: str = "random",
         on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
-        _check_int("batch_size", batch_size, 1, "an int >= 1")
-        _check_int("max_policy_age", max_policy_age, 0, "an int >= 0 (0 = strictly on-policy)")
-        _check_int("dp_size", dp_size, 1, "an int >= 1")
-        if batch_size % dp_size != 0:
-            raise ValueError(
-                f"ReplayBuffer.dp_size={dp_size}: must divide batch_size={batch_size} "
-                "(each data-parallel rank gets batch_size // dp_size episodes)"
-            )
-        if max_buffer_size is not None:
-            # Fewer slots than a batch would make every sample() return None.
-            _check_int("max_buffer_size", max_buffer_size, batch_size, f"None or an int >= batch_size={batch_size}")
-        _check_int("max_resample_count", max_resample_count, 1, "an int >= 1")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"ReplayBuffer.seed={seed!r}: must be an int")
-        if sample_order not in SAMPLE_ORDERS:
-            raise ValueError(f"ReplayBuffer.sample_order={sample_order!r}: must be one of {', '.join(SAMPLE_ORDERS)}")
+        try:  # the config's checks are the buffer's
+            ReplayBufferConfig(batch_size=batch_size, max_policy_age=max_policy_age, dp_size=dp_size,
+                               max_buffer_size=max_buffer_size, max_resample_count=max_resample_count, seed=seed,
+                               sample_order=sample_order)
+        except ValueError as e:
+            raise ValueError(f"ReplayBuffer.{e}") from None
         if on_drop is not None and not callable(on_drop):
             raise ValueError(f"ReplayBuffer.on_drop={on_drop!r}: must be None or a callable(reason, count)")
 
@@ -192,7 +178,7 @@ class ReplayBuffer:
         self._rng.setstate((version, tuple(internal), gauss_next))
 
     def _check_version(self, policy_version: int) -> None:
-        _check_int("policy_version", policy_version, 0, "an int >= 0")
+        check_int("ReplayBuffer.policy_version", policy_version, 0, "an int >= 0")
         if policy_version < self._last_policy_version:
             raise ValueError(
                 f"ReplayBuffer: policy_version={policy_version} is below the last one seen "
@@ -206,24 +192,6 @@ class ReplayBuffer:
         self._counts[f"dropped_{reason}"] += count
         if self._on_drop is not None:
             self._on_drop(reason, count)
-
-
-@dataclass
-class ReplayBufferConfig:
-    batch_size: int = 16
-    max_policy_age: int = 1  # 0 = strictly on-policy (synchronous)
-    dp_size: int = 1
-    max_buffer_size: int | None = None
-    max_resample_count: int = 1
-    seed: int = 0
-    sample_order: str = "random"  # random | oldest (oldest usable first: nothing ages out while held)
-
-    def __post_init__(self) -> None:
-        # Same checks as the buffer itself, so a bad config fails before any process is spawned.
-        try:
-            ReplayBuffer(**asdict(self))
-        except ValueError as e:
-            raise ValueError(str(e).removeprefix("ReplayBuffer.")) from None
 
 
 class ReplayBufferActor(ForgeActor):

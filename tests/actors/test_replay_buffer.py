@@ -1,15 +1,20 @@
 """ReplayBuffer: the age bound, conservation of episodes, slicing, reproducibility and checkpointing."""
 
 import io
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.replay_buffer import ReplayBuffer
+from actors.replay_buffer import ReplayBuffer, ReplayBufferConfig
 from forge.types import Episode
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_episode(episode_id: int, policy_versions: list[int]) -> Episode:
@@ -162,8 +167,18 @@ def test_buffer_full_drops_oldest_version_then_earliest_insertion():
     ],
 )
 def test_invalid_arguments_name_field_and_value(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match="ReplayBuffer." + message.replace("(", r"\(")):
         ReplayBuffer(**{"batch_size": 4, "max_policy_age": 1, **kwargs})
+    if "on_drop" not in kwargs:  # the config (checked before any process starts) refuses the same values
+        with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
+            ReplayBufferConfig(**{"batch_size": 4, "max_policy_age": 1, **kwargs})
+
+
+def test_the_config_imports_neither_torch_nor_monarch():
+    # Job configs are validated before the training stack is imported (apps/grpo/cli.py).
+    code = "import sys, actors.replay_buffer_config; print(sorted(m for m in ('torch', 'monarch') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stderr
 
 
 def test_invalid_calls_are_rejected():

@@ -1,0 +1,45 @@
+"""The replay buffer's settings and their checks, in plain Python: no torch, no Monarch.
+
+A job's config is checked before its training stack is imported (apps/grpo/cli.py), so the config schema must not
+pull that stack in; `actors.replay_buffer` (the buffer and its actor) builds on this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SAMPLE_ORDERS = ("random", "oldest")
+
+
+@dataclass
+class ReplayBufferConfig:
+    batch_size: int = 16
+    max_policy_age: int = 1  # 0 = strictly on-policy (synchronous)
+    dp_size: int = 1
+    max_buffer_size: int | None = None
+    max_resample_count: int = 1
+    seed: int = 0
+    sample_order: str = "random"  # random | oldest (oldest usable first: nothing ages out while held)
+
+    def __post_init__(self) -> None:
+        check_int("batch_size", self.batch_size, 1, "an int >= 1")
+        check_int("max_policy_age", self.max_policy_age, 0, "an int >= 0 (0 = strictly on-policy)")
+        check_int("dp_size", self.dp_size, 1, "an int >= 1")
+        if self.batch_size % self.dp_size != 0:
+            raise ValueError(f"dp_size={self.dp_size}: must divide batch_size={self.batch_size} "
+                             "(each data-parallel rank gets batch_size // dp_size episodes)")
+        if self.max_buffer_size is not None:
+            # Fewer slots than a batch would make every sample() return None.
+            check_int("max_buffer_size", self.max_buffer_size, self.batch_size,
+                      f"None or an int >= batch_size={self.batch_size}")
+        check_int("max_resample_count", self.max_resample_count, 1, "an int >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r}: must be an int")
+        if self.sample_order not in SAMPLE_ORDERS:
+            raise ValueError(f"sample_order={self.sample_order!r}: must be one of {', '.join(SAMPLE_ORDERS)}")
+
+
+def check_int(name: str, value: object, minimum: int, allowed: str) -> None:
+    # bool is an int subclass; `batch_size=True` is a bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be {allowed}")
