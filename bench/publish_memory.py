@@ -2,7 +2,7 @@
 with baselines that write or copy the same state dict, each in a fresh process of its own.
 
     cd <repo> && .venv/bin/python -m bench.publish_memory                      # parameters in bf16
-    cd <repo> && .venv/bin/python -m bench.publish_memory --param-dtype fp32   # the trainer's fp32 parameters
+    cd <repo> && .venv/bin/python -m bench.publish_memory --param-dtype fp32 --methods forge,copy   # fp32 params
 
 Methods (every one publishes/writes in bf16, the generators' dtype):
 - forge: `WeightPublisher.start(...)` + `wait()` (actors/weight_publisher.py), which streams the tensors into a
@@ -144,22 +144,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16",
                         help="the dtype of the trainer's parameters (published in bf16 either way)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, forge first: {METHODS}")
     parser.add_argument("--method", choices=METHODS, help="run one method in this process (used by the parent)")
     args = parser.parse_args(argv)
     param_dtype = DTYPES[args.param_dtype]
     if args.method:
         print(json.dumps(asyncio.run(run_method(args.method, param_dtype))), flush=True)
         return
+    methods = args.methods.split(",")
+    if methods[0] != "forge" or not set(methods) <= set(METHODS):
+        parser.error(f"--methods={args.methods!r}: forge first, then any of {METHODS[1:]}")
     published = sum(torch.Size(s).numel() for s in qwen3_1_7b_shapes().values()) * 2
     # The parameters, a bf16 copy and a file of them (torch.save of fp32 parameters), and room to spare: never
     # push a shared host into the OOM killer.
-    needed = published // 2 * param_dtype.itemsize + 2 * published + (2 << 30)
+    copies = 2 if "torch.save" in methods and param_dtype != torch.bfloat16 else 1
+    needed = published // 2 * param_dtype.itemsize + copies * published + (2 << 30)
     if mem_available_bytes() < needed:
         sys.exit(f"needs about {needed / 2**30:.1f} GiB available, {mem_available_bytes() / 2**30:.1f} GiB are")
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     rows = []
-    for method in METHODS:
+    for method in methods:
         out = subprocess.run([sys.executable, "-m", "bench.publish_memory", "--method", method, "--param-dtype",
                               args.param_dtype], env=env, cwd=root, capture_output=True, text=True, check=False)
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]

@@ -6,13 +6,12 @@ Each actor's section is that actor's own config dataclass; `model` fills the mod
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from actors.engines.vllm import engine_arg_names
+from actors.engines.vllm import check_engine_args
 from actors.generator import GeneratorConfig
 from actors.model_builder import check_parallel_layout, model_args_from_hf
 from actors.replay_buffer import ReplayBufferConfig
@@ -166,13 +165,8 @@ class GRPOConfig:
                 f"trainer.temperature={self.trainer.temperature}: must equal rollout.temperature="
                 f"{self.rollout.temperature} (log-probs are compared at the sampling temperature)"
             )
-        if self.generator.engine == "vllm" and self.rollout.temperature != 1.0:
-            raise ValueError(
-                f"rollout.temperature={self.rollout.temperature}: generator.engine='vllm' samples at 1.0 only (vLLM "
-                "reports log-probs of the raw logits); use rollout.temperature=1.0 or generator.engine=hf"
-            )
         if self.generator.engine == "vllm":
-            check_vllm_engine_args(self.generator.engine_args)
+            _check_vllm_engine_args(self.generator)
         check_model_layout(self)
         if self.trainer.max_steps < self.steps:
             raise ValueError(f"trainer.max_steps={self.trainer.max_steps}: must be >= steps={self.steps}")
@@ -218,11 +212,13 @@ def check_model_layout(cfg: GRPOConfig) -> None:
 
 def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:
     # vLLM splits a replica's model over its processes (tensor parallelism), whole heads per process.
-    tp = cfg.resources.generator_procs
+    args = cfg.generator.engine_args
+    field, tp = (("generator.engine_args.tensor_parallel_size", args["tensor_parallel_size"])
+                 if "tensor_parallel_size" in args else ("resources.generator_procs", cfg.resources.generator_procs))
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise ValueError(f"resources.generator_procs={tp}: vLLM splits the model over a replica's processes; must "
+        raise ValueError(f"{field}={tp}: vLLM splits the model over a replica's processes; must "
                          f"divide num_attention_heads={heads} and divide or be a multiple of num_key_value_heads="
                          f"{kv_heads} ({cfg.generator.model})")
     max_model_len = cfg.generator.engine_args.get("max_model_len")
@@ -235,23 +231,11 @@ def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:
                          f"{max_model_len} (the prompt takes part of the window)")
 
 
-# Constructor arguments of vLLM's engine that forge sets from its own fields.
-VLLM_ARGS_SET_BY_FORGE = {"model": "generator.model", "dtype": "generator.dtype", "seed": "generator.seed",
-                          "tensor_parallel_size": "resources.generator_procs"}
-
-
-def check_vllm_engine_args(engine_args: dict) -> None:
-    """`generator.engine_args` reach vLLM's engine as they are: every key must be one of its arguments."""
+def _check_vllm_engine_args(generator: GeneratorConfig) -> None:
+    """The vLLM engine's own check of `engine_args`, run before anything starts."""
     try:
-        allowed = engine_arg_names()
+        check_engine_args(generator.engine_args, device=generator.device)
     except ImportError as e:
         raise ValueError(f"generator.engine='vllm': {e}") from None
-    for key in engine_args:
-        if key in VLLM_ARGS_SET_BY_FORGE:
-            raise ValueError(f"generator.engine_args.{key}={engine_args[key]!r}: set by forge from "
-                             f"{VLLM_ARGS_SET_BY_FORGE[key]}; set that instead")
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=3)
-            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"generator.engine_args.{key}={engine_args[key]!r}: not an argument of vLLM's engine "
-                             f"(allowed: the {len(allowed)} fields of vllm.engine.arg_utils.AsyncEngineArgs).{hint}")
+    except ValueError as e:  # its messages start with "engine_args"
+        raise ValueError(f"generator.{e}") from None

@@ -105,14 +105,14 @@ def test_an_unreachable_hub_model_is_refused_before_anything_starts(tmp_path, mo
         load_job_config(["--config", str(QWEN3_1_7B)])
 
 
+# The vLLM engine's own check (actors.engines.vllm.check_engine_args), run before anything starts.
 ENGINE_ARG_REFUSALS = [
     ("+generator.engine_args.gpu_memory_utilisation=0.5",
-     r"generator.engine_args.gpu_memory_utilisation=0.5: not an argument of vLLM's engine \(allowed: the \d+ fields "
-     r"of vllm.engine.arg_utils.AsyncEngineArgs\). Did you mean 'gpu_memory_utilization'"),
-    ("+generator.engine_args.dtype=float16",
-     r"generator.engine_args.dtype='float16': set by forge from generator.dtype; set that instead"),
-    ("+generator.engine_args.tensor_parallel_size=2",
-     r"generator.engine_args.tensor_parallel_size=2: set by forge from resources.generator_procs"),
+     r"generator.engine_args: unknown vLLM engine argument\(s\) \['gpu_memory_utilisation'\]; allowed: the fields "
+     r"of vLLM's AsyncEngineArgs"),
+    ("+generator.engine_args.dtype=float16", r"generator.engine_args: \['dtype'\] are set by the generator"),
+    ("+generator.engine_args.tensor_parallel_size=3",
+     r"generator.engine_args.tensor_parallel_size=3: vLLM splits .* must divide num_attention_heads=32"),
 ]
 
 
@@ -126,6 +126,19 @@ def test_vllm_engine_args_that_vllm_takes_are_accepted(real_models):
     cfg = load_with_real_model(QWEN3_8B, real_models, "+generator.engine_args.enable_prefix_caching=false",
                                "+generator.engine_args.enforce_eager=true")
     assert cfg.generator.engine_args["enable_prefix_caching"] is False
+
+
+def test_vllm_tensor_parallelism_on_cpu_is_refused_before_anything_starts(real_models):
+    with pytest.raises(ConfigError, match=r"generator.engine_args.tensor_parallel_size=2 \(generator_procs\): the "
+                                          r"vllm engine runs tensor-parallel on CUDA only"):
+        load_with_real_model(QWEN3_8B, real_models, "generator.device=cpu",
+                             "+generator.engine_args.tensor_parallel_size=2")
+
+
+def test_vllm_samples_at_temperatures_other_than_one():
+    # vLLM reports processed log-probs (after temperature), so the behaviour log-probs are the sampled ones.
+    cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "generator.engine=vllm"])
+    assert cfg.generator.engine == "vllm" and cfg.rollout.temperature == 0.7 == cfg.trainer.temperature
 
 
 def test_gpu_layouts_need_their_gpus(real_models):
@@ -148,7 +161,6 @@ BAD = [
     ("generator.engine=sglang", r"generator.engine='sglang': must be one of hf, vllm"),
     ("model=/no/such/model", r"model_path='/no/such/model'"),
     ("trainer.temperature=0.5", r"trainer.temperature=0.5: must equal rollout.temperature=0.7"),
-    ("generator.engine=vllm", r"rollout.temperature=0.7: generator.engine='vllm' samples at 1.0 only"),
     ("replay_buffer.max_buffer_size=8", r"max_buffer_size=8"),
     ("eval.num_prompts=0", r"num_prompts=0"),
     ("warm_start.target_accuracy=1.5", r"warm_start.target_accuracy=1.5: must be in \(0, 1\]"),
