@@ -4,9 +4,11 @@ served at /openapi.json (interactive docs at /docs)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from apps.server.auth import require_key
+from apps.server.errors import ServiceError
 from apps.server.runtime import TrainingService
 from apps.server.schemas import (
     ChunkAccepted,
@@ -49,14 +51,29 @@ def _accepted_or(result: object) -> object:
     return result
 
 
+# Requests that carry a seq_id: one refused by validation gives up its place in the session's order.
+_SEQUENCED = {f"/api/v1/{name}" for name in ("forward_backward", "forward", "optim_step", "save_state", "load_state",
+                                             "save_weights_for_sampler", "sync_inference_weights")}
+
+
 def build_app(service: TrainingService) -> FastAPI:
     app = FastAPI(title="forge training service",
                   description="Tinker-style training API over forge's trainer and generator actors.", version="1")
-    install_error_handlers(app)
 
     def authorized(request: Request) -> None:
         if service.cfg.http.api_key is not None:
             require_key(request, service.cfg.http.api_key)
+
+    def refuse_invalid(request: Request, error: RequestValidationError) -> None:
+        if request.method != "POST" or request.url.path not in _SEQUENCED:
+            return
+        try:
+            authorized(request)  # only the key holder may move a session's order along
+        except ServiceError:
+            return
+        service.refuse(error.body, ServiceError(422, list(error.errors())))
+
+    install_error_handlers(app, on_invalid=refuse_invalid)
 
     @app.get("/health", response_model=HealthResponse, tags=["service"])
     async def health() -> HealthResponse:

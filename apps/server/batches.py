@@ -32,6 +32,17 @@ def check_loss(name: str, params: dict[str, Any], *, allow_custom: bool) -> None
             raise field_error(["loss_fn_params", key], params[key], f"not a parameter of loss {name!r}; allowed: {taken}")
 
 
+def check_loss_inputs(name: str, params: dict[str, Any], batch: TrainBatch) -> None:
+    """422 unless the loss runs on this batch with these parameters (a parameter's value or type, a KL term
+    without ref_logprobs): evaluated here on the behaviour log-probs, so the trainer never meets a request
+    that cannot work and whatever it raises is the server's failure."""
+    try:
+        get_loss(name)(batch.behaviour_logprobs, batch, **params)
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        raise field_error(["loss_fn_params"], params, f"loss {name!r} cannot run on this request: "
+                                                      f"{type(e).__name__}: {e}") from None
+
+
 def build_batch(data: list[Datum], *, pad_id: int, vocab_size: int, max_len: int, needs_rl_inputs: bool,
                 offset: int = 0) -> TrainBatch:
     """Right-padded tensors for the datums. `needs_rl_inputs`: logprobs and advantages are required (a loss

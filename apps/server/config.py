@@ -30,7 +30,7 @@ class SessionConfig:
     max_sessions: int = 2  # concurrent training sessions (each owns one trainer actor mesh)
     idle_timeout_s: float = 600.0  # a session with no request or heartbeat for this long is unloaded
     max_idle_timeout_s: float = 86400.0  # the most a create_session request may ask for
-    sequence_gap_timeout_s: float = 120.0  # how long a request waits for a missing lower seq_id
+    sequence_gap_timeout_s: float = 30.0  # how long requests wait for a missing lower seq_id before failing (409)
     call_timeout_s: float = 600.0  # one actor call (forward_backward, save_state, ...)
     spawn_timeout_s: float = 300.0  # starting a session's trainer
     max_chunks: int = 1024  # chunks one request may be split into

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import traceback
 
 from apps.server.app import build_app
 from apps.server.config import ServerConfig
@@ -18,16 +17,17 @@ from apps.server.model import load_app_config, warm_started_model
 from apps.server.runtime import TrainingService
 from apps.server.serving import serve
 from forge.config import ConfigError, parse_args, to_yaml
-from forge.provisioner import get_provisioner, shutdown
+from forge.lifecycle import run_job
 
 STARTUP_TIMEOUT_S = 600.0  # spawning the generators; Monarch start-up on a loaded 2-core host has taken minutes
 
 
-async def run(cfg: ServerConfig) -> int:
+async def run(cfg: ServerConfig, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set. Signals, a failed actor mesh and the final clean-up of every process are
+    forge.lifecycle's (`run_job`)."""
     model_path, accuracy = await asyncio.to_thread(warm_started_model, cfg.model, cfg.model_cache, cfg.warm_start,
                                                    seed=cfg.seed)
     service = TrainingService(cfg, model_path, accuracy)
-    fatal = asyncio.ensure_future(get_provisioner().wait_for_fatal_failure())
     try:
         try:
             await asyncio.wait_for(service.start(), STARTUP_TIMEOUT_S)
@@ -38,19 +38,10 @@ async def run(cfg: ServerConfig) -> int:
             print(f"forge training service listening on http://{cfg.http.host}:{port} "
                   f"(model {model_path}, OpenAPI at /openapi.json)", flush=True)
 
-        status = await serve(build_app(service), cfg.http.host, cfg.http.port, cfg.http.log_level,
-                             on_started=started, stop=fatal)
-        if fatal.done() and not fatal.cancelled():
-            failure = fatal.result()
-            print(f"FATAL: actor mesh {failure.mesh_name!r} failed:\n{failure.message}", file=sys.stderr)
-        return status
-    except Exception:
-        print("FATAL: the training service failed:\n" + traceback.format_exc(), file=sys.stderr)
-        return 1
+        await serve(build_app(service), cfg.http.host, cfg.http.port, cfg.http.log_level, on_started=started,
+                    stop=stop.wait())
     finally:
-        fatal.cancel()
         await service.stop()
-        await asyncio.wait_for(shutdown(), timeout=60)
         print("forge training service stopped", flush=True)
 
 
@@ -62,4 +53,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(to_yaml(cfg), flush=True)
-    return asyncio.run(run(cfg))
+    stop = asyncio.Event()
+    return run_job(lambda: run(cfg, stop), on_stop=lambda signal_name: stop.set())

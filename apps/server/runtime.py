@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from actors.generator import Generator
-from apps.server.batches import build_batch, check_loss, concat_batches
+from apps.server.batches import build_batch, check_loss, check_loss_inputs, concat_batches
 from apps.server.checkpoints import CheckpointStore
 from apps.server.config import ServerConfig
 from apps.server.errors import ServiceError, field_error, not_found
@@ -51,7 +51,6 @@ from apps.server.training_actor import ServerTrainerActor
 from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.types import SamplingParams
 from losses import LOSSES
 
 logger = logging.getLogger(__name__)
@@ -60,11 +59,22 @@ WEIGHTS = "policy"
 
 
 def endpoint_failure(error: EndpointError) -> ServiceError:
-    """An actor endpoint's exception as an HTTP error: the caller's mistake (400) or the server's (500)."""
+    """An actor endpoint's exception as an HTTP error: always the server's failure (500, with the cause).
+    A request's own faults are found before it reaches an actor (schemas, `batches`, the checks below) and
+    answered 4xx there; what an actor raises (CUDA out of memory, a broken checkpoint file) is not the
+    client's to fix."""
     head = str(error).split("\n--- remote traceback", 1)[0]
-    message = head.split(" raised ", 1)[-1]
-    client_errors = ("ValueError", "RuntimeError", "FileNotFoundError", "KeyError", "TypeError")
-    return ServiceError(400 if message.startswith(client_errors) else 500, message)
+    return ServiceError(500, f"server-side failure: {head}")
+
+
+def refusal_summary(error: ServiceError) -> str:
+    """One line saying why a request was refused (for the requests that were waiting on its seq_id)."""
+    detail = error.detail
+    if isinstance(detail, list):
+        detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail[:3]
+                           if isinstance(d, dict))
+    text = f"{error.status}: {detail}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class TrainingService:
@@ -73,15 +83,18 @@ class TrainingService:
         self.model_path = model_path
         self.warm_start_accuracy = warm_start_accuracy
         info = tokenizer_info(model_path)
+        self.tokenizer = info["tokenizer"]
         self.pad_id, self.eos_id = info["pad_id"], info["eos_id"]
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
         self.checkpoints = CheckpointStore(Path(cfg.run_dir) / "checkpoints")
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> why it is gone
         self.creating = 0
-        # Trainer actors of unloaded sessions, kept for the next session (reset to the served weights) rather
-        # than stopped: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run, which
-        # takes every process down. Meshes are stopped only at shutdown, as in apps.grpo.
+        # COMPAT: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run, taking every
+        # process down. So the trainer actors of unloaded sessions are kept for the next session (reset to the
+        # served weights by `_trainer_for`) rather than stopped; meshes are stopped only at shutdown, as in
+        # apps.grpo. Can go when stopping one trainer mesh while others run leaves the rest up (then `unload`
+        # stops the session's mesh and `_trainer_for` always spawns).
         self.idle_trainers: list[Any] = []
         self.version = 0  # the generators serve the base weights as version 0 until the first sync
         self._publish_lock = asyncio.Lock()
@@ -179,7 +192,7 @@ class TrainingService:
         return session.info()
 
     async def _trainer_for(self, session_id: str) -> Any:
-        """A trainer with the served model's weights: an idle one reset, else a new actor mesh."""
+        """A trainer with the served model's weights: an idle one reset (see COMPAT in __init__), else a new mesh."""
         limits = self.cfg.sessions
         if self.idle_trainers:
             trainer = self.idle_trainers.pop()
@@ -222,40 +235,56 @@ class TrainingService:
             session.busy -= 1
             session.touch()
 
+    def refuse(self, body: Any, error: ServiceError) -> None:
+        """A sequenced request was refused (4xx) before it was queued: if it names a session and a seq_id, that
+        seq_id gives up its place, so the session's later requests do not wait for it."""
+        if not isinstance(body, dict):
+            return
+        session = self.sessions.get(body.get("model_id") or body.get("session_id"))
+        seq_id = body.get("seq_id")
+        if session is not None and type(seq_id) is int and seq_id >= 0:
+            session.sequencer.refuse(seq_id, refusal_summary(error))
+
     async def _sequenced(self, request: SequencedRequest, kind: str, execute: Callable[[Session, int, list], Awaitable[Any]],
-                         part: Any = None, *, chunk_index: int = 0, num_chunks: int = 1, signature: Any = None) -> Any:
+                         check: Callable[[], Any] = lambda: None, *, chunk_index: int = 0, num_chunks: int = 1,
+                         signature: Any = None) -> Any:
+        """Queue the request in its session's seq_id order and wait for its result. `check()` is the request's own
+        validation (raising ServiceError 4xx) and returns the part the request carries."""
         session = self.session(request.model_id)
-        if num_chunks > self.cfg.sessions.max_chunks:
-            raise field_error(["num_chunks"], num_chunks, f"must be <= max_chunks={self.cfg.sessions.max_chunks}")
+        try:
+            if num_chunks > self.cfg.sessions.max_chunks:
+                raise field_error(["num_chunks"], num_chunks, f"must be <= max_chunks={self.cfg.sessions.max_chunks}")
+            part = check()
+        except ServiceError as error:
+            self.refuse({"model_id": request.model_id, "seq_id": request.seq_id}, error)
+            raise
         submitted = session.sequencer.submit(request.seq_id, kind, lambda seq, parts: execute(session, seq, parts),
                                              part, chunk_index=chunk_index, num_chunks=num_chunks, signature=signature)
         if not submitted.complete:
             return ChunkAccepted(model_id=session.session_id, seq_id=submitted.seq_id,
                                  chunks_received=submitted.chunks_received, num_chunks=num_chunks)
-        limits = self.cfg.sessions
+        # No timeout of its own: the sequencer answers every queued request (each run is bounded by
+        # call_timeout_s, each gap by sequence_gap_timeout_s).
         session.busy += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(submitted.future),
-                                          limits.sequence_gap_timeout_s + limits.call_timeout_s + 30)
-        except asyncio.TimeoutError:
-            raise ServiceError(504, f"seq_id={submitted.seq_id}: no result in time") from None
+            return await asyncio.shield(submitted.future)
         finally:
             session.busy -= 1
             session.touch()
 
     # -- training ------------------------------------------------------------------------------------
-    def _batch_part(self, request: ForwardRequest | ForwardBackwardRequest, needs_rl_inputs: bool) -> tuple:
+    def _batch_part(self, request: ForwardRequest | ForwardBackwardRequest, loss: str | None) -> tuple:
+        """The request's batch (checked datum by datum) and its sequence lengths; with a loss, the loss's name and
+        parameters are checked on this batch too."""
+        if loss is not None:
+            check_loss(loss, request.loss_fn_params, allow_custom=False)
         batch = build_batch(request.data, pad_id=self.pad_id, vocab_size=self.vocab_size, max_len=self.max_model_len,
-                            needs_rl_inputs=needs_rl_inputs)
+                            needs_rl_inputs=loss is not None)
+        if loss is not None:
+            check_loss_inputs(loss, request.loss_fn_params, batch)
         return batch, [len(d.model_input.tokens()) for d in request.data]
 
-    def _check_loss(self, name: str, params: dict) -> None:
-        check_loss(name, params, allow_custom=False)
-
     async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResponse | ChunkAccepted:
-        self._check_loss(request.loss_fn, request.loss_fn_params)
-        part = self._batch_part(request, needs_rl_inputs=True)
-
         async def execute(session: Session, seq_id: int, parts: list) -> ForwardBackwardResponse:
             batch = concat_batches([p[0] for p in parts], self.pad_id)
             lengths = [n for p in parts for n in p[1]]
@@ -265,14 +294,10 @@ class TrainingService:
                                            loss_fn_outputs=_per_datum(out["logprobs"], lengths))
 
         signature = ("forward_backward", request.loss_fn, json.dumps(request.loss_fn_params, sort_keys=True))
-        return await self._sequenced(request, "forward_backward", execute, part, chunk_index=request.chunk_index,
-                                     num_chunks=request.num_chunks, signature=signature)
+        return await self._sequenced(request, "forward_backward", execute, lambda: self._batch_part(request, request.loss_fn),
+                                     chunk_index=request.chunk_index, num_chunks=request.num_chunks, signature=signature)
 
     async def forward(self, request: ForwardRequest) -> ForwardBackwardResponse | ChunkAccepted:
-        if request.loss_fn is not None:
-            self._check_loss(request.loss_fn, request.loss_fn_params)
-        part = self._batch_part(request, needs_rl_inputs=request.loss_fn is not None)
-
         async def execute(session: Session, seq_id: int, parts: list) -> ForwardBackwardResponse:
             batch = concat_batches([p[0] for p in parts], self.pad_id)
             lengths = [n for p in parts for n in p[1]]
@@ -282,8 +307,8 @@ class TrainingService:
                                            loss_fn_outputs=_per_datum(out["logprobs"], lengths))
 
         signature = ("forward", request.loss_fn, json.dumps(request.loss_fn_params, sort_keys=True))
-        return await self._sequenced(request, "forward", execute, part, chunk_index=request.chunk_index,
-                                     num_chunks=request.num_chunks, signature=signature)
+        return await self._sequenced(request, "forward", execute, lambda: self._batch_part(request, request.loss_fn),
+                                     chunk_index=request.chunk_index, num_chunks=request.num_chunks, signature=signature)
 
     async def optim_step(self, request: OptimStepRequest) -> OptimStepResponse:
         adam = request.adam_params
@@ -309,36 +334,33 @@ class TrainingService:
         return info
 
     async def save_state(self, request: SaveStateRequest) -> CheckpointResponse:
-        path = self.checkpoints.path_for(request.path)
-
         async def execute(session: Session, seq_id: int, parts: list) -> CheckpointResponse:
-            out = await self._call(session, "save_state", str(path), request.with_optimizer)
+            out = await self._call(session, "save_state", str(parts[0]), request.with_optimizer)
             info = self.checkpoints.record(request.path, "state", session.session_id, int(out["step"]),
                                            request.with_optimizer)
             return CheckpointResponse(model_id=session.session_id, seq_id=seq_id, checkpoint=info)
 
-        return await self._sequenced(request, "save_state", execute)
+        return await self._sequenced(request, "save_state", execute, lambda: self.checkpoints.path_for(request.path))
 
     async def load_state(self, request: LoadStateRequest) -> LoadStateResponse:
-        info = self._loadable(request.path, request.with_optimizer, ["path"])
-
         async def execute(session: Session, seq_id: int, parts: list) -> LoadStateResponse:
+            info = parts[0]
             out = await self._call(session, "load_state", info.path, request.with_optimizer)
             session.step = int(out["step"])
             return LoadStateResponse(model_id=session.session_id, seq_id=seq_id, checkpoint_id=info.checkpoint_id,
                                      with_optimizer=request.with_optimizer, step=session.step)
 
-        return await self._sequenced(request, "load_state", execute)
+        return await self._sequenced(request, "load_state", execute,
+                                     lambda: self._loadable(request.path, request.with_optimizer, ["path"]))
 
     async def save_weights_for_sampler(self, request: SaveWeightsRequest) -> CheckpointResponse:
-        path = self.checkpoints.path_for(request.path)
-
         async def execute(session: Session, seq_id: int, parts: list) -> CheckpointResponse:
-            await self._call(session, "export_hf", str(path))
+            await self._call(session, "export_hf", str(parts[0]))
             info = self.checkpoints.record(request.path, "sampler", session.session_id, session.step, False)
             return CheckpointResponse(model_id=session.session_id, seq_id=seq_id, checkpoint=info)
 
-        return await self._sequenced(request, "save_weights_for_sampler", execute)
+        return await self._sequenced(request, "save_weights_for_sampler", execute,
+                                     lambda: self.checkpoints.path_for(request.path))
 
     async def sync_inference_weights(self, request: SyncWeightsRequest) -> SyncWeightsResponse:
         async def execute(session: Session, seq_id: int, parts: list) -> SyncWeightsResponse:
@@ -359,15 +381,25 @@ class TrainingService:
         return await self._sequenced(request, "sync_inference_weights", execute)
 
     # -- sampling ------------------------------------------------------------------------------------
+    def _prompt_ids(self, request: SampleRequest) -> list[list[int]]:
+        """Every prompt as token ids, checked against the vocabulary and the model window (a 422 naming the prompt)."""
+        prompts = []
+        for i, prompt in enumerate(request.all_prompts()):
+            loc = ["prompt"] if request.prompts is None else ["prompts", i]
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise field_error(loc, prompt, "empty: a prompt needs at least one token")
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise field_error(loc, ids[:8], f"token ids must be in [0, {self.vocab_size})")
+            if len(ids) >= self.max_model_len:
+                raise field_error(loc, f"{len(ids)} tokens", f"the model's window is {self.max_model_len} tokens: at "
+                                                            f"most {self.max_model_len - 1} prompt tokens leave room to generate")
+            prompts.append(ids)
+        return prompts
+
     async def sample(self, request: SampleRequest) -> SampleResponse:
-        p = request.sampling_params
-        params = SamplingParams(n=request.num_samples, max_tokens=p.max_tokens, temperature=p.temperature,
-                                top_p=p.top_p, top_k=p.top_k, stop_token_ids=list(p.stop_token_ids), seed=p.seed)
-        prompts = request.all_prompts()
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, list) and any(not 0 <= t < self.vocab_size for t in prompt):
-                raise field_error(["prompts" if request.prompts is not None else "prompt", i], prompt[:8],
-                                  f"token ids must be in [0, {self.vocab_size})")
+        params = replace(request.sampling_params, n=request.count())
+        prompts = self._prompt_ids(request)
         try:
             outputs = await asyncio.wait_for(self.generators.generate_batch.route(prompts, params),
                                              self.cfg.sessions.call_timeout_s)

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from forge.sampling import SamplingParams
+
 SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 CheckpointName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
@@ -249,29 +251,32 @@ class SyncWeightsResponse(BaseModel):
 
 
 # --- sampling ---------------------------------------------------------------------------------------
-class SamplingParamsModel(_Strict):
-    max_tokens: int = Field(16, ge=1, le=4096)
-    temperature: float = Field(1.0, ge=0, description="0: greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0: no top-k")
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
-
-
 Prompt = str | list[int]
+MAX_SAMPLES = 256  # completions per prompt in one request
 
 
 class SampleRequest(_Strict):
     prompt: Prompt | None = Field(None, description="one prompt: text or token ids")
     prompts: list[Prompt] | None = Field(None, min_length=1, max_length=1024, description="several prompts")
-    num_samples: int = Field(1, ge=1, le=256)
-    sampling_params: SamplingParamsModel = Field(default_factory=SamplingParamsModel)
+    num_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES,
+                                    description="completions per prompt (default: sampling_params.n)")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams,
+                                            description="forge.sampling.SamplingParams (its checks are these 422s)")
 
     @model_validator(mode="after")
     def _one_form(self) -> SampleRequest:
         if (self.prompt is None) == (self.prompts is None):
             raise ValueError("give exactly one of prompt or prompts")
+        n = self.sampling_params.n
+        if self.num_samples is not None and n not in (1, self.num_samples):
+            raise ValueError(f"num_samples={self.num_samples} and sampling_params.n={n}: give the count once "
+                             "(or the same in both)")
+        if self.count() > MAX_SAMPLES:
+            raise ValueError(f"sampling_params.n={n}: must be <= {MAX_SAMPLES}")
         return self
+
+    def count(self) -> int:
+        return self.num_samples if self.num_samples is not None else self.sampling_params.n
 
     def all_prompts(self) -> list[Prompt]:
         return [self.prompt] if self.prompts is None else list(self.prompts)
