@@ -7,12 +7,14 @@ import time
 
 from fastapi import FastAPI, Request
 
+from apps.gateway.errors import openai_error
 from apps.gateway.runtime import Gateway
 from apps.gateway.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     EndSessionRequest,
     EndSessionResponse,
+    ErrorResponse,
     GatewayHealth,
     GatewayStats,
     ModelCard,
@@ -24,17 +26,16 @@ from apps.gateway.schemas import (
 )
 from apps.server.auth import presented_key, require_key
 from apps.server.errors import ServiceError
-from apps.server.schemas import ErrorResponse
 from apps.server.serving import install_error_handlers
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 409, 429, 502, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 409, 422, 429, 500, 502, 504)}
 
 
 def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="forge online-RL gateway",
                   description="OpenAI-compatible chat completions whose interactions become RL training data.",
                   version="1", responses=_ERRORS)
-    install_error_handlers(app)
+    install_error_handlers(app, openai_error)
     admin_key = gateway.cfg.rl.admin_api_key
 
     def session_of(request: Request):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import traceback
 
 from apps.gateway.app import build_app
 from apps.gateway.config import GatewayConfig
@@ -18,55 +17,45 @@ from apps.gateway.runtime import Gateway
 from apps.server.model import load_app_config, warm_started_model
 from apps.server.serving import serve
 from forge.config import ConfigError, parse_args, to_yaml
-from forge.provisioner import get_provisioner, shutdown
+from forge.lifecycle import run_job
 
 STARTUP_TIMEOUT_S = 600.0  # spawning every actor; Monarch start-up on a loaded 2-core host has taken minutes
 
 
-async def _first_failure(gateway: Gateway) -> None:
-    fatal = asyncio.ensure_future(get_provisioner().wait_for_fatal_failure())
+async def _stopped(gateway: Gateway, stop: asyncio.Event) -> None:
+    """Returns when `stop` is set; raises when a background task of the gateway (the reaper, the training loop)
+    ends, since the gateway cannot go on without it."""
+    asked = asyncio.ensure_future(stop.wait())
     watch = asyncio.ensure_future(gateway.watch())
     try:
-        done, _ = await asyncio.wait([fatal, watch], return_when=asyncio.FIRST_COMPLETED)
-        if fatal in done:
-            failure = fatal.result()
-            raise RuntimeError(f"actor mesh {failure.mesh_name!r} failed:\n{failure.message}")
-        watch.result()
-        raise RuntimeError("a gateway background task stopped")
+        await asyncio.wait([asked, watch], return_when=asyncio.FIRST_COMPLETED)
+        if not asked.done():
+            watch.result()
+            raise RuntimeError("a gateway background task stopped")
     finally:
-        fatal.cancel()
+        asked.cancel()
         watch.cancel()
 
 
-async def run(cfg: GatewayConfig) -> int:
+async def run(cfg: GatewayConfig, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set. Signals, a failed actor mesh and the final clean-up of every process are
+    forge.lifecycle's (`run_job`)."""
     model_path, _ = await asyncio.to_thread(warm_started_model, cfg.model, cfg.model_cache, cfg.warm_start, seed=cfg.seed)
     gateway = Gateway(cfg, model_path)
-    failure: asyncio.Future | None = None
     try:
         try:
             await asyncio.wait_for(gateway.start(), STARTUP_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise RuntimeError(f"the actors did not start within {STARTUP_TIMEOUT_S}s") from None
-        failure = asyncio.ensure_future(_first_failure(gateway))
 
         def started(port: int) -> None:
             print(f"forge online-RL gateway listening on http://{cfg.http.host}:{port} (model {model_path}, "
                   f"capacity {cfg.capacity}, OpenAPI at /openapi.json)", flush=True)
 
-        status = await serve(build_app(gateway), cfg.http.host, cfg.http.port, cfg.http.log_level, on_started=started,
-                             stop=failure)
-        if failure.done() and not failure.cancelled() and failure.exception() is not None:
-            error = failure.exception()
-            print("FATAL: " + "".join(traceback.format_exception(error)), file=sys.stderr)
-        return status
-    except Exception:
-        print("FATAL: the gateway failed:\n" + traceback.format_exc(), file=sys.stderr)
-        return 1
+        await serve(build_app(gateway), cfg.http.host, cfg.http.port, cfg.http.log_level, on_started=started,
+                    stop=_stopped(gateway, stop))
     finally:
-        if failure is not None:
-            failure.cancel()
         await gateway.stop()
-        await asyncio.wait_for(shutdown(), timeout=60)
         print("forge online-RL gateway stopped", flush=True)
 
 
@@ -78,4 +67,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(to_yaml(cfg), flush=True)
-    return asyncio.run(run(cfg))
+    stop = asyncio.Event()
+    return run_job(lambda: run(cfg, stop), on_stop=lambda signal_name: stop.set())

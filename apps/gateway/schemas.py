@@ -193,3 +193,17 @@ class GatewayHealth(BaseModel):
     active_sessions: int
     generator_replicas_healthy: int
     train_steps: int
+
+
+# --- errors -----------------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the gateway answers (OpenAI's shape; see apps/gateway/errors.py)."""
+
+    error: ErrorDetail
