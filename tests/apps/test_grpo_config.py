@@ -1,6 +1,7 @@
 """Every shipped GRPO config parses and validates on a CPU machine; bad configs fail before any process starts."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,26 @@ def test_vllm_samples_at_temperatures_other_than_one():
     # vLLM reports processed log-probs (after temperature), so the behaviour log-probs are the sampled ones.
     cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "generator.engine=vllm"])
     assert cfg.generator.engine == "vllm" and cfg.rollout.temperature == 0.7 == cfg.trainer.temperature
+
+
+def test_gsm8k_job_asks_in_the_models_chat_template_and_stops_at_its_end_of_turn(real_models, tmp_path):
+    from apps.grpo.launch import make_task
+    from forge.tiny_model import build_tokenizer
+
+    model = tmp_path / "Qwen3-1.7B"  # the real config.json beside a small tokenizer with a ChatML template
+    shutil.copytree(real_models["Qwen/Qwen3-1.7B"], model)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.save_pretrained(model)
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}))
+    cfg, _ = load_job_config(["--config", str(QWEN3_1_7B), f"model={model}", f"task.dataset={data}", "task.held_out=1"])
+    task = make_task(cfg)
+    assert task.held_out()[0].prompt == ("<|im_start|>user\nWhat is 2+3?\nThink step by step, then give the final "
+                                         "answer after '####'.<|im_end|>\n<|im_start|>assistant\n")
+    assert task.stop_token_ids == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
 def test_gpu_layouts_need_their_gpus(real_models):
