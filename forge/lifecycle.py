@@ -16,7 +16,8 @@
   doing and returns: a training job may save a checkpoint first), otherwise `main` is cancelled. A second
   signal kills the job's processes and exits at once. Exit code 128 + the signal's number.
 - Otherwise the exit code is what `main` returned (None: 0).
-- Then, whatever happened, `forge.provisioner.shutdown()` stops every actor, mesh and weight-store segment the
+- Then, whatever happened, once `main` has finished (a cancelled `main`'s own `finally` clean-up runs first,
+  bounded), `forge.provisioner.shutdown()` stops every actor, mesh and weight-store segment the
   job made, bounded in time; what it did not stop is killed (`kill_job_processes`).
 - From the moment the job starts ending (a signal, a failure, `main` returning) the process exits within
   `exit_deadline_s`: a Monarch call to a dead process never answers, and a job must not hang on one.
@@ -25,6 +26,12 @@ A graceful stop, as `apps.grpo` does it (the job finishes its step and checkpoin
 
     job = MyJob(cfg)                                  # job.run() checks job.stopping between steps
     sys.exit(run_job(job.run, on_stop=job.request_stop))
+
+A server stops the same way: `on_stop` tells it to stop serving, and its own clean-up (closing sessions) runs in
+`main`'s `finally`, before the actors are stopped:
+
+    stop = asyncio.Event()                            # serve() returns once it is set
+    sys.exit(run_job(lambda: serve(app, stop), on_stop=lambda signal_name: stop.set()))
 
 Monarch is imported when `run_job` starts, not when this module is, so an app parses and validates its arguments
 before paying for the heavy imports.
@@ -133,9 +140,12 @@ class _Lifecycle:
             self.main.cancel()
 
     async def _clean_up(self) -> None:
-        """Stop every process and segment of the job, leaving time within the deadline to kill what is stuck."""
+        """Let a cancelled `main` run its own clean-up (its `finally` blocks: an HTTP server closing its sessions),
+        then stop every process and segment of the job, leaving time within the deadline to kill what is stuck."""
+        if not self.main.done():
+            await asyncio.wait([self.main], timeout=0.2 * self.exit_deadline_s)
         try:
-            await asyncio.wait_for(self._provisioner.shutdown(), timeout=0.8 * self.exit_deadline_s)
+            await asyncio.wait_for(self._provisioner.shutdown(), timeout=0.6 * self.exit_deadline_s)
         except Exception as e:
             print(f"shutdown incomplete ({type(e).__name__}: {e}); killing what is left", file=sys.stderr, flush=True)
             self._provisioner.kill_job_processes()

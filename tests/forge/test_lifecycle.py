@@ -41,8 +41,19 @@ APP = textwrap.dedent('''
             ready(*await spawn_echo_mesh())
             return None
         if mode == "spawns_and_waits":  # the test kills one of the mesh's processes
-            ready(*await spawn_echo_mesh())
-            await asyncio.Event().wait()
+            pids = await spawn_echo_mesh()
+            stop_everything = provisioner.shutdown
+
+            async def shutdown():
+                print("provisioner shutdown", flush=True)
+                await stop_everything()
+            provisioner.shutdown = shutdown
+            ready(*pids)
+            try:
+                await asyncio.Event().wait()
+            finally:  # an app's own clean-up, e.g. a server closing its sessions, before its actors stop
+                await asyncio.sleep(0.5)
+                print("main's clean-up done", flush=True)
         if mode == "graceful":  # stops by itself once asked
             ready()
             while not stop_reasons:
@@ -190,4 +201,5 @@ def test_a_dead_actor_process_ends_the_job_fast_naming_it(tmp_path):
     assert time.monotonic() - killed < 30
     out = app.output()
     assert "FATAL: actor mesh 'echo-" in out and f"process {victim} of mesh 'echo-" in out, out
+    assert out.index("main's clean-up done") < out.index("provisioner shutdown"), out
     assert job_processes(app.proc.pid) == []
