@@ -120,7 +120,7 @@ async def test_a_failed_publish_is_raised_by_the_next_wait(store, checkpoint, mo
     with pytest.raises(weight_store.SharedMemoryError, match="policy version 8 needs"):
         await publisher.wait()
     assert await publisher.wait() is None  # raised once; the optimizer is free again
-    trainer.train_step(batch(4))
+    assert trainer.train_step(batch(4))["policy_version"] == trainer.step == 1
 
 
 async def _wait_for_latest(store: WeightStore, version: int, timeout: float = 60) -> None:

@@ -116,8 +116,11 @@ async def test_torchstore_transport_round_trips_tensor_by_tensor(store):
 
 
 async def test_missing_version_error_names_version_and_available(store):
-    with pytest.raises(WeightVersionError, match=r"policy version 99 is not in the weight store.*available versions: \[0, 1"):
-        await store.fetch(99)
+    own = WeightStore("test-missing")
+    for version in (4, 5):
+        await own.publish(_state_dict(version), version=version)
+    with pytest.raises(WeightVersionError, match=r"policy version 99 is not in the weight store.*available versions: \[4, 5\]"):
+        await own.fetch(99)
 
 
 async def test_mismatched_receiver_is_refused_listing_mismatches(store):
@@ -125,8 +128,10 @@ async def test_mismatched_receiver_is_refused_listing_mismatches(store):
     into["lm_head.weight"] = torch.zeros(31, 16)
     into["extra.weight"] = torch.zeros(1)
     before = into["model.embed_tokens.weight"].clone()
+    own = WeightStore("test-mismatch")
+    await own.publish(_state_dict(1), version=1)
     with pytest.raises(ValueError, match=r"missing extra.weight.*lm_head.weight: shape \[32, 16\] vs expected \[31, 16\]"):
-        await store.fetch(1, into=into)
+        await own.fetch(1, into=into)
     assert torch.equal(into["model.embed_tokens.weight"], before)  # nothing was copied
 
 
