@@ -18,8 +18,9 @@ from pathlib import Path
 from actors.generator import Generator, GeneratorConfig
 from apps.examples.scorer import Scorer, ScorerConfig
 from forge.config import ConfigError, load_config, parse_args, validate
+from forge.lifecycle import run_job
 from forge.metrics import MetricLogger, MetricsConfig
-from forge.provisioner import get_provisioner, shutdown
+from forge.provisioner import get_provisioner
 from forge.tasks.arithmetic import ArithmeticTask, Problem
 from forge.tiny_model import ensure_tiny_checkpoint
 from forge.types import SamplingParams
@@ -79,32 +80,20 @@ async def best_of_n(cfg: BestOfNConfig) -> list[Best]:
     return list(await asyncio.gather(*(pick(p) for p in task.held_out())))
 
 
-async def run(cfg: BestOfNConfig) -> list[Best]:
-    """`best_of_n`, ended at once by any process failure; always stops every process it started."""
-    provisioner = get_provisioner()
-    job = asyncio.ensure_future(best_of_n(cfg))
-    failure = asyncio.ensure_future(provisioner.wait_for_fatal_failure())
-    try:
-        await asyncio.wait({job, failure}, return_when=asyncio.FIRST_COMPLETED)
-        if not job.done():
-            job.cancel()
-            raise RuntimeError(f"mesh {failure.result().mesh_name} failed: {failure.result().message}")
-        results = job.result()
-        for b in results:
-            print(f"{b.problem.prompt} (answer {b.problem.answer}): best {b.text!r} reward {b.reward:.3f} | "
-                  f"mean {b.mean_reward:.3f} over {cfg.sampling.n}")
-        mean_best = sum(b.reward for b in results) / len(results)
-        mean = sum(b.mean_reward for b in results) / len(results)
-        print(f"best-of-{cfg.sampling.n} over {len(results)} prompts: mean best reward {mean_best:.3f}, "
-              f"mean reward {mean:.3f}")
-        MetricLogger.from_config(cfg.metrics).log(0, await provisioner.collect_metrics())
-        return results
-    finally:
-        failure.cancel()
-        await shutdown()
+async def report(cfg: BestOfNConfig) -> None:
+    """Print each problem's best completion and the metrics the actors recorded (reduced by the controller)."""
+    results = await best_of_n(cfg)
+    for b in results:
+        print(f"{b.problem.prompt} (answer {b.problem.answer}): best {b.text!r} reward {b.reward:.3f} | "
+              f"mean {b.mean_reward:.3f} over {cfg.sampling.n}")
+    mean_best = sum(b.reward for b in results) / len(results)
+    mean = sum(b.mean_reward for b in results) / len(results)
+    print(f"best-of-{cfg.sampling.n} over {len(results)} prompts: mean best reward {mean_best:.3f}, "
+          f"mean reward {mean:.3f}")
+    MetricLogger.from_config(cfg.metrics).log(0, await get_provisioner().collect_metrics())
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     path, overrides, _ = parse_args(sys.argv[1:] if argv is None else argv, description=__doc__.splitlines()[0])
     try:
         cfg = validate(load_config(path, overrides), BestOfNConfig)
@@ -113,8 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     model = str(Path(cfg.generator.model).expanduser())
     if cfg.build_tiny_model:
         ensure_tiny_checkpoint(model)
-    asyncio.run(run(dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator, model=model))))
+    cfg = dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator, model=model))
+    # forge.lifecycle: a dead actor process or an error ends the job with the cause, Ctrl-C stops it, and every
+    # process it started is stopped whatever happened. The exit code says which (0, 1, 128 + signal).
+    return run_job(lambda: report(cfg))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
