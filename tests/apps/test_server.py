@@ -8,6 +8,8 @@ process. The request-ordering and batch-building pieces are also tested on their
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -16,16 +18,29 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 from apps.server.batches import build_batch
 from apps.server.errors import ServiceError
+from apps.server.model import warm_started_model
+from apps.server.runtime import endpoint_failure
 from apps.server.schemas import Datum
 from apps.server.sequencer import Sequencer
+from apps.server.serving import install_error_handlers
+from forge.compat import report_endpoint_errors
 from forge.provisioner import free_port
+from forge.tiny_model import ensure_tiny_checkpoint
+from forge.warm_start import WarmStartConfig
+from tests.docs.snippets import python_blocks, run_block
 from tests.support import start_http_app, stop_http_app
 from forge.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 
 ROOT = Path(__file__).resolve().parents[2]
+# 20 supervised steps (cached after the first run): the warm start's output and caching are tested on their own
+# below; the full one (to 20% accuracy) takes from 2 minutes to over 15 on a loaded 2-core host.
+SHORT_WARM_START = ["warm_start.max_steps=20"]
 API_KEY = "test-key-0123"
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,18 +70,79 @@ async def test_sequencer_runs_requests_in_seq_order_and_assembles_chunks():
     await sequencer.close("done")
 
 
-async def test_sequencer_skips_a_missing_seq_id_after_the_gap_timeout():
+async def test_sequencer_fails_the_requests_waiting_on_a_gap_and_names_the_gap():
     sequencer = Sequencer("s", gap_timeout_s=0.3)
+    ran = []
+
+    async def execute(seq_id, parts):
+        ran.append(seq_id)
+        return seq_id
+
+    waiting = [sequencer.submit(seq_id, "optim_step", execute, None) for seq_id in (1, 2)]
+    for submitted in waiting:  # seq 0 never came: both are answered, neither waits forever nor runs out of order
+        with pytest.raises(ServiceError) as error:
+            await asyncio.wait_for(submitted.future, 5)
+        assert error.value.status == 409
+        assert "waited 0.3s (sessions.sequence_gap_timeout_s) for seq_id=0, which never arrived" in str(error.value)
+        assert "the next free one is 3" in str(error.value)
+    assert ran == []
+    with pytest.raises(ServiceError) as error:
+        sequencer.submit(0, "forward_backward", execute, None)
+    assert error.value.status == 409 and "was skipped after waiting" in str(error.value)
+    assert await asyncio.wait_for(sequencer.submit(3, "optim_step", execute, None).future, 5) == 3
+    await sequencer.close("done")
+
+
+async def test_a_refused_seq_id_gives_up_its_place_at_once():
+    sequencer = Sequencer("s", gap_timeout_s=60)
 
     async def execute(seq_id, parts):
         return seq_id
 
-    waiting = sequencer.submit(1, "optim_step", execute, None)
-    assert await asyncio.wait_for(waiting.future, 5) == 1  # seq 0 never came: skipped, not waited on forever
+    later = sequencer.submit(1, "optim_step", execute, None)
+    half = sequencer.submit(2, "forward", execute, "part0", chunk_index=0, num_chunks=2)
+    sequencer.refuse(0, "422: loss_fn_params.clip: not a parameter")
+    assert await asyncio.wait_for(later.future, 5) == 1  # not held up for the 60 s gap timeout
+    sequencer.refuse(2, "422: data.0: bad datum")  # a refused chunk drops the request's earlier chunks
+    with pytest.raises(ServiceError, match=r"seq_id=2: was refused \(422: data.0: bad datum\)"):
+        await asyncio.wait_for(half.future, 5)
     with pytest.raises(ServiceError) as error:
         sequencer.submit(0, "forward_backward", execute, None)
-    assert error.value.status == 409 and "skipped" in str(error.value)
+    assert error.value.status == 409 and "was refused (422: loss_fn_params.clip" in str(error.value)
+    assert "the next free one is 3" in str(error.value)
+    assert await asyncio.wait_for(sequencer.submit(3, "optim_step", execute, None).future, 5) == 3
     await sequencer.close("done")
+
+
+def test_failures_in_the_trainer_are_500_with_the_cause():
+    class Trainer:
+        def forward_backward(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        def optim_step(self):
+            raise RuntimeError("NCCL communicator was aborted")
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/{name}")
+    async def call(name: str):
+        raised = report_endpoint_errors("Trainer", name, getattr(Trainer, name))(Trainer())
+        raise endpoint_failure(raised.exception())
+
+    @app.get("/bug")
+    async def bug():
+        raise KeyError("a bug in the server")
+
+    client = TestClient(app, raise_server_exceptions=False)
+    oom = client.post("/forward_backward")
+    assert oom.status_code == 500
+    assert oom.json()["detail"] == ("server-side failure: Trainer.forward_backward raised OutOfMemoryError: CUDA out "
+                                    "of memory. Tried to allocate 2.00 GiB")
+    runtime = client.post("/optim_step")
+    assert runtime.status_code == 500 and "RuntimeError: NCCL communicator was aborted" in runtime.json()["detail"]
+    bug = client.get("/bug")
+    assert bug.status_code == 500 and bug.json()["detail"] == "server-side failure: KeyError: 'a bug in the server'"
 
 
 def test_batches_align_loss_inputs_and_name_bad_fields():
@@ -89,18 +165,46 @@ def test_batches_align_loss_inputs_and_name_bad_fields():
         build_batch([varying], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
 
 
+def test_the_first_warm_start_says_what_it_does_and_where_it_caches_and_later_starts_reuse_it(tmp_path, capsys):
+    tiny = str(ensure_tiny_checkpoint(tmp_path / "tiny-qwen3"))
+    budget = WarmStartConfig(target_accuracy=1.0, batch_size=4, max_steps=4, eval_every=2, eval_prompts=8)
+    capsys.readouterr()
+    path, accuracy = warm_started_model(tiny, str(tmp_path), budget, seed=0)
+    first = capsys.readouterr().out.splitlines()
+    assert Path(path).parent == (tmp_path / "warm_start").resolve() and (Path(path) / "warm_start.json").is_file()
+    assert first[0] == (f"warm start: none cached for this model, seed and settings; training one (cached in {path} "
+                        "for later starts)")
+    assert first[1] == ("warm start: supervised steps of 4 examples until greedy accuracy on 8 prompts reaches 100%, "
+                        "checked every 2 steps (at most 4 steps); a time estimate follows each check")
+    bars = [line for line in first if line.startswith("warm start [")]  # one progress bar line per check
+    assert [line.split(" | ")[1] for line in bars] == ["step 2/4", "step 4/4"]
+    assert all(re.search(r"\| \d+s, (~\d+s left|at most \d+s left|done)", line) for line in bars), bars
+    assert re.fullmatch(rf"warm start: 4 steps in \d+s, greedy accuracy [\d.]+%; saved {re.escape(path)} "
+                        r"\(reused on later starts\)", first[-1])
+
+    again = warm_started_model(tiny, str(tmp_path), budget, seed=0)
+    assert again == (path, accuracy)
+    assert capsys.readouterr().out.splitlines() == [
+        f"warm start: reusing {path} (accuracy {accuracy:.1%}, cached by model, seed and settings)"]
+
+    warm_started_model(tiny, str(tmp_path), budget, seed=1)  # other settings: trained anew, timed by the first
+    estimate = capsys.readouterr().out.splitlines()[1]
+    assert re.search(rf"earlier warm starts in {re.escape(str((tmp_path / 'warm_start').resolve()))} took \d+-\d+s$",
+                     estimate)
+
+
 # --- the running server ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("server")
     command = [sys.executable, "-m", "apps.server", "--config", "configs/server_tiny.yaml", f"http.port={free_port()}",
                f"run_dir={run_dir}", f"http.api_key={API_KEY}", "sessions.max_sessions=2",
-               "sessions.sequence_gap_timeout_s=3"]
+               "sessions.sequence_gap_timeout_s=3", *SHORT_WARM_START]
     proc, base_url = start_http_app(command, run_dir / "server.log", ROOT)
     yield {"url": base_url, "proc": proc, "run_dir": run_dir}
     code = stop_http_app(proc)
     output = (run_dir / "server.log").read_text()
-    assert code == 0, output[-4000:]
+    assert code == 128 + signal.SIGTERM, output[-4000:]  # forge.lifecycle: stopped by a signal
     assert "forge training service stopped" in output
 
 
@@ -147,7 +251,8 @@ def test_health_info_and_openapi(http, server):
     assert health["status"] == "ok" and health["generator_replicas_healthy"] == 1
     assert http.get("/api/v1/health").json()["status"] == "ok"
     info = http.get("/api/v1/get_server_info").json()
-    assert info["vocab_size"] > 0 and "grpo" in info["loss_fns"] and info["warm_start_accuracy"] >= 0.2
+    assert info["vocab_size"] > 0 and "grpo" in info["loss_fns"] and info["warm_start_accuracy"] >= 0
+    assert "warm start" in (server["run_dir"] / "server.log").read_text()  # it said what it was doing
     paths = set(http.get("/openapi.json").json()["paths"])
     for path in ["/health", "/api/v1/create_session", "/api/v1/create_model", "/api/v1/unload_model",
                  "/api/v1/session_heartbeat", "/api/v1/forward_backward", "/api/v1/forward", "/api/v1/optim_step",
@@ -179,7 +284,8 @@ def test_malformed_bodies_are_422_with_field_errors(http, training):
                                                          "loss_fn_config": {"clip": 0.1}})
     assert param.status_code == 422 and param.json()["detail"][0]["loc"] == ["body", "loss_fn_params", "clip"]
     sample = http.post("/api/v1/sample", json={"prompt": "1+1=", "sampling_params": {"top_p": 0}})
-    assert sample.status_code == 422 and sample.json()["detail"][0]["loc"][-1] == "top_p"
+    assert sample.status_code == 422 and sample.json()["detail"][0]["loc"] == ["body", "sampling_params"]
+X
     vocab = http.post("/api/v1/sample", json={"prompt": [10 ** 6]})
     assert vocab.status_code == 422 and "token ids must be in" in vocab.json()["detail"][0]["msg"]
     base = http.post("/api/v1/create_session", json={"base_model": "Qwen/Qwen3-8B"})
@@ -236,14 +342,25 @@ def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(http, servic
     assert results["step"].status_code == 200 and results["step"].json()["accumulated_batches"] == 1
     again = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first})
     assert again.status_code == 409 and "has already run" in again.json()["detail"]
-    # A gap that is never filled is skipped after sessions.sequence_gap_timeout_s (3 s here), not waited on.
-    gap = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first + 3})
-    assert gap.status_code == 200
+    # A request refused with 422 gives up its seq_id: the next one runs at once, not after the gap timeout.
+    refused = http.post("/api/v1/forward_backward", json={**body, "seq_id": first + 2, "loss_fn_params": {"clip": 1}})
+    assert refused.status_code == 422
+    started = time.monotonic()
+    after = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first + 3})
+    assert after.status_code == 200 and time.monotonic() - started < 3
     late = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first + 2})
+    assert late.status_code == 409 and "was refused (422: loss_fn_params.clip" in late.json()["detail"]
+    # A gap that is never filled: the request waiting on it fails after sessions.sequence_gap_timeout_s (3 s here)
+    # with an error that says so, and the late request is refused.
+    gap = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first + 5})
+    assert gap.status_code == 409
+    assert (f"waited 3s (sessions.sequence_gap_timeout_s) for seq_id={first + 4}, which never arrived"
+            in gap.json()["detail"])
+    late = http.post("/api/v1/optim_step", json={"model_id": training.session_id, "seq_id": first + 4})
     assert late.status_code == 409 and "skipped" in late.json()["detail"]
     # A client for the session continues its numbering.
     resumed = service.training_client(training.session_id)
-    assert resumed.optim_step().result().seq_id == first + 4
+    assert resumed.optim_step().result().seq_id == first + 6
     training._seq = resumed._seq  # the module's client goes on from there too
 
 
@@ -289,6 +406,16 @@ def test_checkpoints_save_load_list_delete(http, service, training, data, server
     assert error.value.status_code == 422
     bad_name = http.post("/api/v1/save_state", json={"model_id": training.session_id, "path": "../escape"})
     assert bad_name.status_code == 422
+    # A checkpoint broken on disk is the server's failure, not the request's: 500 with the cause.
+    broken = Path(training.save_state("ck-broken").result().checkpoint.path)
+    for file in broken.rglob("*"):
+        if file.is_file() and file.name != "forge_checkpoint.json":
+            file.write_bytes(b"not a checkpoint")
+    with pytest.raises(ForgeAPIError) as error:
+        training.load_state("ck-broken").result()
+    assert error.value.status_code == 500 and "server-side failure" in str(error.value)
+    assert "load_state raised" in str(error.value)
+    assert rest.delete_checkpoint("ck-broken").result().deleted
 
     assert rest.delete_checkpoint("ck-weights").result().deleted
     with pytest.raises(ForgeAPIError) as error:
@@ -342,6 +469,15 @@ def test_environment_variables_configure_the_client(server, monkeypatch):
     monkeypatch.setenv("FORGE_API_KEY", API_KEY)
     with ServiceClient() as client:
         assert client.create_rest_client().list_checkpoints().result().checkpoints
+
+
+def test_the_serving_docs_client_snippet_runs_against_the_server(server, monkeypatch):
+    monkeypatch.setenv("FORGE_BASE_URL", server["url"])
+    monkeypatch.setenv("FORGE_API_KEY", API_KEY)
+    [snippet] = python_blocks("serving.md")[:1]
+    done = run_block(snippet)
+    assert "step-1" in done["listed"] and done["saved"].checkpoint.checkpoint_id == "step-1"
+    assert done["version"] >= 1 and len(done["data"]) == 8
 
 
 def test_bad_config_fails_before_any_process_starts():
