@@ -285,7 +285,7 @@ def test_malformed_bodies_are_422_with_field_errors(http, training):
     assert param.status_code == 422 and param.json()["detail"][0]["loc"] == ["body", "loss_fn_params", "clip"]
     sample = http.post("/api/v1/sample", json={"prompt": "1+1=", "sampling_params": {"top_p": 0}})
     assert sample.status_code == 422 and sample.json()["detail"][0]["loc"] == ["body", "sampling_params"]
-X
+    assert "SamplingParams.top_p=0.0: must be in (0, 1]" in sample.json()["detail"][0]["msg"]  # forge.sampling's check
     vocab = http.post("/api/v1/sample", json={"prompt": [10 ** 6]})
     assert vocab.status_code == 422 and "token ids must be in" in vocab.json()["detail"][0]["msg"]
     base = http.post("/api/v1/create_session", json={"base_model": "Qwen/Qwen3-8B"})
