@@ -10,6 +10,7 @@ module in its own pytest process. Session export and reward bookkeeping are also
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -18,10 +19,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
 
 from forge.provisioner import free_port
+from tests.docs.snippets import python_blocks, run_block
 from tests.support import start_http_app, stop_http_app
+from apps.gateway.errors import openai_error
 from apps.gateway.sessions import Interaction, RLSession, trajectory_episodes
+from apps.server.errors import ServiceError
+from apps.server.serving import install_error_handlers
 from bench.gateway_load import percentile, run_load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,17 +64,57 @@ def test_percentile_is_nearest_rank():
 
 
 # --- the running gateway -----------------------------------------------------------------------------
+class RewardBody(BaseModel):
+    reward: float
+
+
+def test_errors_reach_the_openai_client_in_openais_shape():
+    app = FastAPI()
+    install_error_handlers(app, openai_error)
+
+    @app.post("/v1/conflict")
+    async def conflict():
+        raise ServiceError(409, "session 'a' is bound to another API key")
+
+    @app.post("/v1/typed")
+    async def typed(body: RewardBody):
+        return {}
+
+    @app.post("/v1/crash")
+    async def crash():
+        raise RuntimeError("the replay buffer is gone")
+
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="k", max_retries=0,
+                           http_client=TestClient(app, raise_server_exceptions=False))
+    with pytest.raises(openai.ConflictError) as error:
+        client.post("/conflict", cast_to=object, body={})
+    assert error.value.body == {"message": "session 'a' is bound to another API key", "type": "conflict_error",
+                                "param": None, "code": "conflict"}
+    assert "bound to another API key" in str(error.value)
+    with pytest.raises(openai.UnprocessableEntityError) as error:
+        client.post("/typed", cast_to=object, body={"reward": "high"})
+    assert (error.value.param, error.value.type, error.value.code) == ("reward", "invalid_request_error",
+                                                                       "invalid_request")
+    assert error.value.body["message"].startswith("reward: Input should be a valid number")
+    with pytest.raises(openai.InternalServerError) as error:
+        client.post("/crash", cast_to=object, body={})
+    assert (error.value.type, error.value.code) == ("server_error", "internal_error")
+    assert error.value.body["message"] == "server-side failure: RuntimeError: the replay buffer is gone"
+    missing = TestClient(app).get("/v1/nowhere")  # routing errors too
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gateway")
     command = [sys.executable, "-m", "apps.gateway", "--config", "configs/gateway_tiny.yaml", f"http.port={free_port()}",
                f"run_dir={run_dir}", f"rl.admin_api_key={ADMIN}", "replay_buffer.batch_size=32",
-               "replay_buffer.max_policy_age=1"]
+               "replay_buffer.max_policy_age=1", "warm_start.max_steps=20"]  # as in test_server.py
     proc, base_url = start_http_app(command, run_dir / "gateway.log", ROOT)
     yield {"url": base_url, "proc": proc, "run_dir": run_dir}
     code = stop_http_app(proc)
     output = (run_dir / "gateway.log").read_text()
-    assert code == 0, output[-4000:]
+    assert code == 128 + signal.SIGTERM, output[-4000:]  # forge.lifecycle: stopped by a signal
     assert "forge online-RL gateway stopped" in output
 
 
@@ -117,8 +165,10 @@ def test_missing_or_wrong_keys_are_401(http):
     assert http.post("/rl/set_reward", json={"reward": 1}, headers=_bearer(ADMIN)).status_code == 401
     assert http.post("/rl/end_session", json={}).status_code == 401
     client = openai.OpenAI(base_url=_v1(http), api_key="sk-sess-unknown", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as refused:
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "1+1="}])
+    assert (refused.value.type, refused.value.code) == ("authentication_error", "invalid_api_key")
+    assert "API key" in refused.value.body["message"]
 
 
 def test_openai_client_session_rewards_and_export(http):
@@ -148,7 +198,7 @@ def test_openai_client_session_rewards_and_export(http):
     last = http.post("/rl/set_reward", json={"reward": 1.0}, headers=key)
     assert last.json()["interaction_id"] == second.id
     unknown = http.post("/rl/set_reward", json={"reward": 1.0, "interaction_id": "chatcmpl-nope"}, headers=key)
-    assert unknown.status_code == 404 and "chatcmpl-nope" in unknown.json()["detail"]
+    assert unknown.status_code == 404 and "chatcmpl-nope" in unknown.json()["error"]["message"]
     ended = http.post("/rl/end_session", json={}, headers=key).json()
     assert ended == {"session_id": "openai-test", "interactions": 2, "exported_episodes": 2,
                      "reason": "ended by the client"}
@@ -163,7 +213,7 @@ def test_reward_before_any_interaction_is_409_and_an_off_temperature_chat_is_not
     session = _start(http)
     key = _bearer(session["api_key"])
     early = http.post("/rl/set_reward", json={"reward": 1.0}, headers=key)
-    assert early.status_code == 409 and "no interaction yet" in early.json()["detail"]
+    assert early.status_code == 409 and "no interaction yet" in early.json()["error"]["message"]
     greedy = http.post("/v1/chat/completions", headers=key, json={
         "model": "default", "messages": [{"role": "user", "content": "3+4="}], "temperature": 0})
     assert greedy.status_code == 200 and greedy.json()["forge"]["trainable"] is False
@@ -174,9 +224,9 @@ def test_reward_before_any_interaction_is_409_and_an_off_temperature_chat_is_not
 def test_conflicts_are_409_and_refresh_ends_and_exports_the_old_session(http):
     first = _start(http, task_id="refresh-me")
     taken = http.post("/rl/start_session", json={"task_id": "refresh-me"}, headers=_admin())
-    assert taken.status_code == 409 and "bound to another API key" in taken.json()["detail"]
+    assert taken.status_code == 409 and "bound to another API key" in taken.json()["error"]["message"]
     bound = http.post("/rl/start_session", json={"api_key": first["api_key"], "refresh": False}, headers=_admin())
-    assert bound.status_code == 409 and "already bound to session 'refresh-me'" in bound.json()["detail"]
+    assert bound.status_code == 409 and "already bound to session 'refresh-me'" in bound.json()["error"]["message"]
     key = _bearer(first["api_key"])
     chat = {"model": "default", "messages": [{"role": "user", "content": "20+22="}]}
     assert http.post("/chat/completions", json=chat, headers=key).status_code == 200
@@ -194,25 +244,29 @@ def test_conflicts_are_409_and_refresh_ends_and_exports_the_old_session(http):
 def test_malformed_bodies_are_422_with_field_errors(http):
     session = _start(http)
     key = _bearer(session["api_key"])
-    cases = [({"model": "default"}, ["body", "messages"]),
-             ({"messages": [{"role": "user", "content": "1+1="}], "n": 2}, ["body", "n"]),
-             ({"messages": [{"role": "user", "content": "1+1="}], "stream": True}, ["body", "stream"]),
-             ({"messages": [{"role": "robot", "content": "1+1="}]}, ["body", "messages", 0, "role"]),
-             ({"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 0}, ["body", "max_tokens"])]
-    for body, loc in cases:
+    cases = [({"model": "default"}, "messages"),
+             ({"messages": [{"role": "user", "content": "1+1="}], "n": 2}, "n"),
+             ({"messages": [{"role": "user", "content": "1+1="}], "stream": True}, "stream"),
+             ({"messages": [{"role": "robot", "content": "1+1="}]}, "messages.0.role"),
+             ({"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 0}, "max_tokens")]
+    for body, param in cases:  # OpenAI's error shape: the first field at fault is `param`, the message names it
         response = http.post("/v1/chat/completions", json=body, headers=key)
         assert response.status_code == 422, (body, response.text)
-        assert response.json()["detail"][0]["loc"] == loc
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith(f"{param}: ")
+        assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_request")
     too_many = http.post("/v1/chat/completions", headers=key, json={
         "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 10_000})
-    assert too_many.status_code == 422 and "chat.max_tokens_limit" in too_many.json()["detail"][0]["msg"]
+    assert too_many.status_code == 422 and "chat.max_tokens_limit" in too_many.json()["error"]["message"]
     reward = http.post("/rl/set_reward", json={"reward": "high"}, headers=key)
-    assert reward.status_code == 422 and reward.json()["detail"][0]["loc"] == ["body", "reward"]
+    assert reward.status_code == 422 and reward.json()["error"]["param"] == "reward"
     start = http.post("/rl/start_session", json={"task_id": "has spaces"}, headers=_admin())
-    assert start.status_code == 422 and start.json()["detail"][0]["loc"] == ["body", "task_id"]
+    assert start.status_code == 422 and start.json()["error"]["param"] == "task_id"
     client = openai.OpenAI(base_url=_v1(http), api_key=session["api_key"], max_retries=0)
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "1+1="}], n=3)
+    assert refused.value.param == "n" and refused.value.type == "invalid_request_error"
+    assert "n: " in refused.value.message and refused.value.body["message"].startswith("n: ")
     http.post("/rl/end_session", headers=key)
 
 
@@ -274,10 +328,19 @@ def test_no_capacity_is_429(http):
             refused = response
             break
         opened.append(response.json()["api_key"])
-    assert refused is not None and "staleness bound" in refused.json()["detail"]
+    assert refused is not None and "staleness bound" in refused.json()["error"]["message"]
     assert len(opened) <= capacity
     for key in opened:
         assert http.post("/rl/end_session", headers=_bearer(key)).status_code == 200
+
+
+def test_the_serving_docs_gateway_snippet_runs_against_the_gateway(gateway):
+    defaults = (ROOT / "configs/gateway_tiny.yaml").read_text()
+    assert "port: 8090" in defaults and "admin_api_key: forge-admin-key-change-me" in defaults  # what the docs show
+    [snippet] = python_blocks("serving.md")[1:]
+    done = run_block(snippet, {"http://127.0.0.1:8090": gateway["url"], "forge-admin-key-change-me": ADMIN})
+    assert done["session"]["session_id"] == "demo-0" and done["reply"].model_extra["forge"]["session_id"] == "demo-0"
+    assert done["ended"]["interactions"] == 1
 
 
 def test_bad_config_fails_before_any_process_starts():
