@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.model_builder import parallel_dims
 from apps.grpo.config import GRPOConfig
 from apps.grpo.cli import check_resources, load_job_config
 from forge.config import ConfigError, load_config, validate
@@ -91,10 +92,15 @@ def test_layout_is_checked_against_the_models_config_json(path, override, messag
 def test_layouts_the_model_allows_are_accepted(real_models):
     # vLLM replicates KV heads when a replica has more processes than KV heads: 16 of 32 heads, 8 KV heads.
     cfg = load_with_real_model(QWEN3_8B, real_models, "resources.generator_procs=16")
-    assert cfg.resources.generator_procs == 16
+    # The accepted layout is the one the GPU check counts: 4 replicas x 16 + 3 trainer + 1 reference processes.
+    with pytest.raises(ConfigError, match=r"needs 68 GPUs \(generator_replicas=4 x generator_procs=16 \+ "
+                                          r"trainer_procs=3 \+ reference_procs=1\) but 0 are visible"):
+        check_resources(cfg)
+    # 4 trainer ranks with TP 2 (32 heads, 8 KV heads): the trainer's mesh is 2 FSDP shards x 2 TP ranks.
     cfg = load_with_real_model(QWEN3_8B, real_models, "resources.trainer_procs=4", "replay_buffer.batch_size=256",
                                "trainer.tensor_parallel_degree=2")
-    assert cfg.trainer.tensor_parallel_degree == 2
+    dims = parallel_dims(cfg.resources.trainer_procs, cfg.trainer.tensor_parallel_degree)  # what the trainer builds
+    assert (dims.dp_shard, dims.tp) == (2, 2)
 
 
 def test_an_unreachable_hub_model_is_refused_before_anything_starts(tmp_path, monkeypatch):
@@ -126,7 +132,10 @@ def test_vllm_engine_args_must_be_vllm_engine_arguments(override, message, real_
 def test_vllm_engine_args_that_vllm_takes_are_accepted(real_models):
     cfg = load_with_real_model(QWEN3_8B, real_models, "+generator.engine_args.enable_prefix_caching=false",
                                "+generator.engine_args.enforce_eager=true")
-    assert cfg.generator.engine_args["enable_prefix_caching"] is False
+    # The engine gets the shipped engine_args plus the added ones, typed (a string 'false' would be truthy in vLLM).
+    shipped = load_config(QWEN3_8B)["generator"]["engine_args"]
+    assert cfg.generator.engine_args == {**shipped, "enable_prefix_caching": False, "enforce_eager": True}
+    assert shipped and not {"enable_prefix_caching", "enforce_eager"} & set(shipped)  # the merge is exercised
 
 
 def test_vllm_tensor_parallelism_on_cpu_is_refused_before_anything_starts(real_models):
@@ -168,46 +177,71 @@ def test_gpu_layouts_need_their_gpus(real_models):
         check_resources(cfg)
 
 
+# Each message: the key, the value as parsed, and the reason with what is allowed (every ConfigError starts with
+# `key=value:`, so the reason is what tells this refusal from an "unknown key" one).
 BAD = [
-    ("replay_buffer.max_policy_age=-1", r"replay_buffer.max_policy_age=-1"),
-    ("replay_buffer.batch_sise=8", r"replay_buffer.batch_sise=8: unknown key. Did you mean 'replay_buffer.batch_size'"),
-    ("trainer.lr=fast", r"trainer.lr='fast'"),
-    ("trainer.lr=-1", r"trainer.lr=-1"),
-    ("rollout.group_size=1", r"rollout.group_size=1: must be >= 2"),
+    ("replay_buffer.max_policy_age=-1",
+     r"replay_buffer\.max_policy_age=-1: must be an int >= 0 \(0 = strictly on-policy\)"),
+    ("replay_buffer.batch_sise=8",
+     r"replay_buffer\.batch_sise=8: unknown key\. Did you mean 'replay_buffer\.batch_size'\? "
+     r"Allowed keys in replay_buffer: batch_size, "),
+    ("trainer.lr=fast", r"trainer\.lr='fast': expected float, got str"),
+    ("trainer.lr=-1", r"trainer\.lr=-1\.0: must be a number > 0"),
+    ("rollout.group_size=1", r"rollout\.group_size=1: must be >= 2 \(advantages are relative to the group\)"),
     ("steps=0", r"steps=0: must be >= 1"),
-    ("resources.trainer_procs=3", r"replay_buffer.batch_size=\d+: must be divisible by resources.trainer_procs=3"),
-    ("task.name=chess", r"task.name='chess': must be one of 'arithmetic', 'gsm8k'"),
-    ("task.reward=not_a_reference", r"task.reward='not_a_reference': must be 'package.module:function'"),
-    ("trainer.loss=ppo2", r"loss='ppo2'"),
-    ("generator.engine=sglang", r"generator.engine='sglang': must be one of hf, vllm"),
-    ("model=/no/such/model", r"model_path='/no/such/model'"),
-    ("trainer.temperature=0.5", r"trainer.temperature=0.5: must equal rollout.temperature=0.7"),
-    ("replay_buffer.max_buffer_size=8", r"max_buffer_size=8"),
-    ("eval.num_prompts=0", r"num_prompts=0"),
-    ("warm_start.target_accuracy=1.5", r"warm_start.target_accuracy=1.5: must be in \(0, 1\]"),
-    ("trainer.micro_batch_size=0", r"micro_batch_size=0"),
-    ("rollout.max_tokens=-4", r"rollout.max_tokens=-4: must be >= 1"),
-    ("rollout.temperature=0", r"temperature=0(\.0)?: must be (a number )?> 0"),
-    ("rollout.top_p=1.5", r"rollout.top_p=1.5: must be in \(0, 1\]"),
-    ("replay_buffer.batch_size=24", r"replay_buffer.batch_size=24: must be a multiple of rollout.group_size=16"),
-    ("trainer.minibatches=3", r"trainer.minibatches=3: replay_buffer.batch_size=1024 must split into"),
-    ("trainer.dtype=float8", r"dtype='float8': must be one of float32, bfloat16"),
-    ("trainer.loss_params.clip_eps=-0.1", r"clip_eps=-0.1"),
-    ("trainer.loss_params.bogus=1", r"bogus"),
-    ("task.reward=no_such_module:score", r"task.reward='no_such_module:score': cannot import module 'no_such_module'"),
-    ("task.reward=forge.tasks:no_such_fn", r"task.reward='forge.tasks:no_such_fn': module 'forge.tasks' has no callable"),
-    ("steps=many", r"steps='many'"),
-    ("+no_such_section.key=1", r"no_such_section.*unknown key"),
-    ("checkpoint.keep=0", r"keep=0 >= 1"),
-    ("generator.max_batch_size=0", r"max_batch_size=0"),
+    ("resources.trainer_procs=3", r"replay_buffer\.batch_size=1024: must be divisible by resources\.trainer_procs=3 "),
+    ("task.name=chess", r"task\.name='chess': must be one of 'arithmetic', 'gsm8k'"),
+    ("task.reward=not_a_reference", r"task\.reward='not_a_reference': must be 'package\.module:function'"),
+    ("trainer.loss=ppo2", r"trainer\.loss='ppo2': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo, or "
+                          r"'package\.module:function'"),
+    ("generator.engine=sglang", r"generator\.engine='sglang': must be one of hf, vllm"),
+    ("model=/no/such/model", r"trainer\.model_path='/no/such/model': must be a Hugging Face checkpoint folder with "
+                             r"config\.json, or a hub id 'org/name'"),
+    ("trainer.temperature=0.5", r"trainer\.temperature=0\.5: must equal rollout\.temperature=0\.7"),
+    ("replay_buffer.max_buffer_size=8", r"replay_buffer\.max_buffer_size=8: must be None or an int >= batch_size=1024"),
+    ("eval.num_prompts=0", r"eval\.every=0 must be >= 0 and num_prompts=0 >= 1"),
+    ("warm_start.target_accuracy=1.5", r"warm_start\.target_accuracy=1\.5: must be in \(0, 1\]"),
+    ("trainer.micro_batch_size=0", r"trainer\.micro_batch_size=0: must be an int >= 1"),
+    ("rollout.max_tokens=-4", r"rollout\.max_tokens=-4: must be >= 1"),
+    # trainer.temperature is ${rollout.temperature} in the YAML, and the trainer's section is checked first.
+    ("rollout.temperature=0",
+     r"trainer\.temperature=0\.0: must be a number > 0 \(the generator's sampling temperature\)"),
+    ("rollout.top_p=1.5", r"rollout\.top_p=1\.5: must be in \(0, 1\]"),
+    ("replay_buffer.batch_size=24", r"replay_buffer\.batch_size=24: must be a multiple of rollout\.group_size=16 "),
+    ("trainer.minibatches=3", r"trainer\.minibatches=3: replay_buffer\.batch_size=1024 must split into minibatches x "
+                              r"resources\.trainer_procs=3 equal slices"),
+    ("trainer.dtype=float8", r"trainer\.dtype='float8': must be one of float32, bfloat16"),
+    ("trainer.loss_params.clip_eps=-0.1", r"trainer\.loss_params \(grpo\): clip_eps=-0\.1: must be a number > 0"),
+    ("trainer.loss_params.bogus=1", r"trainer\.loss_params=\{.*\}: \['bogus'\] not taken by loss 'grpo'; allowed: "
+                                    r"\['clip_eps', 'kl_coef', 'kl_estimator', 'tis_cap'\]"),
+    ("steps=many", r"steps='many': expected int, got str"),
+    ("+no_such_section.key=1", r"no_such_section=\{'key': 1\}: unknown key\. Allowed keys: generator, trainer, "),
+    ("checkpoint.keep=0", r"checkpoint\.interval=\d+ must be >= 0 and keep=0 >= 1"),
+    ("generator.max_batch_size=0", r"generator\.max_batch_size=0: must be >= 1"),
 ]
 
 
 @pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
 def test_bad_config_is_refused_with_the_key_and_value(override, message):
-    with pytest.raises((ConfigError, ValueError), match=message):
+    with pytest.raises(ConfigError, match=message):
         cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), override])
         check_resources(cfg)
+
+
+# A reward that does not import is found after validation (apps.grpo.cli.load_job_config calls
+# forge.tasks.load_callable), which raises a plain ValueError, not ConfigError; `python -m apps.grpo` reports both.
+BAD_REWARDS = [
+    ("task.reward=no_such_module:score", r"task\.reward='no_such_module:score': cannot import module 'no_such_module' "
+                                         r"\(No module named 'no_such_module'\)"),
+    ("task.reward=forge.tasks:no_such_fn", r"task\.reward='forge\.tasks:no_such_fn': module 'forge\.tasks' has no "
+                                           r"callable 'no_such_fn'"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_REWARDS, ids=[b[0] for b in BAD_REWARDS])
+def test_a_reward_that_cannot_be_loaded_is_refused_before_anything_starts(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), override])
 
 
 def test_asking_for_gpus_on_a_cpu_host_fails_naming_the_layout():

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, processors
 from transformers import PreTrainedTokenizerFast
 
 from forge.tasks.chat import PromptFormat, end_of_turn_ids
-from forge.tasks.gsm8k import PROMPT_TEMPLATE, GSM8KTask
+from forge.tasks.gsm8k import GSM8KTask
 from forge.tiny_model import CHARACTERS, build_tokenizer
 
 # A ChatML-style template (the layout Qwen models use), with Qwen3's switch for an empty thinking block.
@@ -98,5 +98,6 @@ def test_gsm8k_asks_in_the_chat_template_and_names_its_stop_tokens(gsm8k_file, c
 
 def test_gsm8k_without_a_tokenizer_uses_the_plain_prompt(gsm8k_file):
     task = GSM8KTask(str(gsm8k_file), held_out=1)
-    assert task.held_out()[0].prompt == PROMPT_TEMPLATE.format(question="Tom has 0 apples and buys 2. How many?")
+    assert task.held_out()[0].prompt == ("Question: Tom has 0 apples and buys 2. How many?\nThink step by step, "
+                                         "then give the final answer after '####'.\nAnswer:")
     assert task.stop_token_ids == []
