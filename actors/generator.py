@@ -51,7 +51,8 @@ class GeneratorConfig:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size}: must be >= 1")
         if self.batch_wait_s < 0 or self.weight_poll_s <= 0:
-            raise ValueError("batch_wait_s must be >= 0 and weight_poll_s > 0")
+            raise ValueError(f"batch_wait_s={self.batch_wait_s}, weight_poll_s={self.weight_poll_s}: "
+                             "batch_wait_s must be >= 0 and weight_poll_s > 0")
 
 
 @dataclass

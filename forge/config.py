@@ -234,8 +234,10 @@ def _build_dataclass(value: Any, cls: type[T], path: str) -> T:
                 f"{full}={value[key]!r}: unknown key.{suggestion} Allowed keys{where}: {', '.join(fields)}"
             )
     kwargs = {}
-    for name, field in fields.items():
-        key = _join(path, name)
+    # In the config's own order: a key copied from an earlier one (`${rollout.temperature}`) is then reported
+    # under the key the user wrote, which is checked first.
+    for name in sorted(fields, key=lambda n: list(value).index(n) if n in value else len(value)):
+        field, key = fields[name], _join(path, name)
         if name in value:
             kwargs[name] = _build(value[name], hints[name], key)
             continue

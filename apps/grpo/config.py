@@ -94,8 +94,10 @@ class EvalConfig:
     num_prompts: int = 500
 
     def __post_init__(self) -> None:
-        if self.every < 0 or self.num_prompts < 1:
-            raise ValueError(f"every={self.every} must be >= 0 and num_prompts={self.num_prompts} >= 1")
+        if self.every < 0:
+            raise ValueError(f"every={self.every}: must be >= 0 (0: only at the start and the end)")
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts={self.num_prompts}: must be >= 1")
 
 
 @dataclass
@@ -106,8 +108,10 @@ class CheckpointConfig:
     keep: int = 2  # newest job checkpoints kept on disk
 
     def __post_init__(self) -> None:
-        if self.interval < 0 or self.keep < 1:
-            raise ValueError(f"interval={self.interval} must be >= 0 and keep={self.keep} >= 1")
+        if self.interval < 0:
+            raise ValueError(f"interval={self.interval}: must be >= 0 (0: only the final checkpoint)")
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep}: must be >= 1")
 
 
 @dataclass
