@@ -30,6 +30,11 @@ Nothing here runs at import, except making Monarch importable for the modules th
 13  a starved start-up on a loaded 2-core host can miss    `make test` runs each Monarch test module in its own
     Monarch's deadlines                                    process and retries a failed one once, reporting it as
                                                            FLAKY; `tests/support.start_http_app` retries a start
+14  the host agent can fail on a message to a proc mesh    the REST server keeps an unloaded session's trainer
+    stopped while other meshes of the job run, taking      for the next session (reset to the served weights)
+    every process down                                     instead of stopping its mesh (`apps/server/runtime.py`,
+                                                           `idle_trainers`); can go when stopping one trainer mesh
+                                                           of several leaves the others answering
 """
 
 from __future__ import annotations

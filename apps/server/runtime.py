@@ -90,7 +90,7 @@ class TrainingService:
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> why it is gone
         self.creating = 0
-        # COMPAT: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run, taking every
+        # forge.compat, 14: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run, taking every
         # process down. So the trainer actors of unloaded sessions are kept for the next session (reset to the
         # served weights by `_trainer_for`) rather than stopped; meshes are stopped only at shutdown, as in
         # apps.grpo. Can go when stopping one trainer mesh while others run leaves the rest up (then `unload`
