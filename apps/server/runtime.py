@@ -90,11 +90,10 @@ class TrainingService:
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> why it is gone
         self.creating = 0
-        # forge.compat, 14: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run, taking every
-        # process down. So the trainer actors of unloaded sessions are kept for the next session (reset to the
-        # served weights by `_trainer_for`) rather than stopped; meshes are stopped only at shutdown, as in
-        # apps.grpo. Can go when stopping one trainer mesh while others run leaves the rest up (then `unload`
-        # stops the session's mesh and `_trainer_for` always spawns).
+        # forge.compat, 14: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run,
+        # taking every process down. So the trainer actors of unloaded sessions are kept for the next session
+        # (reset to the served weights by `_trainer_for`) rather than stopped; meshes are stopped only at
+        # shutdown, as in apps.grpo.
         self.idle_trainers: list[Any] = []
         self.version = 0  # the generators serve the base weights as version 0 until the first sync
         self._publish_lock = asyncio.Lock()
