@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)  # the body of a ```python block (transcript.py too)
 
 
 def python_blocks(page: str) -> list[str]:

@@ -16,13 +16,13 @@ import contextlib
 import doctest
 import inspect
 import io
-import re
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+from tests.docs.snippets import FENCE
+
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 FLAGS = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
 
