@@ -141,9 +141,17 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Stop vLLM (its engine-core process) and the engine's loop."""
-        self._llm.shutdown()
+        self._call(self._shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+    async def _shutdown(self) -> None:
+        self._llm.shutdown()
+        # Let the output handler finish cancelling before the loop stops (else: "Task was destroyed but it is pending").
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None:
+            await asyncio.gather(handler, return_exceptions=True)
+        self._llm = None  # AsyncLLM.__del__ shuts down again: now, not at interpreter exit when vLLM is half gone
 
     # ----- weights -----
 
