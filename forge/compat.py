@@ -35,10 +35,14 @@ Nothing here runs at import, except making Monarch importable for the modules th
     every process down                                     instead of stopping its mesh (`apps/server/runtime.py`,
                                                            `idle_trainers`); can go when stopping one trainer mesh
                                                            of several leaves the others answering
+15  a call awaited from asyncio and then cancelled gets    the loop's exception handler drops exactly that error
+    its result set anyway: asyncio logs InvalidStateError  (`ignore_results_of_cancelled_calls`, provisioner)
+    with a traceback for each (`monarch/_src/actor/future.py`, `mark_complete`)
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -231,3 +235,28 @@ def drop_undeliverable(actor: Any, message: Any) -> bool:
 
 async def keys_with_prefix(torchstore: Any, prefix: str) -> list[str]:
     return [key for key in await torchstore.keys() if key.startswith(prefix)]
+
+
+# -- 15. results of cancelled calls -------------------------------------------------------------------------
+# Can go when cancelling `await actor.endpoint.call()` and letting the reply arrive logs nothing.
+
+
+def ignore_results_of_cancelled_calls(loop: asyncio.AbstractEventLoop) -> None:
+    """On `loop`, drop the InvalidStateError of a result set on a call its caller had cancelled (every other
+    error still reaches the handler that was there before)."""
+    previous = loop.get_exception_handler()
+    if getattr(previous, "_forge_ignores_cancelled_results", False):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        handle = repr(context.get("handle", ""))
+        if isinstance(context.get("exception"), asyncio.InvalidStateError) and (
+                "Future.set_result" in handle or "Future.set_exception" in handle):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handler._forge_ignores_cancelled_results = True
+    loop.set_exception_handler(handler)

@@ -40,14 +40,17 @@ def kill(pids: list[int]) -> None:
 
 def monarch_children(*, hosts: bool = True) -> list[int]:
     """Pids of this process's descendants that Monarch started: the host agent (`this_host()`'s process, a
-    direct child, left out when `hosts=False`) and the proc meshes' processes it spawned."""
+    direct child, left out when `hosts=False`), the proc meshes' processes it spawned, and what those started
+    (a vLLM engine-core process, say)."""
     me = psutil.Process()
-    pids = []
+    pids: dict[int, None] = {}
     for child in me.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if any("monarch" in part for part in child.cmdline()) and (hosts or child.ppid() != me.pid):
-                pids.append(child.pid)
-    return pids
+                pids[child.pid] = None
+                if child.ppid() != me.pid:  # a mesh process: its own children go with it
+                    pids.update((grandchild.pid, None) for grandchild in child.children(recursive=True))
+    return list(pids)
 
 
 def kill_job_processes(*, hosts: bool = True) -> None:
