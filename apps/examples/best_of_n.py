@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = validate(load_config(path, overrides), BestOfNConfig)
     except ConfigError as e:
-        sys.exit(f"config error: {e}")  # before any process is spawned
+        print(f"config error: {e}", file=sys.stderr)  # before any process is spawned
+        return 2
     model = str(Path(cfg.generator.model).expanduser())
     if cfg.build_tiny_model:
         ensure_tiny_checkpoint(model)

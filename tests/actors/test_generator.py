@@ -1,6 +1,8 @@
 """The Generator: weight swaps never tear a forward pass; replicas follow published versions."""
 
+import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -84,19 +86,17 @@ async def test_generator_service_follows_published_versions(checkpoint):
         # Publish version 1 (perturbed weights): every replica swaps it in without being told.
         perturbed = {name: t + 0.01 for name, t in base.items()}
         await store.publish(perturbed, version=1)
-        for _ in range(200):
-            if await service.policy_version.fanout() == [1, 1]:
-                break
-        assert await service.policy_version.fanout() == [1, 1]
+        deadline = time.monotonic() + 60
+        while await service.policy_version.fanout() != [1, 1]:
+            assert time.monotonic() < deadline, "the replicas did not follow version 1 within 60 s"
+            await asyncio.sleep(0.05)
         out = await service.generate.route("1+2=", SamplingParams(n=2, max_tokens=4))
         assert all(set(c.policy_versions) == {1} for c in out)
 
         # An explicit update to an older version is honoured (e.g. an evaluation of version 0).
-        assert await service.update_weights.route(0) in (0, 1)
+        assert await service.update_weights.route(0) == 0
 
         # A bad prompt fails alone; its batch-mates still succeed.
-        import asyncio
-
         good, bad = await asyncio.gather(
             service.generate.route("3+4=", SamplingParams(max_tokens=3)),
             service.generate.route("", SamplingParams(max_tokens=3)),

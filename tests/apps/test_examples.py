@@ -74,9 +74,9 @@ def test_best_of_n_runs_and_stops_every_process(tmp_path):
 
 def test_unknown_key_fails_before_spawning():
     pid, result = _run_app("task.num_promts=3", timeout=120)
-    assert result.returncode != 0
     assert "task.num_promts=3: unknown key. Did you mean 'task.num_prompts'?" in result.stderr, result.stderr
     assert "generator replicas" not in result.stdout  # what the app prints once its actors are up
+    assert result.returncode == 2 and job_processes(pid) == []
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,6 @@ def test_unknown_key_fails_before_spawning():
      ("task.num_prompts=60", "task.num_prompts=60: must be in [1, 50] for num_digits=1"),
      ("task.num_digits=0", "task.num_digits=0: must be >= 1")],
 )
-def test_bad_values_name_the_key(override, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--config", str(CONFIG), "task.num_digits=1", override])
-    assert message in str(exit_info.value.code)
+def test_bad_values_name_the_key(override, message, capsys):
+    assert main(["--config", str(CONFIG), "task.num_digits=1", override]) == 2
+    assert message in capsys.readouterr().err

@@ -152,10 +152,8 @@ def test_a_second_signal_exits_at_once(tmp_path):
     app.proc.send_signal(signal.SIGINT)
     time.sleep(1)
     assert app.proc.poll() is None, "one signal with on_stop must leave the stopping to main"
-    sent = time.monotonic()
     app.proc.send_signal(signal.SIGTERM)
-    assert app.finish(timeout=30) == 128 + signal.SIGTERM.value, app.output()
-    assert time.monotonic() - sent < 10  # not the 120 s deadline
+    assert app.finish(timeout=30) == 128 + signal.SIGTERM.value, app.output()  # well before the 120 s deadline
     out = app.output()
     assert "SIGTERM again: killing the job's processes and exiting now" in out
     assert "run_job returned" not in out  # it did not wait for main

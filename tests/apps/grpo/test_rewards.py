@@ -57,9 +57,7 @@ async def test_100_hung_calls_leave_the_next_call_scored_promptly(capsys):
         assert partials["reward/failures"].value() == 100
         assert capsys.readouterr().err.count("reward function failed (TimeoutError)") == 1  # shown once
 
-        started = time.perf_counter()
-        assert await scorer.score(["46", "12"], "46") == [1.0, 0.0]
-        assert time.perf_counter() - started < 0.2  # answered, not timed out
+        assert await scorer.score(["46", "12"], "46") == [1.0, 0.0]  # answered: a timed-out call would score 0.0
         assert scorer.failures == 100
     finally:
         hangs.release.set()
@@ -83,13 +81,15 @@ async def test_too_many_hung_calls_stop_the_job_naming_the_reward():
 
 async def test_a_call_that_finishes_just_after_its_timeout_is_not_counted_as_hung():
     def slow(text: str, answer: str) -> float:
-        time.sleep(0.3)
+        time.sleep(2.0)
         return 1.0
 
     scorer = RewardScorer(slow, timeout_s=0.1)
     assert await scorer.score(["a", "b"], "a") == [0.0, 0.0]
     assert scorer.abandoned == 2
-    await asyncio.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while scorer.abandoned and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert scorer.abandoned == 0 and scorer.failures == 2
 
 
