@@ -14,45 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from actors.engines import ENGINE_KINDS, make_engine
+from actors.engines import make_engine
+from actors.generator_config import GeneratorConfig  # noqa: F401  (re-exported: `from actors.generator import GeneratorConfig`)
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from forge.types import Completion, SamplingParams
 from forge.weight_store import WeightStore, WeightVersionError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GeneratorConfig:
-    model: str = "???"  # HF checkpoint directory or hub id
-    engine: str = "hf"  # "hf" (transformers) or "vllm" (vLLM's AsyncLLM); both on CPU or GPU
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    max_batch_size: int = 256  # sequences (prompts x n) per engine call
-    batch_wait_s: float = 0.002  # how long a request waits for company before the batch runs
-    weight_poll_s: float = 0.05  # how often the weight store is checked for a newer version
-    torch_threads: int = 1  # CPU threads per generator process (0 = torch's default)
-    weight_namespace: str = "policy"
-    engine_args: dict = field(default_factory=dict)  # vllm only: AsyncEngineArgs fields (e.g. max_model_len)
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINE_KINDS:
-            raise ValueError(f"engine={self.engine!r}: must be one of {', '.join(ENGINE_KINDS)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r}: must be one of float32, bfloat16, float16")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size={self.max_batch_size}: must be >= 1")
-        if self.batch_wait_s < 0 or self.weight_poll_s <= 0:
-            raise ValueError(f"batch_wait_s={self.batch_wait_s}, weight_poll_s={self.weight_poll_s}: "
-                             "batch_wait_s must be >= 0 and weight_poll_s > 0")
 
 
 @dataclass

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.model_config import ModelConfig, is_int, is_number, require_field
-from losses import get_loss
-from losses.terms import HYPERPARAM_RULES, check_hyperparams
+from forge.loss_rules import HYPERPARAM_RULES, LOSS_NAMES, SUPPLIED_BY_TRAINER, check_hyperparams, check_loss_name, \
+    loss_hyperparams
 
 LR_DECAYS = ("constant", "linear", "cosine")
 ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
@@ -66,21 +66,29 @@ class TrainerConfig(ModelConfig):
                       f"None (the trainer's dtype) or one of {', '.join(PUBLISH_DTYPES)}")
         self.publish_dtype = self.publish_dtype or self.dtype
         require_field(self, "loss_params", isinstance(self.loss_params, dict), "a dict of the loss's hyperparameters")
-        loss_fn = get_loss(self.loss)  # raises a ValueError naming the loss when it is unknown
-        _check_loss_params(loss_fn, self.loss_params)
+        _check_loss(self.loss, self.loss_params)
 
 
-def _check_loss_params(loss_fn: Any, loss_params: dict[str, Any]) -> None:
-    parameters = inspect.signature(loss_fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return
-    taken = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL}
-    taken -= {"logprobs", "batch", "old_logprobs"}  # supplied by the trainer
+def _check_loss(loss: Any, loss_params: dict[str, Any]) -> None:
+    """The loss exists and takes `loss_params`, in range. A registered loss is checked without importing it (torch);
+    a user's loss ("package.module:function" or a callable) is imported: its signature says what it takes."""
+    if isinstance(loss, str):
+        check_loss_name(loss)
+    if isinstance(loss, str) and loss in LOSS_NAMES:
+        name, taken = loss, loss_hyperparams(loss)
+    else:
+        from losses import get_loss  # raises a ValueError naming the loss when it cannot be imported
+
+        loss_fn = get_loss(loss)
+        name = getattr(loss_fn, "__name__", repr(loss_fn))
+        parameters = inspect.signature(loss_fn).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return
+        taken = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL} - SUPPLIED_BY_TRAINER
     unknown = sorted(set(loss_params) - taken)
     if unknown:
-        name = getattr(loss_fn, "__name__", repr(loss_fn))
         raise ValueError(f"TrainerConfig.loss_params={loss_params!r}: {unknown} not taken by loss {name!r}; "
                          f"allowed: {sorted(taken)}")
     # The shared hyperparameters' ranges, checked now rather than at the first training step.
     checked = {k: v for k, v in loss_params.items() if k in HYPERPARAM_RULES}
-    check_hyperparams(f"TrainerConfig.loss_params ({getattr(loss_fn, '__name__', 'loss')})", **checked)
+    check_hyperparams(f"TrainerConfig.loss_params ({name})", **checked)

@@ -12,11 +12,10 @@ import shutil
 import string
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -42,6 +41,9 @@ _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 def build_tokenizer(max_length: int = DEFAULT_MODEL_ARGS["max_position_embeddings"]) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one token per character, special tokens first."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     # BPE with no merges splits text into single characters; no pre-tokenizer keeps spaces as tokens.
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
@@ -62,6 +64,11 @@ def build_tiny_checkpoint(path: str | Path, *, seed: int = 0, **model_overrides:
     `model_overrides` replace `Qwen3Config` fields (e.g. `num_hidden_layers=4`); the vocabulary always
     comes from the tokenizer.
     """
+    # Imported here: `ensure_tiny_checkpoint` finding the checkpoint built must not cost a torch import (the
+    # GRPO command line checks its config with `model: tiny` before the training stack is imported).
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     allowed = set(Qwen3Config().to_dict()) - {"vocab_size"}
     unknown = sorted(set(model_overrides) - allowed)
     if unknown:

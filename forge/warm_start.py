@@ -12,7 +12,7 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -20,26 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from forge.tasks import Problem
-
-
-@dataclass
-class WarmStartConfig:
-    enabled: bool = True
-    target_accuracy: float = 0.2  # stop as soon as greedy accuracy on `eval_prompts` reaches this
-    lr: float = 1e-3
-    batch_size: int = 64
-    max_steps: int = 3000
-    eval_every: int = 20
-    eval_prompts: int = 200
-
-    def __post_init__(self) -> None:
-        if not 0 < self.target_accuracy <= 1:
-            raise ValueError(f"target_accuracy={self.target_accuracy}: must be in (0, 1]")
-        for name in ("batch_size", "max_steps", "eval_every", "eval_prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr}: must be > 0")
+from forge.warm_start_config import WarmStartConfig  # noqa: F401  (re-exported: `from forge.warm_start import WarmStartConfig`)
 
 
 def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[[str, str], float], max_tokens: int) -> float:

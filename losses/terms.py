@@ -8,36 +8,11 @@ produce inf/NaN in the loss or its gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
+from forge.loss_rules import KL_ESTIMATORS, check_hyperparams  # noqa: F401  (re-exported for the losses)
 from forge.types import TrainBatch
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-HYPERPARAM_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
-    "clip_eps": (lambda v: _is_number(v) and v > 0, "a number > 0"),
-    "clip_low": (lambda v: _is_number(v) and v > 0, "a number > 0"),
-    "clip_high": (lambda v: _is_number(v) and v > 0, "a number > 0"),
-    "kl_coef": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
-    "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
-    "tis_cap": (lambda v: v is None or (_is_number(v) and v > 0), "None (off) or a number > 0"),
-    "max_tokens": (lambda v: v is None or (isinstance(v, int) and v >= 1), "None (use T-1) or an int >= 1"),
-}
-
-
-def check_hyperparams(loss: str, **values: object) -> None:
-    """Raise a ValueError naming the loss, the hyperparameter, its value and what is allowed."""
-    for name, value in values.items():
-        is_valid, allowed = HYPERPARAM_RULES[name]
-        if not is_valid(value):
-            raise ValueError(f"{loss}: {name}={value!r}: must be {allowed}")
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

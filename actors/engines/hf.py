@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from actors.engines import check_state_dict, hf_weight_specs
+from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.types import Completion, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

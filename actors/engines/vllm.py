@@ -24,15 +24,12 @@ Weights reach vLLM's worker processes as a safetensors file in /dev/shm (vLLM's 
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import importlib.util
 import os
 import tempfile
 import threading
 import uuid
 from contextlib import asynccontextmanager
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -40,53 +37,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from actors.engines import check_state_dict, hf_weight_specs
 from actors.engines.hf import DTYPES
+from actors.engines.vllm_args import check_engine_args
+from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.types import Completion, SamplingParams
 
-# AsyncEngineArgs fields the engine sets itself; engine_args may hold any other field.
 _SHARED_MEMORY = "/dev/shm"
-_SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode",
-                            "worker_extension_cls"})
-
-
-@cache
-def engine_arg_names() -> frozenset[str]:
-    """The field names of vLLM's `AsyncEngineArgs` (what `engine_args` may hold), without importing vLLM.
-
-    Importing `vllm.engine.arg_utils` pulls in vLLM's whole stack (~15 s on a loaded 2-core host), too slow for
-    a config check before anything spawns; the dataclass fields are read from its source text instead
-    (tests/actors/engines/test_vllm_args.py checks they equal `dataclasses.fields`).
-    """
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("engine_arg_names: the vllm package is not installed; install it with "
-                          "`pip install 'forge[vllm]'` (CUDA) or `make install-vllm` (CPU)")
-    source = Path(spec.submodule_search_locations[0], "engine", "arg_utils.py").read_text()
-    names = set()
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
-            names.update(statement.target.id for statement in node.body
-                         if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                         and "ClassVar" not in ast.unparse(statement.annotation))
-    return frozenset(names)
-
-
-def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
-    """Refuse engine_args the vLLM engine cannot take, before anything starts (cheap: vLLM is not imported)."""
-    unknown = sorted(set(engine_args) - engine_arg_names())
-    if unknown:
-        raise ValueError(f"engine_args: unknown vLLM engine argument(s) {unknown}; allowed: the fields of vLLM's "
-                         "AsyncEngineArgs (e.g. max_model_len, gpu_memory_utilization, enforce_eager, "
-                         "tensor_parallel_size)")
-    reserved = sorted(set(engine_args) & _SET_BY_ENGINE)
-    if reserved:
-        raise ValueError(f"engine_args: {reserved} are set by the generator (model, dtype, seed, device) or by the "
-                         f"engine itself; remove them from engine_args")
-    tp = engine_args.get("tensor_parallel_size", 1)
-    if device == "cpu" and tp != 1:
-        raise ValueError(f"engine_args.tensor_parallel_size={tp} (generator_procs): the vllm engine runs "
-                         "tensor-parallel on CUDA only; on CPU use 1 (more generator_replicas scale out instead)")
 
 
 class VLLMWeightLoader:

@@ -1,8 +1,9 @@
 """`python -m apps.grpo`: the command line is read and checked before the training stack is imported.
 
-`--help` and YAML or override errors import nothing heavy; validation imports the config schema
-(apps/grpo/config.py and the actors' config modules it names); torch, Monarch and TorchTitan come with
-apps.grpo.main, once the config is known to be good. Config errors exit with code 2.
+`--help`, YAML and override errors and the schema's checks (apps/grpo/config.py and the actors' config modules
+it names) import no torch, Monarch, TorchTitan or vLLM; the last check (the model's layout against its config.json)
+imports TorchTitan, and the rest of the stack comes with apps.grpo.main once the config is known to be good.
+Config errors exit with code 2.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ def load_job_config(argv: list[str]) -> tuple[GRPOConfig, bool]:
         tiny = ensure_tiny_checkpoint(Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3")
         cfg = load_config(path, [*overrides, f"model={tiny}"])
     job = validate(cfg, GRPOConfig)
-    if job.task.reward:
-        from forge.tasks import load_callable
-
-        load_callable(job.task.reward, field="task.reward")  # importable, before any process starts
     return job, bool(args.resume or job.resume)
 
 

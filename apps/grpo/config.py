@@ -1,5 +1,8 @@
 """The GRPO job's configuration: typed sections, validated before any process starts.
 
+Plain Python: the schema imports no torch, Monarch, TorchTitan or vLLM, so `python -m apps.grpo` refuses a bad
+config in about a second; only the last check, the model's layout, imports TorchTitan (tests/apps/grpo/test_cli.py).
+
 Each actor's section is that actor's own config dataclass; `model` fills the model paths of all of them
 (the YAML files write `${model}`), so one key switches the whole job to another checkpoint.
 """
@@ -11,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from actors.engines.vllm import check_engine_args
-from actors.generator import GeneratorConfig
-from actors.model_builder import check_parallel_layout, model_args_from_hf
-from actors.replay_buffer import ReplayBufferConfig
-from actors.trainer import TrainerConfig
+from actors.engines.vllm_args import check_engine_args
+from actors.generator_config import GeneratorConfig
+from actors.replay_buffer_config import ReplayBufferConfig
+from actors.trainer_config import TrainerConfig
 from forge.metrics import MetricsConfig
-from forge.warm_start import WarmStartConfig
+from forge.tasks import load_callable
+from forge.warm_start_config import WarmStartConfig
 
 
 @dataclass
@@ -169,11 +172,13 @@ class GRPOConfig:
                 f"trainer.temperature={self.trainer.temperature}: must equal rollout.temperature="
                 f"{self.rollout.temperature} (log-probs are compared at the sampling temperature)"
             )
-        if self.generator.engine == "vllm":
-            _check_vllm_engine_args(self.generator)
-        check_model_layout(self)
         if self.trainer.max_steps < self.steps:
             raise ValueError(f"trainer.max_steps={self.trainer.max_steps}: must be >= steps={self.steps}")
+        if self.generator.engine == "vllm":
+            _check_vllm_engine_args(self.generator)
+        if self.task.reward:
+            load_callable(self.task.reward, field="task.reward")  # importable, before any process starts
+        check_model_layout(self)  # last: it imports TorchTitan, so every other error answers without it
 
 
 def read_hf_config(model: str) -> dict:
@@ -192,6 +197,8 @@ def read_hf_config(model: str) -> dict:
 def check_model_layout(cfg: GRPOConfig) -> None:
     """The job's layout against the model's config.json, so a layout the trainer, the reference model or vLLM
     would refuse after spawning is refused now (with the same checks the trainer makes when it builds)."""
+    from actors.model_builder import check_parallel_layout, model_args_from_hf  # TorchTitan: only once all else passed
+
     model = cfg.trainer.model_path
     hf_config = read_hf_config(model)
     try:

@@ -227,8 +227,8 @@ def test_bad_config_is_refused_with_the_key_and_value(override, message):
         check_resources(cfg)
 
 
-# A reward that does not import is found after validation (apps.grpo.cli.load_job_config calls
-# forge.tasks.load_callable), which raises a plain ValueError, not ConfigError; `python -m apps.grpo` reports both.
+# A reward that does not import is found by validation (GRPOConfig calls forge.tasks.load_callable before the
+# model's layout check, so it answers without TorchTitan; tests/apps/grpo/test_cli.py checks the imports).
 BAD_REWARDS = [
     ("task.reward=no_such_module:score", r"task\.reward='no_such_module:score': cannot import module 'no_such_module' "
                                          r"\(No module named 'no_such_module'\)"),

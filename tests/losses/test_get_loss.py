@@ -1,5 +1,8 @@
+import inspect
+
 import pytest
 
+from forge.loss_rules import LOSS_NAMES, SUPPLIED_BY_TRAINER, loss_hyperparams
 from losses import LOSSES, get_loss
 from losses.cispo import cispo
 from losses.dapo import dapo
@@ -13,6 +16,14 @@ def test_registered_names_resolve_to_their_functions():
     assert LOSSES == expected
     for name, fn in expected.items():
         assert get_loss(name) is fn
+
+
+def test_the_torch_free_registry_matches_the_loss_functions():
+    # The config checks (forge.loss_rules) read names and hyperparameters without importing the losses.
+    assert LOSS_NAMES == tuple(LOSSES)
+    for name, fn in LOSSES.items():
+        assert loss_hyperparams(name) == set(inspect.signature(fn).parameters) - SUPPLIED_BY_TRAINER, name
+    assert loss_hyperparams("grpo") == {"clip_eps", "kl_coef", "kl_estimator", "tis_cap"}
 
 
 def test_a_callable_is_returned_as_is():

@@ -1,5 +1,6 @@
-"""`python -m apps.grpo`'s command line: the usage line names the module, and `--help` and YAML or override
-errors answer before torch, Monarch or TorchTitan is imported (checked in `sys.modules`, not timed)."""
+"""`python -m apps.grpo`'s command line: the usage line names the module, and `--help`, YAML and override errors
+and the schema's checks answer before torch, Monarch, TorchTitan or vLLM is imported (checked in `sys.modules`,
+not timed)."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-HEAVY = ("torch", "monarch", "torchtitan", "transformers", "torchstore")
+HEAVY = ("torch", "monarch", "torchtitan", "transformers", "torchstore", "vllm")
 
 # Runs `python -m MODULE ARGS` in this interpreter and reports its exit code and the heavy modules it imported.
 PROBE = """
@@ -51,6 +52,25 @@ def test_help_imports_nothing_heavy():
 ])
 def test_yaml_and_override_errors_answer_before_the_heavy_imports(args, message):
     outcome, result = probe(*args)
+    assert outcome == {"exit": 2, "heavy": []}, result.stderr
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.lr=-1", "config error: trainer.lr=-1.0: must be a number > 0"),
+    ("rollout.group_size=1", "config error: rollout.group_size=1: must be >= 2"),
+    ("trainer.loss=ppo", "config error: trainer.loss='ppo': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo"),
+    ("++trainer.loss_params.clip_eps=0", "clip_eps=0: must be a number > 0"),
+    ("++trainer.loss_params.nope=1", "['nope'] not taken by loss 'grpo'"),
+    ("warm_start.lr=0", "config error: warm_start.lr=0"),
+    ("generator.engine=sglang", "config error: generator.engine='sglang'"),
+    ("trainer.max_steps=5", "config error: trainer.max_steps=5: must be >= steps="),
+    ("task.reward=no_such_module:score", "cannot import module 'no_such_module'"),
+    ("generator.engine=vllm ++generator.engine_args.max_model_length=256",
+     "config error: generator.engine_args: unknown vLLM engine argument(s) ['max_model_length']"),
+])
+def test_schema_errors_answer_before_the_heavy_imports(override, message):
+    outcome, result = probe("--config", "configs/grpo_tiny.yaml", *override.split())
     assert outcome == {"exit": 2, "heavy": []}, result.stderr
     assert message in result.stderr
 

@@ -1,0 +1,53 @@
+"""Which `engine_args` the vLLM engine takes, checked without importing vLLM (or torch): a job's config is
+checked before anything heavy is imported (apps/grpo/cli.py)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+# AsyncEngineArgs fields the engine sets itself; engine_args may hold any other field.
+_SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode",
+                            "worker_extension_cls"})
+
+
+@cache
+def engine_arg_names() -> frozenset[str]:
+    """The field names of vLLM's `AsyncEngineArgs` (what `engine_args` may hold), without importing vLLM.
+
+    Importing `vllm.engine.arg_utils` pulls in vLLM's whole stack (~15 s on a loaded 2-core host), too slow for
+    a config check before anything spawns; the dataclass fields are read from its source text instead
+    (tests/actors/engines/test_vllm_args.py checks they equal `dataclasses.fields`).
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("engine_arg_names: the vllm package is not installed; install it with "
+                          "`pip install 'forge[vllm]'` (CUDA) or `make install-vllm` (CPU)")
+    source = Path(spec.submodule_search_locations[0], "engine", "arg_utils.py").read_text()
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
+            names.update(statement.target.id for statement in node.body
+                         if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                         and "ClassVar" not in ast.unparse(statement.annotation))
+    return frozenset(names)
+
+
+def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
+    """Refuse engine_args the vLLM engine cannot take, before anything starts (cheap: vLLM is not imported)."""
+    unknown = sorted(set(engine_args) - engine_arg_names())
+    if unknown:
+        raise ValueError(f"engine_args: unknown vLLM engine argument(s) {unknown}; allowed: the fields of vLLM's "
+                         "AsyncEngineArgs (e.g. max_model_len, gpu_memory_utilization, enforce_eager, "
+                         "tensor_parallel_size)")
+    reserved = sorted(set(engine_args) & _SET_BY_ENGINE)
+    if reserved:
+        raise ValueError(f"engine_args: {reserved} are set by the generator (model, dtype, seed, device) or by the "
+                         f"engine itself; remove them from engine_args")
+    tp = engine_args.get("tensor_parallel_size", 1)
+    if device == "cpu" and tp != 1:
+        raise ValueError(f"engine_args.tensor_parallel_size={tp} (generator_procs): the vllm engine runs "
+                         "tensor-parallel on CUDA only; on CPU use 1 (more generator_replicas scale out instead)")

@@ -1,0 +1,58 @@
+"""The registered policy losses' names and the rules for their hyperparameters, in plain Python: no torch.
+
+A job's config is checked before its training stack is imported (apps/grpo/cli.py), so `TrainerConfig` checks a
+registered loss's `loss_params` here: which keyword arguments the loss takes is read from its source in losses/
+(as actors/engines/vllm_args.py reads vLLM's), not from the function, whose module imports torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+LOSS_NAMES = ("grpo", "dapo", "gspo", "cispo", "dr_grpo")  # losses/<name>.py defines the loss function <name>
+SUPPLIED_BY_TRAINER = frozenset({"logprobs", "batch", "old_logprobs"})  # every loss's non-hyperparameter arguments
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+HYPERPARAM_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "clip_eps": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "clip_low": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "clip_high": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "kl_coef": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
+    "tis_cap": (lambda v: v is None or (_is_number(v) and v > 0), "None (off) or a number > 0"),
+    "max_tokens": (lambda v: v is None or (isinstance(v, int) and v >= 1), "None (use T-1) or an int >= 1"),
+}
+
+
+def check_hyperparams(loss: str, **values: object) -> None:
+    """Raise a ValueError naming the loss, the hyperparameter, its value and what is allowed."""
+    for name, value in values.items():
+        is_valid, allowed = HYPERPARAM_RULES[name]
+        if not is_valid(value):
+            raise ValueError(f"{loss}: {name}={value!r}: must be {allowed}")
+
+
+def check_loss_name(name: str) -> None:
+    """A loss given by name is registered or written 'package.module:function'."""
+    if name not in LOSS_NAMES and ":" not in name:
+        raise ValueError(f"loss={name!r}: unknown; must be one of {', '.join(LOSS_NAMES)}, or 'package.module:function'")
+
+
+@cache
+def loss_hyperparams(name: str) -> frozenset[str]:
+    """The hyperparameters (keyword arguments besides the trainer's) registered loss `name` takes, read from
+    losses/<name>.py without importing it (tests/losses/test_get_loss.py checks them against the signatures)."""
+    spec = importlib.util.find_spec("losses")  # a top-level package is found without running its __init__
+    source = Path(spec.submodule_search_locations[0], f"{name}.py").read_text()
+    function = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == name)
+    arguments = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
+    return frozenset(a.arg for a in arguments) - SUPPLIED_BY_TRAINER

@@ -1,0 +1,26 @@
+"""The warm start's settings and their checks, in plain Python: no torch (a job's config is checked before its
+training stack is imported; `forge.warm_start` runs it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WarmStartConfig:
+    enabled: bool = True
+    target_accuracy: float = 0.2  # stop as soon as greedy accuracy on `eval_prompts` reaches this
+    lr: float = 1e-3
+    batch_size: int = 64
+    max_steps: int = 3000
+    eval_every: int = 20
+    eval_prompts: int = 200
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_accuracy <= 1:
+            raise ValueError(f"target_accuracy={self.target_accuracy}: must be in (0, 1]")
+        for name in ("batch_size", "max_steps", "eval_every", "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr}: must be > 0")
