@@ -24,20 +24,12 @@ from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.utils import set_default_dtype
 
 from actors.model_config import is_int
-
-# The HF `model_type` each family's torchtitan model and state-dict adapter reproduce.
-HF_MODEL_TYPES = {"qwen3": "qwen3", "llama3": "llama"}
+from actors.model_layout import check_hf_config, check_parallel_layout
 
 
 def model_args_from_hf(family: str, hf_config: dict[str, Any]) -> BaseModelArgs:
     """torchtitan model arguments equivalent to a Hugging Face `config.json` of that family."""
-    model_type = hf_config.get("model_type")
-    if model_type != HF_MODEL_TYPES[family]:
-        raise ValueError(f"config.json model_type={model_type!r} is not family {family!r}; "
-                         f"that family needs model_type {HF_MODEL_TYPES[family]!r}")
-    for key, supported in (("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)):
-        if hf_config.get(key, supported) != supported:
-            raise ValueError(f"config.json {key}={hf_config[key]!r}: torchtitan's {family} supports only {supported}")
+    check_hf_config(family, hf_config)
     dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or dim // n_heads
     common = dict(
@@ -56,31 +48,21 @@ def model_args_from_hf(family: str, hf_config: dict[str, Any]) -> BaseModelArgs:
     tied = bool(hf_config.get("tie_word_embeddings", False))
     rope_scaling = hf_config.get("rope_scaling")
     if family == "qwen3":
-        if rope_scaling is not None:
-            raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's qwen3 supports only None")
         return Qwen3ModelArgs(**common, head_dim=head_dim, hidden_dim=hf_config["intermediate_size"],
                               qk_norm=True, enable_weight_tying=tied)
-    if tied:
-        raise ValueError("config.json tie_word_embeddings=True: torchtitan's llama3 has no weight tying")
-    if head_dim != dim // n_heads:
-        raise ValueError(f"config.json head_dim={head_dim}: torchtitan's llama3 needs hidden_size / "
-                         f"num_attention_heads = {dim // n_heads}")
     # torchtitan sizes the SwiGLU layer as multiple_of * ceil(int(multiplier * int(8 dim / 3)) / multiple_of);
     # multiple_of = intermediate_size makes that exactly intermediate_size whatever the float rounding.
     intermediate = hf_config["intermediate_size"]
     ffn = dict(multiple_of=intermediate, ffn_dim_multiplier=intermediate / int(8 * dim / 3))
     if rope_scaling is None:
         rope = RoPEScalingArgs(scaling_factor=1.0)  # torchtitan always applies Llama 3.1 scaling; 1 = none
-    elif rope_scaling.get("rope_type") == "llama3":
+    else:  # rope_type "llama3" (check_hf_config refuses the others)
         rope = RoPEScalingArgs(
             scaling_factor=rope_scaling["factor"],
             low_freq_factor=rope_scaling["low_freq_factor"],
             high_freq_factor=rope_scaling["high_freq_factor"],
             original_max_position_embeddings=rope_scaling["original_max_position_embeddings"],
         )
-    else:
-        raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's llama3 supports None or "
-                         "rope_type 'llama3'")
     return TransformerModelArgs(**common, **ffn, rope_scaling_args=rope)
 
 
@@ -98,23 +80,6 @@ def parallel_dims(world_size: int, tensor_parallel_degree: int = 1) -> ParallelD
     """FSDP over every rank (times TP when asked): the only layout forge trains and scores with."""
     return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tensor_parallel_degree, pp=1, ep=1, etp=1,
                         world_size=world_size)
-
-
-def check_parallel_layout(model_args: BaseModelArgs, world_size: int, tensor_parallel_degree: int = 1) -> None:
-    """Whether the model can be sharded over `world_size` ranks (FSDP, times TP): checked when the model is
-    built, and by apps before any process starts (apps/grpo/config.py)."""
-    if getattr(model_args, "enable_weight_tying", False) and world_size > 1:
-        # parallelize_fn ties on the meta device and the tie does not survive materialization
-        # (pytorch/torchtitan#2252): the output layer would train as a separate, stale copy.
-        raise ValueError(f"config.json tie_word_embeddings=True with world_size={world_size}: "
-                         "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
-    if world_size % tensor_parallel_degree:
-        raise ValueError(f"world_size={world_size}: must be a multiple of "
-                         f"tensor_parallel_degree={tensor_parallel_degree}")
-    for field, heads in (("num_attention_heads", model_args.n_heads), ("num_key_value_heads", model_args.n_kv_heads)):
-        if heads % tensor_parallel_degree:
-            raise ValueError(f"tensor_parallel_degree={tensor_parallel_degree}: must divide config.json "
-                             f"{field}={heads} (each rank holds whole heads)")
 
 
 def build_job_config(*, dtype: str, tensor_parallel_degree: int = 1, activation_checkpoint: str = "none") -> JobConfig:
@@ -145,7 +110,7 @@ def build_model(
     with torch.device("meta"), set_default_dtype(param_dtype):
         model = spec.model_cls(model_args)
     tied = getattr(model_args, "enable_weight_tying", False)
-    check_parallel_layout(model_args, parallel_dims.world_size, parallel_dims.tp)
+    check_parallel_layout(hf_config, parallel_dims.world_size, parallel_dims.tp)
     if parallel_dims.world_size > 1 and not dist.is_initialized():
         raise RuntimeError(f"world_size={parallel_dims.world_size}: initialize torch.distributed first")
     if parallel_dims.world_size > 1:

@@ -1,9 +1,8 @@
 """`python -m apps.grpo`: the command line is read and checked before the training stack is imported.
 
 `--help`, YAML and override errors and the schema's checks (apps/grpo/config.py and the actors' config modules
-it names) import no torch, Monarch, TorchTitan or vLLM; the last check (the model's layout against its config.json)
-imports TorchTitan, and the rest of the stack comes with apps.grpo.main once the config is known to be good.
-Config errors exit with code 2.
+it names, the model's layout against its config.json included) import no torch, Monarch, TorchTitan or vLLM; the
+stack comes with apps.grpo.main once the config is known to be good. Config errors exit with code 2.
 """
 
 from __future__ import annotations

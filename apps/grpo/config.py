@@ -1,7 +1,8 @@
 """The GRPO job's configuration: typed sections, validated before any process starts.
 
-Plain Python: the schema imports no torch, Monarch, TorchTitan or vLLM, so `python -m apps.grpo` refuses a bad
-config in about a second; only the last check, the model's layout, imports TorchTitan (tests/apps/grpo/test_cli.py).
+Plain Python: the schema and its checks, the model's layout against its config.json included, import no torch,
+Monarch, TorchTitan or vLLM, so `python -m apps.grpo` refuses a bad config in about a second
+(tests/apps/grpo/test_cli.py checks the imports).
 
 Each actor's section is that actor's own config dataclass; `model` fills the model paths of all of them
 (the YAML files write `${model}`), so one key switches the whole job to another checkpoint.
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from actors.engines.vllm_args import check_engine_args
 from actors.generator_config import GeneratorConfig
+from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
 from forge.metrics import MetricsConfig
@@ -178,7 +180,7 @@ class GRPOConfig:
             _check_vllm_engine_args(self.generator)
         if self.task.reward:
             load_callable(self.task.reward, field="task.reward")  # importable, before any process starts
-        check_model_layout(self)  # last: it imports TorchTitan, so every other error answers without it
+        check_model_layout(self)  # last: it reads the model's config.json (a hub id's is fetched)
 
 
 def read_hf_config(model: str) -> dict:
@@ -197,12 +199,10 @@ def read_hf_config(model: str) -> dict:
 def check_model_layout(cfg: GRPOConfig) -> None:
     """The job's layout against the model's config.json, so a layout the trainer, the reference model or vLLM
     would refuse after spawning is refused now (with the same checks the trainer makes when it builds)."""
-    from actors.model_builder import check_parallel_layout, model_args_from_hf  # TorchTitan: only once all else passed
-
     model = cfg.trainer.model_path
     hf_config = read_hf_config(model)
     try:
-        model_args = model_args_from_hf(cfg.trainer.family, hf_config)
+        check_hf_config(cfg.trainer.family, hf_config)
     except KeyError as e:
         raise ValueError(f"model={model!r}: config.json has no {e} (a {cfg.trainer.family} checkpoint needs it)"
                          ) from None
@@ -214,7 +214,7 @@ def check_model_layout(cfg: GRPOConfig) -> None:
         meshes.append(("resources.reference_procs", r.reference_procs, 1))
     for name, procs, tp in meshes:
         try:
-            check_parallel_layout(model_args, procs, tp)
+            check_parallel_layout(hf_config, procs, tp)
         except ValueError as e:
             raise ValueError(f"{name}={procs}: {e} ({model})") from None
     if cfg.generator.engine == "vllm":

@@ -62,7 +62,7 @@ def test_shipped_config_validates(path, real_models):
 
 QWEN3_1_7B, QWEN3_8B = ROOT / "configs/qwen3_1_7b.yaml", ROOT / "configs/qwen3_8b.yaml"
 LAYOUT_REFUSALS = [
-    # Qwen3-1.7B ties its embeddings: the trainer's own check (actors.model_builder.check_parallel_layout).
+    # Qwen3-1.7B ties its embeddings: the trainer's own check (actors.model_layout.check_parallel_layout).
     (QWEN3_1_7B, "resources.trainer_procs=2",
      r"resources.trainer_procs=2: config.json tie_word_embeddings=True with world_size=2: torchtitan 0.2.0 cannot "
      r"shard tied embeddings; use one rank or an untied checkpoint"),

@@ -1,0 +1,66 @@
+"""Whether torchtitan can build and shard a Hugging Face checkpoint, judged from its config.json alone.
+
+Plain Python (no torch, no TorchTitan): apps check a job's layout before its training stack is imported
+(apps/grpo/config.py), and the trainer makes the same checks when it builds the model (actors/model_builder.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The HF `model_type` each family's torchtitan model and state-dict adapter reproduce.
+HF_MODEL_TYPES = {"qwen3": "qwen3", "llama3": "llama"}
+# The config.json keys torchtitan's model arguments are made from (a missing one is a KeyError naming it).
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "rms_norm_eps",
+                 "rope_theta", "max_position_embeddings", "intermediate_size")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_hf_config(family: str, hf_config: dict[str, Any]) -> None:
+    """Refuse a config.json that torchtitan's `family` model cannot reproduce."""
+    model_type = hf_config.get("model_type")
+    if model_type != HF_MODEL_TYPES[family]:
+        raise ValueError(f"config.json model_type={model_type!r} is not family {family!r}; "
+                         f"that family needs model_type {HF_MODEL_TYPES[family]!r}")
+    for key in REQUIRED_KEYS:
+        if key not in hf_config:
+            raise KeyError(key)
+    for key, supported in (("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)):
+        if hf_config.get(key, supported) != supported:
+            raise ValueError(f"config.json {key}={hf_config[key]!r}: torchtitan's {family} supports only {supported}")
+    rope_scaling = hf_config.get("rope_scaling")
+    if family == "qwen3":
+        if rope_scaling is not None:
+            raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's qwen3 supports only None")
+        return
+    if hf_config.get("tie_word_embeddings", False):
+        raise ValueError("config.json tie_word_embeddings=True: torchtitan's llama3 has no weight tying")
+    dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or dim // n_heads
+    if head_dim != dim // n_heads:
+        raise ValueError(f"config.json head_dim={head_dim}: torchtitan's llama3 needs hidden_size / "
+                         f"num_attention_heads = {dim // n_heads}")
+    if rope_scaling is not None and rope_scaling.get("rope_type") != "llama3":
+        raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's llama3 supports None or "
+                         "rope_type 'llama3'")
+    for key in LLAMA3_ROPE_KEYS if rope_scaling is not None else ():
+        if key not in rope_scaling:
+            raise KeyError(f"rope_scaling.{key}")
+
+
+def check_parallel_layout(hf_config: dict[str, Any], world_size: int, tensor_parallel_degree: int = 1) -> None:
+    """Whether the model can be sharded over `world_size` ranks (FSDP, times TP)."""
+    if hf_config.get("tie_word_embeddings", False) and world_size > 1:
+        # parallelize_fn ties on the meta device and the tie does not survive materialization
+        # (pytorch/torchtitan#2252): the output layer would train as a separate, stale copy.
+        raise ValueError(f"config.json tie_word_embeddings=True with world_size={world_size}: "
+                         "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
+    if world_size % tensor_parallel_degree:
+        raise ValueError(f"world_size={world_size}: must be a multiple of "
+                         f"tensor_parallel_degree={tensor_parallel_degree}")
+    n_heads = hf_config["num_attention_heads"]
+    for field, heads in (("num_attention_heads", n_heads), ("num_key_value_heads",
+                                                              hf_config.get("num_key_value_heads") or n_heads)):
+        if heads % tensor_parallel_degree:
+            raise ValueError(f"tensor_parallel_degree={tensor_parallel_degree}: must divide config.json "
+                             f"{field}={heads} (each rank holds whole heads)")
