@@ -73,8 +73,8 @@ def _check_loss(loss: Any, loss_params: dict[str, Any]) -> None:
     """The loss exists and takes `loss_params`, in range. A registered loss is checked without importing it (torch);
     a user's loss ("package.module:function" or a callable) is imported: its signature says what it takes."""
     if isinstance(loss, str):
-        check_loss_name(loss)
-    if isinstance(loss, str) and loss in LOSS_NAMES:
+        check_loss_name(loss)  # an unknown name is refused without importing the losses
+    if loss in LOSS_NAMES:
         name, taken = loss, loss_hyperparams(loss)
     else:
         from losses import get_loss  # raises a ValueError naming the loss when it cannot be imported
