@@ -38,6 +38,13 @@ Nothing here runs at import, except making Monarch importable for the modules th
 15  a call awaited from asyncio and then cancelled gets    the loop's exception handler drops exactly that error
     its result set anyway: asyncio logs InvalidStateError  (`ignore_results_of_cancelled_calls`, provisioner)
     with a traceback for each (`monarch/_src/actor/future.py`, `mark_complete`)
+16  a message sent to a process that has just died (a     wait an hour before giving up on delivery
+    reply to a SIGKILLed generator's in-flight weight-     (`configure_job_environment`): forge learns of a dead
+    store call) bounces after 30 s to the sending          process from its pid within a second anyway (2), and
+    process's comm actor; its supervision event has no     a job outlives the replica; can go when a generator
+    coordinator in the controller, which panics ("could    replica SIGKILLed mid-run never aborts the controller
+    not propagate supervision event: coordinator port      with the variable unset (tests/apps/test_grpo_faults)
+    is not set") and aborts the job
 """
 
 from __future__ import annotations
@@ -74,12 +81,13 @@ import_monarch()  # every module that imports this one goes on to import Monarch
 from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env  # noqa: E402
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402,F401 (11)
 
-# -- 2, 3. the environment of a job's processes -------------------------------------------------------------
+# -- 2, 3, 16. the environment of a job's processes ---------------------------------------------------------
 # 2 can go when a busy process is no longer declared dead at the default deadline (run tests/forge with
 # the variable unset on a loaded 2-core host). 3 can go when `import torchstore` prints nothing.
 JOB_ENVIRONMENT = {
     "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "300s",
     "HYPERACTOR_CODEC_MAX_FRAME_LENGTH": "910737418240",
+    "HYPERACTOR_MESSAGE_DELIVERY_TIMEOUT": "3600s",  # 16
 }
 
 
