@@ -137,9 +137,21 @@ def _bearer(key: str) -> dict:
 
 
 def _start(http: httpx.Client, **body) -> dict:
-    response = http.post("/rl/start_session", json=body, headers=_admin())
+    """Start a session, retrying while the gateway is at its staleness bound (429 until a training step runs:
+    what a client is told to do; earlier tests may have filled the buffer)."""
+    deadline = time.monotonic() + 180
+    while True:
+        response = http.post("/rl/start_session", json=body, headers=_admin())
+        if response.status_code != 429 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def _wait_for_capacity(http: httpx.Client) -> None:
+    session = _start(http)
+    assert http.post("/rl/end_session", headers=_bearer(session["api_key"])).status_code == 200
 
 
 def _stats(http: httpx.Client) -> dict:
@@ -341,7 +353,8 @@ def test_no_capacity_is_429(http):
         assert http.post("/rl/end_session", headers=_bearer(key)).status_code == 200
 
 
-def test_the_serving_docs_gateway_snippet_runs_against_the_gateway(gateway):
+def test_the_serving_docs_gateway_snippet_runs_against_the_gateway(gateway, http):
+    _wait_for_capacity(http)  # the snippet starts its session once, as the docs show
     defaults = (ROOT / "configs/gateway_tiny.yaml").read_text()
     assert "port: 8090" in defaults and "admin_api_key: forge-admin-key-change-me" in defaults  # what the docs show
     [snippet] = python_blocks("serving.md")[1:]
