@@ -222,16 +222,17 @@ def check_model_layout(cfg: GRPOConfig) -> None:
 
 
 def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:
-    # vLLM splits a replica's model over its processes (tensor parallelism), whole heads per process.
-    args = cfg.generator.engine_args
-    field, tp = (("generator.engine_args.tensor_parallel_size", args["tensor_parallel_size"])
-                 if "tensor_parallel_size" in args else ("resources.generator_procs", cfg.resources.generator_procs))
-    heads = hf_config["num_attention_heads"]
-    kv_heads = hf_config.get("num_key_value_heads") or heads
-    if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise ValueError(f"{field}={tp}: vLLM splits the model over a replica's processes; must "
-                         f"divide num_attention_heads={heads} and divide or be a multiple of num_key_value_heads="
-                         f"{kv_heads} ({cfg.generator.model})")
+    # One vLLM engine per replica process, and forge gives each process one GPU (resources.with_gpus): a
+    # replica of several processes would be several independent engines, and a tensor-parallel engine would
+    # find one GPU. Multi-GPU replicas need placement work that has not been built or run on a GPU yet.
+    if cfg.resources.generator_procs != 1:
+        raise ValueError(f"resources.generator_procs={cfg.resources.generator_procs}: must be 1 with "
+                         "generator.engine='vllm' (one engine per replica); scale with resources.generator_replicas")
+    tp = cfg.generator.engine_args.get("tensor_parallel_size", 1)
+    if tp != 1:
+        raise ValueError(f"generator.engine_args.tensor_parallel_size={tp}: must be 1: each generator process is "
+                         "given one GPU, so a vLLM replica cannot span several yet; scale with "
+                         "resources.generator_replicas")
     max_model_len = cfg.generator.engine_args.get("max_model_len")
     positions = hf_config.get("max_position_embeddings")
     if max_model_len is not None and positions is not None and max_model_len > positions:

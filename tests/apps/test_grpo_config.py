@@ -71,9 +71,10 @@ LAYOUT_REFUSALS = [
      r"resources.trainer_procs=3: tensor_parallel_degree=3: must divide config.json num_attention_heads=32"),
     (QWEN3_8B, "trainer.tensor_parallel_degree=2", r"resources.trainer_procs=3: world_size=3: must be a multiple of "
                                                    r"tensor_parallel_degree=2"),
-    (QWEN3_8B, "resources.generator_procs=3",
-     r"resources.generator_procs=3: vLLM splits .* must divide num_attention_heads=32 and divide or be a multiple of "
-     r"num_key_value_heads=8"),
+    (QWEN3_8B, "resources.generator_procs=2",
+     r"resources.generator_procs=2: must be 1 with generator.engine='vllm' \(one engine per replica\)"),
+    (QWEN3_8B, "+generator.engine_args.tensor_parallel_size=2",
+     r"generator.engine_args.tensor_parallel_size=2: must be 1: each generator process is given one GPU"),
     (QWEN3_8B, "generator.engine_args.max_model_len=50000",
      r"generator.engine_args.max_model_len=50000: must be <= the model's max_position_embeddings=40960"),
     (QWEN3_1_7B, "rollout.max_tokens=2048",
@@ -90,10 +91,9 @@ def test_layout_is_checked_against_the_models_config_json(path, override, messag
 
 
 def test_layouts_the_model_allows_are_accepted(real_models):
-    # vLLM replicates KV heads when a replica has more processes than KV heads: 16 of 32 heads, 8 KV heads.
-    cfg = load_with_real_model(QWEN3_8B, real_models, "resources.generator_procs=16")
-    # The accepted layout is the one the GPU check counts: 4 replicas x 16 + 3 trainer + 1 reference processes.
-    with pytest.raises(ConfigError, match=r"needs 68 GPUs \(generator_replicas=4 x generator_procs=16 \+ "
+    # More replicas: the accepted layout is the one the GPU check counts (8 replicas + 3 trainer + 1 reference).
+    cfg = load_with_real_model(QWEN3_8B, real_models, "resources.generator_replicas=8")
+    with pytest.raises(ConfigError, match=r"needs 12 GPUs \(generator_replicas=8 x generator_procs=1 \+ "
                                           r"trainer_procs=3 \+ reference_procs=1\) but 0 are visible"):
         check_resources(cfg)
     # 4 trainer ranks with TP 2 (32 heads, 8 KV heads): the trainer's mesh is 2 FSDP shards x 2 TP ranks.
@@ -118,8 +118,6 @@ ENGINE_ARG_REFUSALS = [
      r"generator.engine_args: unknown vLLM engine argument\(s\) \['gpu_memory_utilisation'\]; allowed: the fields "
      r"of vLLM's AsyncEngineArgs"),
     ("+generator.engine_args.dtype=float16", r"generator.engine_args: \['dtype'\] are set by the generator"),
-    ("+generator.engine_args.tensor_parallel_size=3",
-     r"generator.engine_args.tensor_parallel_size=3: vLLM splits .* must divide num_attention_heads=32"),
 ]
 
 
