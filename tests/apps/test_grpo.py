@@ -53,6 +53,19 @@ def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
     assert not processes_with_mark(str(run_dir))
 
 
+def test_grpo_with_the_vllm_engine_trains_on_versioned_tokens_and_stops_every_process(tmp_path):
+    run_dir = tmp_path / "vllm"
+    result = _run_grpo(run_dir, "steps=3", "generator.engine=vllm", "generator.engine_args.enforce_eager=true",
+                       "generator.engine_args.max_model_len=64", "eval.at_start=false", "checkpoint.final=false",
+                       env=marked_environment(str(run_dir)))
+    assert "=== GRPO run summary ===" in result.stdout
+    rows = _metrics(run_dir)
+    assert [int(r["policy_version"]) for r in rows] == [1, 2, 3]
+    assert sum(r.get("generator/weight_swaps", 0) for r in rows) >= 1  # vLLM swapped in the trainer's weights
+    assert all(r["train/version_lag"] <= 1 for r in rows)  # every token's version is within the age bound
+    assert not processes_with_mark(str(run_dir))  # vLLM's engine-core process included
+
+
 def test_synchronous_mode_trains_strictly_on_policy(tmp_path):
     run_dir = tmp_path / "sync"
     _run_grpo(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "eval.at_start=false", "checkpoint.final=false",
