@@ -114,6 +114,34 @@ def processes_with_mark(mark: str, timeout: float = 30.0) -> list[str]:
         time.sleep(0.5)
 
 
+class WatchedProcess:
+    """A command run as a subprocess with its output in a file, so a test can watch it while it runs."""
+
+    def __init__(self, command: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(command, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, condition, what: str, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the process ended before {what}:\n{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.output()[-3000:]}"
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 400) -> int:
+        """The exit code, waiting up to `timeout` seconds (then the process is killed)."""
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
 def faulty_reward(completion_text: str, answer: str) -> float:
     """The arithmetic task's exact-match reward, except that a fixed quarter of completions make it raise,
     a quarter hang for 2 s and a quarter return NaN (fault-injection tests: `task.reward=tests.support:faulty_reward`)."""

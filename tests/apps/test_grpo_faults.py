@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import marked_environment, processes_with_mark
+from tests.support import WatchedProcess, marked_environment, processes_with_mark
 from forge.weight_store import SHM_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -25,42 +25,23 @@ def _command(run_dir: Path, *overrides: str) -> list[str]:
             "replay_buffer.batch_size=32", "trainer.micro_batch_size=32", *overrides]
 
 
-class RunningJob:
+class RunningJob(WatchedProcess):
     """The app as a subprocess with its output in a file, so a test can watch it while it runs."""
 
     def __init__(self, run_dir: Path, *overrides: str) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir, self.log_path = run_dir, run_dir.parent / f"{run_dir.name}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(_command(run_dir, *overrides), cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=marked_environment(str(run_dir)))
-
-    def output(self) -> str:
-        return self.log_path.read_text()
+        self.run_dir = run_dir
+        super().__init__(_command(run_dir, *overrides), run_dir.parent / f"{run_dir.name}.log", ROOT,
+                         env=marked_environment(str(run_dir)))
 
     def steps_logged(self) -> int:
         path = self.run_dir / "metrics.jsonl"
         return len(path.read_text().splitlines()) if path.exists() else 0
 
-    def wait_for(self, condition, what: str, timeout: float = 400) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.output()[-3000:]}"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.output()[-3000:]}"
-            time.sleep(0.3)
-
     def pids(self, mesh: str) -> list[int]:
         found = [m.group(2) for m in PIDS.finditer(self.output()) if m.group(1) == mesh]
         assert found, f"no mesh {mesh!r} in the output"
         return [int(p) for p in found[0].split(",")]
-
-    def finish(self, timeout: float = 400) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.log.close()
 
 
 def _job_segments(pid: int) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import job_processes
+from tests.support import WatchedProcess, job_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,36 +84,22 @@ APP = textwrap.dedent('''
 ''')
 
 
-class App:
+class App(WatchedProcess):
     def __init__(self, tmp_path: Path, mode: str, deadline_s: float = 60) -> None:
         script = tmp_path / "app.py"
         script.write_text(APP)
-        self.log_path = tmp_path / f"{mode}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(script), mode, str(deadline_s)], cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        return self.log_path.read_text()
+        super().__init__([sys.executable, str(script), mode, str(deadline_s)], tmp_path / f"{mode}.log", ROOT)
 
     def wait_ready(self, timeout: float = 300) -> list[str]:
         """The words printed after "ready" (e.g. pids)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self.output().splitlines():
-                if line.startswith("ready"):
-                    return line.split()[1:]
-            assert self.proc.poll() is None, f"the app ended before it was ready:\n{self.output()}"
-            assert time.monotonic() < deadline, f"not ready within {timeout}s:\n{self.output()}"
-            time.sleep(0.1)
+        ready: list[list[str]] = []
 
-    def finish(self, timeout: float = 120) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.log.close()
+        def printed_ready() -> bool:
+            ready[:] = [line.split()[1:] for line in self.output().splitlines() if line.startswith("ready")]
+            return bool(ready)
+
+        self.wait_for(printed_ready, "it was ready", timeout)
+        return ready[0]
 
 
 def test_the_exit_code_is_what_main_returned(tmp_path):
