@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import re
 import sys
+import tempfile
 import types
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,9 @@ _OVERRIDE_HELP = (
     "key=value changes a key, +key=value adds a key, ++key=value sets it either way, ~key deletes it; "
     "values are YAML (3e-4, [1,2], null) and may interpolate, e.g. ${trainer.lr}"
 )
+
+
+TINY_MODEL = "tiny"  # `model: tiny` names forge's tiny checkpoint (forge/tiny_model.py)
 
 
 class ConfigError(ValueError):
@@ -86,6 +90,23 @@ def validate(cfg: DictConfig | dict, schema: type[T], *, path: str = "") -> T:
         except OmegaConfBaseException as e:
             raise _interpolation_error(e) from None
     return _build(cfg, schema, path)
+
+
+def load_app_config(path: str | Path | None, overrides: Sequence[str], schema: type[T]) -> T:
+    """Load and validate an app's config, `model: tiny` resolved to forge's tiny checkpoint in `model_cache`
+    (its path fills `${model}`). A first run checks the job against the tiny model's config.json before
+    building the checkpoint, so a config error costs no torch import even then."""
+    cfg = load_config(path, overrides)
+    if cfg.get("model", TINY_MODEL) != TINY_MODEL:
+        return validate(cfg, schema)
+    from forge.tiny_model import ensure_tiny_checkpoint, is_built, write_tiny_config
+
+    tiny = Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3"
+    if not is_built(tiny):
+        with tempfile.TemporaryDirectory() as config_only:
+            validate(load_config(path, [*overrides, f"model={write_tiny_config(config_only)}"]), schema)
+        ensure_tiny_checkpoint(tiny)
+    return validate(load_config(path, [*overrides, f"model={tiny}"]), schema)
 
 
 def to_yaml(obj: Any) -> str:

@@ -7,6 +7,7 @@ has a tiny-model special case.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import string
@@ -37,6 +38,34 @@ DEFAULT_MODEL_ARGS: dict[str, Any] = dict(
 )
 
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def tiny_config(**model_overrides: Any) -> dict[str, Any]:
+    """The tiny checkpoint's `Qwen3Config` fields, in plain Python: a job is checked against them before
+    the checkpoint is built (building imports torch and transformers, seconds on a first run)."""
+    return dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=len(SPECIAL_TOKENS) + len(CHARACTERS),  # the tokenizer's: special tokens first
+        pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
+        eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        **{**DEFAULT_MODEL_ARGS, **model_overrides},
+    )
+
+
+def write_tiny_config(path: str | Path) -> Path:
+    """Write only the tiny checkpoint's config.json to `path` (no weights, no torch)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(tiny_config(), indent=2))
+    return path
+
+
+def is_built(path: str | Path) -> bool:
+    return all((Path(path) / name).is_file() for name in _CHECKPOINT_FILES)
 
 
 def build_tokenizer(max_length: int = DEFAULT_MODEL_ARGS["max_position_embeddings"]) -> PreTrainedTokenizerFast:
@@ -75,15 +104,12 @@ def build_tiny_checkpoint(path: str | Path, *, seed: int = 0, **model_overrides:
         raise ValueError(
             f"build_tiny_checkpoint: unknown model override(s) {unknown}; allowed: Qwen3Config fields except vocab_size"
         )
-    model_args = {**DEFAULT_MODEL_ARGS, **model_overrides}
-    tokenizer = build_tokenizer(model_args["max_position_embeddings"])
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **model_args,
-    )
+    fields = tiny_config(**model_overrides)
+    tokenizer = build_tokenizer(fields["max_position_embeddings"])
+    if (len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id) != (
+            fields["vocab_size"], fields["pad_token_id"], fields["eos_token_id"]):
+        raise RuntimeError("tiny_config's vocabulary disagrees with build_tokenizer")
+    config = Qwen3Config(**{k: v for k, v in fields.items() if k not in ("model_type", "architectures")})
     # Seed a forked RNG so building a checkpoint does not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -101,7 +127,7 @@ def ensure_tiny_checkpoint(path: str | Path) -> Path:
     (several actors starting at once) never see a half-written checkpoint.
     """
     path = Path(path)
-    if all((path / name).is_file() for name in _CHECKPOINT_FILES):
+    if is_built(path):
         return path
     if path.exists() and any(path.iterdir()):
         raise ValueError(
@@ -114,7 +140,7 @@ def ensure_tiny_checkpoint(path: str | Path) -> Path:
         os.rename(staging, path)
     except OSError:
         # Another process renamed its finished copy into place first; use that one.
-        if not all((path / name).is_file() for name in _CHECKPOINT_FILES):
+        if not is_built(path):
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from actors.generator import GeneratorConfig
-from actors.replay_buffer import ReplayBufferConfig
-from actors.trainer import TrainerConfig
-from forge.warm_start import WarmStartConfig
+from actors.generator_config import GeneratorConfig
+from actors.replay_buffer_config import ReplayBufferConfig
+from actors.trainer_config import TrainerConfig
+from forge.warm_start_config import WarmStartConfig
 
 
 @dataclass

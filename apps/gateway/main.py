@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
-from apps.gateway.app import build_app
 from apps.gateway.config import GatewayConfig
-from apps.gateway.runtime import Gateway
-from apps.server.model import load_app_config, warm_started_model
-from apps.server.serving import serve
-from forge.config import ConfigError, parse_args, to_yaml
+from forge.config import ConfigError, load_app_config, parse_args, to_yaml
 from forge.lifecycle import run_job
+
+if TYPE_CHECKING:
+    from apps.gateway.runtime import Gateway
 
 STARTUP_TIMEOUT_S = 600.0  # spawning every actor; Monarch start-up on a loaded 2-core host has taken minutes
 
@@ -40,6 +40,12 @@ async def _stopped(gateway: Gateway, stop: asyncio.Event) -> None:
 async def run(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     """Serve until `stop` is set. Signals, a failed actor mesh and the final clean-up of every process are
     forge.lifecycle's (`run_job`)."""
+    # The stack (torch, Monarch, the web server) is imported once the config has been checked.
+    from apps.gateway.app import build_app
+    from apps.gateway.runtime import Gateway
+    from apps.server.model import warm_started_model
+    from apps.server.serving import serve
+
     model_path, _ = await asyncio.to_thread(warm_started_model, cfg.model, cfg.model_cache, cfg.warm_start, seed=cfg.seed)
     gateway = Gateway(cfg, model_path)
     try:

@@ -8,10 +8,9 @@ stack comes with apps.grpo.main once the config is known to be good. Config erro
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from forge.config import ConfigError, load_config, parse_args, to_yaml, validate
+from forge.config import ConfigError, load_app_config, parse_args, to_yaml
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig
@@ -22,15 +21,9 @@ DESCRIPTION = "Asynchronous GRPO: rollout loops and the training loop run concur
 def load_job_config(argv: list[str]) -> tuple[GRPOConfig, bool]:
     """Parse, resolve `model: tiny` to the built checkpoint, validate: every config error before any process."""
     path, overrides, args = parse_args(argv, description=DESCRIPTION)
-    cfg = load_config(path, overrides)
     from apps.grpo.config import GRPOConfig  # the schema: imported once the arguments have parsed
 
-    if cfg.get("model", "tiny") == "tiny":
-        from forge.tiny_model import ensure_tiny_checkpoint
-
-        tiny = ensure_tiny_checkpoint(Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3")
-        cfg = load_config(path, [*overrides, f"model={tiny}"])
-    job = validate(cfg, GRPOConfig)
+    job = load_app_config(path, overrides, GRPOConfig)
     return job, bool(args.resume or job.resume)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.generator import GeneratorConfig
-from actors.trainer import TrainerConfig
-from forge.warm_start import WarmStartConfig
+from actors.generator_config import GeneratorConfig
+from actors.trainer_config import TrainerConfig
+from forge.warm_start_config import WarmStartConfig
 
 
 @dataclass

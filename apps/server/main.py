@@ -11,12 +11,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from apps.server.app import build_app
 from apps.server.config import ServerConfig
-from apps.server.model import load_app_config, warm_started_model
-from apps.server.runtime import TrainingService
-from apps.server.serving import serve
-from forge.config import ConfigError, parse_args, to_yaml
+from forge.config import ConfigError, load_app_config, parse_args, to_yaml
 from forge.lifecycle import run_job
 
 STARTUP_TIMEOUT_S = 600.0  # spawning the generators; Monarch start-up on a loaded 2-core host has taken minutes
@@ -25,6 +21,12 @@ STARTUP_TIMEOUT_S = 600.0  # spawning the generators; Monarch start-up on a load
 async def run(cfg: ServerConfig, stop: asyncio.Event) -> None:
     """Serve until `stop` is set. Signals, a failed actor mesh and the final clean-up of every process are
     forge.lifecycle's (`run_job`)."""
+    # The stack (torch, Monarch, the web server) is imported once the config has been checked.
+    from apps.server.app import build_app
+    from apps.server.model import warm_started_model
+    from apps.server.runtime import TrainingService
+    from apps.server.serving import serve
+
     model_path, accuracy = await asyncio.to_thread(warm_started_model, cfg.model, cfg.model_cache, cfg.warm_start,
                                                    seed=cfg.seed)
     service = TrainingService(cfg, model_path, accuracy)

@@ -7,26 +7,10 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any
 
-from omegaconf import DictConfig
-
-from forge.config import load_config, validate
 from forge.tasks.arithmetic import ArithmeticTask
-from forge.tiny_model import ensure_tiny_checkpoint
 from forge.warm_start import WarmStartConfig, warm_start
-
-T = TypeVar("T")
-TINY = "tiny"
-
-
-def load_app_config(path: Path | None, overrides: Sequence[str], schema: type[T]) -> T:
-    """Load, resolve `model: tiny` to the built checkpoint (its path fills `${model}`), validate."""
-    cfg: DictConfig = load_config(path, overrides)
-    if cfg.get("model", TINY) == TINY:
-        tiny = ensure_tiny_checkpoint(Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3")
-        cfg = load_config(path, [*overrides, f"model={tiny}"])
-    return validate(cfg, schema)
 
 
 def is_tiny(model: str, model_cache: str) -> bool:

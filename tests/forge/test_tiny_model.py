@@ -1,9 +1,11 @@
+import json
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
 import pytest
 
-from forge.tiny_model import EOS_TOKEN, build_tiny_checkpoint, ensure_tiny_checkpoint
+from forge.tiny_model import EOS_TOKEN, build_tiny_checkpoint, ensure_tiny_checkpoint, write_tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +76,10 @@ def test_ensure_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "ckpt" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         ensure_tiny_checkpoint(tmp_path / "ckpt")
+
+
+def test_the_config_checked_before_building_is_the_built_checkpoints(tmp_path):
+    """Jobs are validated against `write_tiny_config` on a first run: it must say what the checkpoint will say."""
+    written = json.loads((write_tiny_config(tmp_path / "config-only") / "config.json").read_text())
+    built = json.loads((ensure_tiny_checkpoint(tmp_path / "ckpt") / "config.json").read_text())
+    assert {key: built.get(key) for key in written} == written

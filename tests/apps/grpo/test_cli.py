@@ -77,6 +77,22 @@ def test_schema_errors_answer_before_the_heavy_imports(override, message):
     assert message in result.stderr
 
 
+@pytest.mark.parametrize("module, config, override, message", [
+    ("apps.grpo", "configs/grpo_tiny.yaml", "trainer.lr=-1", "config error: trainer.lr=-1.0: must be a number > 0"),
+    ("apps.grpo", "configs/grpo_tiny.yaml", "trainer.tensor_parallel_degree=3", "tensor_parallel_degree=3"),
+    ("apps.server", "configs/server_tiny.yaml", "generator_replicas=0", "config error: generator_replicas=0"),
+    ("apps.gateway", "configs/gateway_tiny.yaml", "generator_replicas=0", "config error: generator_replicas=0"),
+])
+def test_a_first_run_checks_the_config_before_building_the_tiny_model(tmp_path, module, config, override, message):
+    """With nothing in `model_cache` yet, the job is checked against the tiny model's config.json alone; the
+    checkpoint (torch, transformers, seconds) is built only for a config that passed."""
+    cache = tmp_path / "cache"
+    outcome, result = probe("--config", config, f"model_cache={cache}", override, module=module)
+    assert outcome == {"exit": 2, "heavy": []}, result.stderr
+    assert message in result.stderr
+    assert not (cache / "tiny-qwen3").exists()
+
+
 def test_the_probe_sees_heavy_imports():
     outcome, result = probe(module="losses.grpo")  # a loss is torch code
     assert outcome == {"exit": None, "heavy": ["torch"]}, result.stderr
