@@ -12,11 +12,37 @@ from torchtitan.protocols import BaseModelArgs
 from forge.distributed import DataParallel
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature) at the target tokens, in float32: [..., V], [...] -> [...]."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(logits / temperature) at the target tokens, in float32: [..., V], [...] -> [...].
+
+    With `kept_token_ids` ([..., K], -1 padded: what top-k / top-p sampling kept, see forge.types) a position
+    with kept ids is renormalised over exactly those tokens, the distribution the sampler drew from: its log-prob
+    is z_target / T - logsumexp(z_kept / T). A position whose ids are all -1 uses the full vocabulary. A target
+    outside its position's kept set cannot have been sampled from it: a ValueError, not a log-prob of -inf.
+    """
     logits = logits.float() / temperature
     nll = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
-    return -nll.view(targets.shape)
+    full = -nll.view(targets.shape)
+    if kept_token_ids is None:
+        return full
+    if kept_token_ids.shape[:-1] != targets.shape:
+        raise ValueError(f"kept_token_ids: shape {tuple(kept_token_ids.shape)}; must be [*targets.shape, K] = "
+                         f"[{', '.join(map(str, targets.shape))}, K]")
+    kept = kept_token_ids.long()
+    valid = kept >= 0
+    masked = valid.any(-1)
+    target_kept = (kept == targets.unsqueeze(-1)).any(-1)
+    if not bool((target_kept | ~masked).all()):
+        position = tuple((masked & ~target_kept).nonzero()[0].tolist())
+        raise ValueError(f"kept_token_ids: at position {position} the target token {int(targets[position])} is not "
+                         "in the kept set it was sampled from (kept sets misaligned with the targets?)")
+    # Rows without a kept set gather token 0 instead of all -inf: their logsumexp stays finite, so the unused
+    # branch of the `where` below back-propagates zeros, not NaNs.
+    in_sum = valid | ~masked.unsqueeze(-1)
+    kept_logits = logits.gather(-1, kept.clamp(min=0)).masked_fill(~in_sum, float("-inf"))
+    truncated = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - kept_logits.logsumexp(-1)
+    return torch.where(masked, truncated, full)
 
 
 @torch.no_grad()
@@ -37,10 +63,14 @@ def check_input_ids(input_ids: torch.Tensor, model_args: BaseModelArgs) -> None:
                          f"must be in [0, {vocab}) (the vocabulary)")
 
 
-def score_rows(score: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor, rows_per_pass: int,
-               dp: DataParallel) -> torch.Tensor:
+def score_rows(score: Callable[..., torch.Tensor], input_ids: torch.Tensor, rows_per_pass: int,
+               dp: DataParallel, kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`score(rows)` ([b, T] -> [b, T-1]) of the whole batch [B, T]: this rank scores its data-parallel rows,
-    `rows_per_pass` at a time (peak memory is one pass's logits), and every rank gets all rows: [B, T-1] on CPU."""
+    `rows_per_pass` at a time (peak memory is one pass's logits), and every rank gets all rows: [B, T-1] on CPU.
+    Given `kept_token_ids` ([B, T-1, K]), each pass calls `score(rows, their_kept_token_ids)`."""
     start, stop = dp.rows(input_ids.shape[0])
-    local = [score(input_ids[s : min(s + rows_per_pass, stop)]) for s in range(start, stop, rows_per_pass)]
+    local = []
+    for s in range(start, stop, rows_per_pass):
+        rows = slice(s, min(s + rows_per_pass, stop))
+        local.append(score(input_ids[rows]) if kept_token_ids is None else score(input_ids[rows], kept_token_ids[rows]))
     return dp.gather_rows(torch.cat(local)).cpu()

@@ -3,11 +3,16 @@
 Token-aligned tensors in a `TrainBatch` follow one convention: position t holds the quantity for
 *predicting* token t+1 of `input_ids`, so they have length T-1 for a sequence of T tokens. A loss
 therefore needs only `log_softmax(logits[:, :-1]).gather(input_ids[:, 1:])`.
+
+Kept sets. With top-k / top-p the behaviour policy is the truncated, renormalised distribution; each generated
+token then carries the ids of the tokens its sampling step kept (`kept_token_ids`: int32, one row per token,
+padded with -1; at most `forge.sampling.MAX_KEPT_TOKENS` per row) and the trainer renormalises over exactly
+those (`actors.logprobs.token_logprobs`). A row of only -1 means the full vocabulary; None means that everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +31,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS / stop token) or "length"
     # The policy version whose weights produced each generated token.
     policy_versions: list[int]
+    # [len(token_ids), K] int32: the tokens each step kept, -1 padded; None when sampling did not truncate.
+    # Left out of `==` (a tensor has no single truth value); compare it with torch.equal.
+    kept_token_ids: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def oldest_policy_version(self) -> int:
@@ -45,6 +53,8 @@ class Episode:
     reward: float
     advantage: float = 0.0
     ref_logprobs: list[float] | None = None
+    # [len(completion_ids), K] int32, -1 padded (see Completion); left out of `==` like there.
+    kept_token_ids: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def oldest_policy_version(self) -> int:
@@ -63,6 +73,7 @@ class Episode:
             policy_versions=list(completion.policy_versions),
             reward=reward,
             advantage=advantage,
+            kept_token_ids=completion.kept_token_ids,
         )
 
 
@@ -77,6 +88,9 @@ class TrainBatch:
     advantages: torch.Tensor  # [B] float
     rewards: torch.Tensor  # [B] float
     ref_logprobs: torch.Tensor | None = None  # [B, T-1] float
+    # [B, T-1, K] int32: the tokens the sampler kept when it drew target t+1, -1 padded (all -1: full vocabulary);
+    # None when no episode was sampled with top-k / top-p.
+    kept_token_ids: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -92,6 +106,7 @@ class TrainBatch:
             advantages=self.advantages[start:stop],
             rewards=self.rewards[start:stop],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop],
+            kept_token_ids=None if self.kept_token_ids is None else self.kept_token_ids[start:stop],
         )
 
     @classmethod
@@ -106,6 +121,7 @@ class TrainBatch:
         versions = torch.full((batch, length - 1), -1, dtype=torch.long)
         has_ref = all(e.ref_logprobs is not None for e in episodes)
         ref = torch.zeros(batch, length - 1) if has_ref else None
+        kept = _kept_token_ids(episodes, length - 1)
         for row, e in enumerate(episodes):
             p, c = len(e.prompt_ids), len(e.completion_ids)
             input_ids[row, : p + c] = torch.tensor(e.prompt_ids + e.completion_ids, dtype=torch.long)
@@ -116,6 +132,8 @@ class TrainBatch:
             versions[row, span] = torch.tensor(e.policy_versions, dtype=torch.long)
             if ref is not None:
                 ref[row, span] = torch.tensor(e.ref_logprobs, dtype=torch.float32)
+            if kept is not None and e.kept_token_ids is not None:
+                kept[row, span, : e.kept_token_ids.shape[1]] = e.kept_token_ids
         return cls(
             input_ids=input_ids,
             response_mask=response_mask,
@@ -124,4 +142,20 @@ class TrainBatch:
             advantages=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
             rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
             ref_logprobs=ref,
+            kept_token_ids=kept,
         )
+
+
+def _kept_token_ids(episodes: list[Episode], positions: int) -> torch.Tensor | None:
+    """An all -1 [B, positions, K] int32 tensor, K the widest episode's kept set; None if no episode has one."""
+    widths = []
+    for e in episodes:
+        if e.kept_token_ids is None:
+            continue
+        if e.kept_token_ids.dim() != 2 or e.kept_token_ids.shape[0] != len(e.completion_ids):
+            raise ValueError(f"Episode {e.episode_id}: kept_token_ids has shape {tuple(e.kept_token_ids.shape)}; "
+                             f"must be [{len(e.completion_ids)}, K] (one row per completion token)")
+        widths.append(e.kept_token_ids.shape[1])
+    if not widths:
+        return None
+    return torch.full((len(episodes), positions, max(widths)), -1, dtype=torch.int32)

@@ -1,9 +1,10 @@
 """The transformers engine: batched sampling with a KV cache, on CPU or GPU.
 
-It runs anywhere and is the reference for log-prob parity: behaviour log-probs are
-`log_softmax(raw_logits / temperature)` of the sampled token (temperature 0 = greedy, scored at
-temperature 1), exactly what the trainer recomputes with a teacher-forced forward pass. top-k / top-p
-only shape which token is sampled, never its log-prob.
+It runs anywhere and is the reference for log-prob parity: behaviour log-probs are the log-probs of the
+distribution the token was drawn from, exactly what the trainer recomputes with a teacher-forced forward pass:
+`log_softmax(raw_logits / temperature)` (temperature 0 = greedy, scored at temperature 1), and with top-k /
+top-p the same renormalised over the tokens the step kept. Those kept tokens are recorded per generated token
+(`Completion.kept_token_ids`) so the trainer renormalises over exactly them (`actors.logprobs.token_logprobs`).
 
 Weight updates. `load_weights` swaps at once (waiting for a running `generate` to finish: "between
 batches"). `stage_weights` validates now and swaps at the next decode-step boundary ("between decode
@@ -169,7 +170,7 @@ class HFEngine:
         cache = DynamicCache()
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         stopped = torch.zeros_like(finished)
-        step_tokens, step_logprobs, step_versions, step_active = [], [], [], []
+        step_tokens, step_logprobs, step_kept, step_versions, step_active = [], [], [], [], []
         self._apply_staged()  # the start of a batch is a step boundary too
         for step in range(int(budgets.max())):
             version = self._version
@@ -181,9 +182,10 @@ class HFEngine:
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1].float()
-            tokens, logprobs = _sample(logits, params, generator)
+            tokens, logprobs, kept = _sample(logits, params, generator)
             step_tokens.append(tokens)
             step_logprobs.append(logprobs)
+            step_kept.append(kept)
             step_versions.append(version)
             step_active.append(~finished)
             stopped |= ~finished & torch.isin(tokens, stop_ids)
@@ -198,10 +200,14 @@ class HFEngine:
         tokens = torch.stack(step_tokens, dim=1).tolist()
         logprobs = torch.stack(step_logprobs, dim=1).tolist()
         lengths = torch.stack(step_active, dim=1).sum(dim=1).tolist()
+        kept = torch.stack(step_kept, dim=1).cpu() if params.truncates else None  # [batch, steps, K]
         stopped = stopped.tolist()
         completions = []
         for row, ids in enumerate(rows):
             n = lengths[row]
+            row_kept = None
+            if kept is not None:  # kept ids come first in each step's row: trim the columns only -1 fills
+                row_kept = kept[row, :n, : int((kept[row, :n] >= 0).sum(-1).max())].clone()
             completions.append(
                 Completion(
                     prompt_ids=list(ids),
@@ -210,6 +216,7 @@ class HFEngine:
                     logprobs=logprobs[row][:n],
                     finish_reason="stop" if stopped[row] else "length",
                     policy_versions=step_versions[:n],
+                    kept_token_ids=row_kept,
                 )
             )
         return completions
@@ -217,28 +224,36 @@ class HFEngine:
 
 def _sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return it with its behaviour log-prob (unfiltered, at the temperature)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pick one token per row; return it, its behaviour log-prob and the ids the step kept ([batch, K] int32,
+    -1 padded; None when sampling does not truncate)."""
     if params.temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
-    else:
-        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-        filtered = _filter_top_k_top_p(logprobs, params.top_k, params.top_p)
-        tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), None
+    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    if not params.truncates:
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), None
+    kept_logprobs, kept_ids = _truncate(logprobs, params.kept_width, params.top_p)
+    choice = torch.multinomial(kept_logprobs.exp(), 1, generator=generator)
+    return kept_ids.gather(-1, choice).squeeze(-1), kept_logprobs.gather(-1, choice).squeeze(-1), kept_ids.int()
 
 
-def _filter_top_k_top_p(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every token outside the top k, then outside the smallest set holding top_p of the mass."""
-    if 0 < top_k < logprobs.shape[-1]:
-        kth = logprobs.topk(top_k, dim=-1).values[:, -1:]
-        logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))
+def _truncate(logprobs: torch.Tensor, width: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k / top-p distribution, renormalised: its log-probs and token ids ([batch, K], most likely first;
+    dropped tokens have log-prob -inf and id -1).
+
+    The `width` most likely tokens (`SamplingParams.kept_width`: top_k, or MAX_KEPT_TOKENS when only top_p is
+    set; ties broken by `topk`), then top_p keeps the smallest prefix holding top_p of their renormalised mass
+    (a token stays while the tokens ranked above it hold at most top_p; the top token always stays).
+    """
+    width = min(width, logprobs.shape[-1])
+    top_logprobs, top_ids = logprobs.topk(width, dim=-1)  # sorted, most likely first
+    top_logprobs = top_logprobs.log_softmax(dim=-1)
     if top_p < 1:
-        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
-        probs = sorted_logprobs.softmax(dim=-1)  # renormalised after top-k
-        # Drop a token once the tokens ranked above it already hold top_p; the top token always stays.
-        drop_sorted = probs.cumsum(dim=-1) - probs > top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logprobs = logprobs.masked_fill(drop, float("-inf"))
-    return logprobs
+        probs = top_logprobs.exp()
+        dropped = probs.cumsum(dim=-1) - probs > top_p
+        top_logprobs = top_logprobs.masked_fill(dropped, float("-inf")).log_softmax(dim=-1)
+        top_ids = top_ids.masked_fill(dropped, -1)
+    return top_logprobs, top_ids

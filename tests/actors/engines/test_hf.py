@@ -8,8 +8,11 @@ from transformers import AutoModelForCausalLM
 from actors import engines
 from actors.engines import Engine, make_engine
 from actors.engines.hf import HFEngine
+from actors.logprobs import token_logprobs
+from forge import sampling
+from forge.sampling import MAX_KEPT_TOKENS
 from forge.tiny_model import build_tiny_checkpoint
-from forge.types import SamplingParams
+from forge.types import Episode, SamplingParams, TrainBatch
 
 PROMPTS = ["1+2=", "12+34=", "what is 99+1? 99+1="]  # different lengths: left padding in every batch
 
@@ -42,13 +45,12 @@ def teacher_forced(model, prompt_ids, token_ids, temperature):
     return logprobs, logprobs.gather(-1, torch.tensor(token_ids)[:, None]).squeeze(-1)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 20, 0.9), (1.0, 0, 1.0), (0.0, 0, 1.0)])
-def test_behaviour_logprobs_match_a_teacher_forced_forward(engine, checkpoint, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_behaviour_logprobs_match_a_teacher_forced_forward(engine, checkpoint, temperature):
     tokenizer = engine.tokenizer
     # Stopping on common characters gives completions of many different lengths within one batch.
     stops = tokenizer.convert_tokens_to_ids(list("02468ae"))
-    params = SamplingParams(n=4, max_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p,
-                            stop_token_ids=stops, seed=1)
+    params = SamplingParams(n=4, max_tokens=12, temperature=temperature, stop_token_ids=stops, seed=1)
     results = engine.generate(PROMPTS, params)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint)
     lengths = set()
@@ -61,9 +63,71 @@ def test_behaviour_logprobs_match_a_teacher_forced_forward(engine, checkpoint, t
             if temperature == 0:
                 assert completion.token_ids == all_logprobs.argmax(-1).tolist()
             assert completion.policy_versions == [0] * len(completion.token_ids)
+            assert completion.kept_token_ids is None  # nothing truncated: the trainer uses the full vocabulary
             assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             lengths.add(len(completion.token_ids))
     assert len(lengths) > 1
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.8), (1.0, 5, 1.0), (0.7, 20, 0.9)])
+def test_trainer_replays_the_kept_sets_of_truncated_sampling(engine, checkpoint, temperature, top_k, top_p):
+    """The trainer's log-probs (actors.logprobs.token_logprobs over the batch's kept sets, teacher-forced through
+    Completion -> Episode -> TrainBatch) equal the behaviour log-probs of top-k / top-p sampling within 1e-5."""
+    stops = engine.tokenizer.convert_tokens_to_ids(list("02468ae"))
+    params = SamplingParams(n=4, max_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p,
+                            stop_token_ids=stops, seed=1)
+    completions = [c for group in engine.generate(PROMPTS, params) for c in group]
+    episodes = [Episode.from_completion(c, episode_id=i, group_id=0, reward=0.0) for i, c in enumerate(completions)]
+    batch = TrainBatch.from_episodes(episodes, engine.pad_token_id)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        logits = reference(batch.input_ids).logits[:, :-1]  # right padding changes no earlier logit
+    targets, on_response = batch.input_ids[:, 1:], batch.response_mask.bool()
+    replayed = token_logprobs(logits, targets, temperature, batch.kept_token_ids)
+    torch.testing.assert_close(replayed[on_response], batch.behaviour_logprobs[on_response], atol=1e-5, rtol=0)
+    # Without the kept sets the trainer measures another policy: the full vocabulary's log-probs are lower.
+    full = token_logprobs(logits, targets, temperature)
+    assert bool((full[on_response] < batch.behaviour_logprobs[on_response] - 1e-3).all())
+
+    # The kept sets are what the sampler kept: exactly top_k tokens, or the smallest most-likely prefix holding
+    # top_p of the mass, each holding the sampled token; and every token still carries its policy version.
+    probs = (logits.float() / temperature).softmax(-1)
+    for row, completion in enumerate(completions):
+        kept = completion.kept_token_ids
+        assert kept.dtype == torch.int32 and kept.shape[0] == len(completion.token_ids)
+        assert completion.policy_versions == [0] * len(completion.token_ids)
+        start = len(completion.prompt_ids) - 1
+        for step, token in enumerate(completion.token_ids):
+            ids = kept[step][kept[step] >= 0].long()
+            assert token in ids.tolist() and len(set(ids.tolist())) == len(ids)
+            p = probs[row, start + step]
+            assert p[ids].min() >= p.topk(len(ids)).values[-1] - 1e-6  # the most likely tokens
+            if top_p == 1:
+                assert len(ids) == top_k
+                continue
+            width = min(top_k or MAX_KEPT_TOKENS, p.numel())
+            top = p.topk(width).values / p.topk(width).values.sum()  # renormalised over the top_k first
+            assert top[: len(ids) - 1].sum() <= top_p + 1e-5  # the last kept token was still needed ...
+            assert top[: len(ids)].sum() > top_p - 1e-5 or len(ids) == width  # ... and it was the last one needed
+
+
+def test_top_p_keeps_at_most_max_kept_tokens(engine, checkpoint, monkeypatch):
+    """Past the bound top_p samples from the MAX_KEPT_TOKENS most likely tokens: the recorded set is complete and
+    the replay exact (a top_k above the bound is refused outright)."""
+    monkeypatch.setattr(sampling, "MAX_KEPT_TOKENS", 3)
+    params = SamplingParams(n=4, max_tokens=8, temperature=1.0, top_p=0.99, seed=2)
+    completions = [c for group in engine.generate(PROMPTS, params) for c in group]
+    assert all(c.kept_token_ids.shape[1] == 3 for c in completions)  # the near-uniform tiny model needs more
+    batch = TrainBatch.from_episodes(
+        [Episode.from_completion(c, episode_id=i, group_id=0, reward=0.0) for i, c in enumerate(completions)],
+        engine.pad_token_id)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(checkpoint)(batch.input_ids).logits[:, :-1]
+    on_response = batch.response_mask.bool()
+    replayed = token_logprobs(logits, batch.input_ids[:, 1:], 1.0, batch.kept_token_ids)
+    torch.testing.assert_close(replayed[on_response], batch.behaviour_logprobs[on_response], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"SamplingParams.top_k=4: must be <= 3"):
+        SamplingParams(top_k=4)
 
 
 def test_greedy_is_deterministic_and_independent_of_the_batch(engine):
@@ -86,14 +150,14 @@ def test_n_samples_per_prompt_differ_and_a_request_seed_reproduces_them(engine):
 
 
 @pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (0, 1e-6), (50, 1e-6)])
-def test_top_k_top_p_shape_sampling_but_not_the_logprobs(engine, top_k, top_p):
+def test_a_single_kept_token_is_sampled_with_probability_one(engine, top_k, top_p):
     greedy = engine.generate(PROMPTS, SamplingParams(n=1, max_tokens=8, temperature=0.0))
     narrow = engine.generate(PROMPTS, SamplingParams(n=3, max_tokens=8, temperature=1.0, top_k=top_k, top_p=top_p))
     for [expected], samples in zip(greedy, narrow):
         for sample in samples:
             assert sample.token_ids == expected.token_ids  # only the top token survives the filter
-            assert sample.logprobs == pytest.approx(expected.logprobs, abs=1e-6)  # the unfiltered log-prob
-            assert max(sample.logprobs) < -0.1
+            assert sample.logprobs == [0.0] * len(sample.token_ids)  # ... and is drawn with probability 1
+            assert sample.kept_token_ids.tolist() == [[token] for token in sample.token_ids]
 
 
 def _with_lm_head(engine, make_head):
