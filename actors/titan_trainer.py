@@ -28,8 +28,10 @@ from actors.logprobs import check_input_ids, score_rows, token_entropy, token_lo
 from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
+from forge.loss_rules import PI_OLD_PARAMS, uses_old_logprobs
 from forge.types import TrainBatch
 from losses import LossOutput, get_loss
+from losses.mismatch import mismatch_metrics, version_lags
 
 _STATEFUL_PARTS = ("optimizer", "lr_scheduler", "train_state")
 
@@ -75,6 +77,9 @@ class TitanTrainer:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = local_device(config.device)
         self.loss_fn = get_loss(config.loss)
+        self._needs_pi_old = uses_old_logprobs(config.loss_params)
+        # The rollout correction's fields, for the mismatch metrics (what it masks and truncates).
+        self._correction_params = {k: v for k, v in config.loss_params.items() if k in PI_OLD_PARAMS}
         self.model_path = resolve_model_path(config.model_path)
         self.parallel_dims = parallel_dims(world_size, tp)
         job = build_job_config(dtype=config.dtype, tensor_parallel_degree=tp,
@@ -130,14 +135,19 @@ class TitanTrainer:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch."""
         check_input_ids(batch.input_ids, self.model_args)
-        return score_rows(lambda rows: self._forward(rows, with_entropy=False)[0], batch.input_ids.to(self.device),
+        return self._score(batch.input_ids.to(self.device))
+
+    @torch.no_grad()
+    def _score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return score_rows(lambda rows: self._forward(rows, with_entropy=False)[0], input_ids,
                           self.config.micro_batch_size, self.dp)
 
     # -- training ---------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """`minibatches` optimizer steps, one per contiguous slice of the batch (every rank passes the same
-        batch), as one policy version; returns the slices' metrics averaged. The LR schedule advances once."""
+        batch), as one policy version; returns the slices' metrics averaged and the batch's mismatch metrics
+        (losses.mismatch). The LR schedule advances once."""
         if self.step >= self.config.max_steps:
             raise RuntimeError(f"train_step: step {self.step} reached TrainerConfig.max_steps={self.config.max_steps}")
         started = time.perf_counter()
@@ -146,17 +156,27 @@ class TitanTrainer:
         if rows % (count * self.dp.degree):
             raise ValueError(f"batch of {rows} sequences: must be a multiple of TrainerConfig.minibatches={count} "
                              f"x the data-parallel degree {self.dp.degree}")
+        lags = version_lags(batch, self.policy_version)
         batch = to_device(batch, self.device)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        # pi_old: the weights before the first optimizer step, scored once for the whole batch and sliced with it.
+        # With one minibatch the training forward itself is pi_old, so it costs nothing extra.
+        old_logprobs = self._score(batch.input_ids).to(self.device) if self._needs_pi_old and count > 1 else None
         size = rows // count
         # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
-        # samples are off-policy and the loss's clip bounds the update.
-        per_slice = [self._optimizer_step(batch.slice(s, s + size)) for s in range(0, rows, size)]
+        # samples are off-policy and the loss's clip bounds the update (around pi_old with a rollout correction).
+        per_slice, train_logprobs = [], []
+        for s in range(0, rows, size):
+            old_slice = None if old_logprobs is None else old_logprobs[s : s + size]
+            metrics, logprobs = self._optimizer_step(batch.slice(s, s + size), old_slice)
+            per_slice.append(metrics)
+            train_logprobs.append(logprobs if old_slice is None else old_slice)
         self.lr_schedulers.step()
+        mismatch = mismatch_metrics(torch.cat(train_logprobs), batch, lags, **self._correction_params)
         self.train_state.step += 1
         self.train_state.policy_version += 1
         metrics = {key: sum(m[key] for m in per_slice) / count for key in per_slice[0]}
-        metrics.update(lr=lr, tokens_per_second=batch.input_ids.numel() / (time.perf_counter() - started),
+        metrics.update(mismatch, lr=lr, tokens_per_second=batch.input_ids.numel() / (time.perf_counter() - started),
                        policy_version=float(self.policy_version))
         interval = self.config.checkpoint_interval
         if interval and self.step % interval == 0:
@@ -164,11 +184,14 @@ class TitanTrainer:
         return metrics
 
     def accumulate_gradients(
-        self, batch: TrainBatch, loss_fn: Any, loss_params: dict[str, Any], *, with_entropy: bool = False
+        self, batch: TrainBatch, loss_fn: Any, loss_params: dict[str, Any], *,
+        old_logprobs: torch.Tensor | None = None, old_is_current: bool = False, with_entropy: bool = False
     ) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
         """Add d(loss)/d(params) of the whole batch to the parameters' gradients, micro-batch by micro-batch.
 
-        Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if asked, the token entropies.
+        `old_logprobs` (pi_old, [B, T-1]) go to the loss when given; `old_is_current`: the weights have not
+        stepped on this batch yet, so pi_old is this forward's own log-probs (exactly). Returns the loss output,
+        the batch's log-probs [B, T-1] (detached) and, if asked, the token entropies.
         """
         start, stop = self.dp.rows(batch.num_sequences)
         size = self.config.micro_batch_size
@@ -181,7 +204,10 @@ class TitanTrainer:
         entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
         logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
 
-        out: LossOutput = loss_fn(logprobs, batch, **loss_params)
+        if old_is_current:
+            old_logprobs = logprobs.detach()
+        pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
+        out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
         if not out.loss.requires_grad:
             name = getattr(loss_fn, "__name__", repr(loss_fn))
             raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
@@ -198,19 +224,26 @@ class TitanTrainer:
                 offset += mb.num_sequences
         return out, logprobs.detach(), entropy
 
-    def _optimizer_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the whole (mini)batch; each rank back-propagates its own rows."""
+    def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> tuple[dict[str, float],
+                                                                                          torch.Tensor]:
+        """One optimizer step on the whole (mini)batch; each rank back-propagates its own rows. Returns its
+        metrics and the log-probs it was scored with (before the step). Without `old_logprobs` a loss that needs
+        pi_old gets these log-probs: the weights have not stepped on this batch yet (one minibatch)."""
         self.optimizers.zero_grad()
-        out, _, entropy = self.accumulate_gradients(batch, self.loss_fn, self.config.loss_params, with_entropy=True)
+        old_is_current = old_logprobs is None and self._needs_pi_old
+        out, logprobs, entropy = self.accumulate_gradients(batch, self.loss_fn, self.config.loss_params,
+                                                           old_logprobs=old_logprobs, old_is_current=old_is_current,
+                                                           with_entropy=True)
         grad_norm = titan_dist.clip_grad_norm_(list(self.model.parameters()), self.config.max_grad_norm, foreach=True)
         self.optimizers.step()
         mask = batch.response_mask
-        return {
+        metrics = {
             **out.metrics,
             "loss": out.loss.item(),
             "grad_norm": grad_norm.item(),
             "entropy": ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
         }
+        return metrics, logprobs
 
     # -- weights in Hugging Face names --------------------------------------------------------------
 

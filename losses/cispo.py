@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from forge.types import TrainBatch
-from losses.terms import check_hyperparams, importance_ratio, loss_metrics, masked_mean
+from losses.terms import Band, check_hyperparams, importance_ratio, loss_metrics, masked_mean
 from losses.types import LossOutput
 
 
@@ -17,6 +17,8 @@ def cispo(
     clip_low: float = 1.0,
     clip_high: float = 0.28,
     tis_cap: float | None = None,
+    token_mask_band: Band = None,
+    seq_mask_band: Band = None,
 ) -> LossOutput:
     """CISPO (arXiv:2506.13585) as a loss, the negated objective:
 
@@ -25,11 +27,13 @@ def cispo(
     The importance weight is clipped and detached (sg = stop-gradient) instead of the update, so every
     token keeps its REINFORCE gradient, only with a bounded weight. The default clip_low=1 is the
     paper's "no lower bound". Only the gradient is meaningful; the value is not a surrogate objective.
-    r_t and w_t (`tis_cap`) as in `losses.grpo.grpo`.
+    r_t and w_t (the rollout correction) as in `losses.grpo.grpo`.
     """
-    check_hyperparams("cispo", clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap)
+    check_hyperparams("cispo", clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
+                      token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     mask = batch.response_mask
-    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap)
+    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap,
+                                           token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     ratio = log_ratio.exp()
     clipped_weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()  # sg(clip(r_t, ...))
     advantages = batch.advantages.unsqueeze(-1)

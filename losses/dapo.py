@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from forge.types import TrainBatch
-from losses.terms import check_hyperparams, clip_active, clipped_surrogate, importance_ratio, loss_metrics, masked_mean
+from losses.terms import Band, check_hyperparams, clip_active, clipped_surrogate, importance_ratio, loss_metrics, masked_mean
 from losses.types import LossOutput
 
 
@@ -17,6 +17,8 @@ def dapo(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     tis_cap: float | None = None,
+    token_mask_band: Band = None,
+    seq_mask_band: Band = None,
 ) -> LossOutput:
     """DAPO (arXiv:2503.14476) as a loss, the negated objective:
 
@@ -25,11 +27,13 @@ def dapo(
     Clip-higher (eps_high > eps_low) leaves room for low-probability tokens to grow; the token-level
     mean weighs every token equally, so long sequences are not down-weighted. No KL term. Dynamic
     sampling (dropping groups whose rewards are all equal) happens before the loss: see
-    `losses.advantages.zero_variance_groups`. r_t and w_t (`tis_cap`) as in `losses.grpo.grpo`.
+    `losses.advantages.zero_variance_groups`. r_t and w_t (the rollout correction) as in `losses.grpo.grpo`.
     """
-    check_hyperparams("dapo", clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap)
+    check_hyperparams("dapo", clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
+                      token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     mask = batch.response_mask
-    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap)
+    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap,
+                                           token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     ratio = log_ratio.exp()
     advantages = batch.advantages.unsqueeze(-1)
     token_loss = -is_weight * clipped_surrogate(ratio, advantages, clip_low, clip_high)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from forge.types import TrainBatch
-from losses.terms import check_hyperparams, clip_active, clipped_surrogate, importance_ratio, loss_metrics, masked_sum
+from losses.terms import Band, check_hyperparams, clip_active, clipped_surrogate, importance_ratio, loss_metrics, masked_sum
 from losses.types import LossOutput
 
 
@@ -17,6 +17,8 @@ def dr_grpo(
     clip_eps: float = 0.2,
     max_tokens: int | None = None,
     tis_cap: float | None = None,
+    token_mask_band: Band = None,
+    seq_mask_band: Band = None,
 ) -> LossOutput:
     """Dr. GRPO (arXiv:2503.20783) as a loss, the negated objective:
 
@@ -25,11 +27,13 @@ def dr_grpo(
     GRPO without its two biases: no 1/|o_i| (which favours long wrong answers and short right ones)
     and no std normalisation of the advantage; the token sum is divided by a constant, L_max =
     `max_tokens` (the generation budget; default T-1). The advantage must be mean-centred only:
-    `group_advantages(..., normalize_std=False)`. r_t and w_t (`tis_cap`) as in `losses.grpo.grpo`.
+    `group_advantages(..., normalize_std=False)`. r_t and w_t (the rollout correction) as in `losses.grpo.grpo`.
     """
-    check_hyperparams("dr_grpo", clip_eps=clip_eps, max_tokens=max_tokens, tis_cap=tis_cap)
+    check_hyperparams("dr_grpo", clip_eps=clip_eps, max_tokens=max_tokens, tis_cap=tis_cap,
+                      token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     mask = batch.response_mask
-    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap)
+    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap,
+                                           token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     ratio = log_ratio.exp()
     advantages = batch.advantages.unsqueeze(-1)
     token_loss = -is_weight * clipped_surrogate(ratio, advantages, clip_eps, clip_eps)

@@ -6,6 +6,7 @@ import torch
 
 from forge.types import TrainBatch
 from losses.terms import (
+    Band,
     check_hyperparams,
     clip_active,
     clipped_surrogate,
@@ -26,21 +27,26 @@ def grpo(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     tis_cap: float | None = None,
+    token_mask_band: Band = None,
+    seq_mask_band: Band = None,
 ) -> LossOutput:
     """GRPO (arXiv:2402.03300) as a loss, the negated objective:
 
         L = -1/G sum_i 1/|o_i| sum_t [ w_t min(r_t A_i, clip(r_t, 1-eps, 1+eps) A_i) - beta KL_t ]
 
-    r_t = pi_theta / pi_anchor and w_t as in `losses.terms.importance_ratio`: without `tis_cap` the
-    anchor is the behaviour policy the generator sampled from and w_t = 1; with `tis_cap=C` the
-    anchor is the trainer's own pre-update policy and w_t = min(pi_old / pi_behaviour, C), detached
-    (decoupled PPO with truncated importance sampling for stale samples). A_i comes from
+    r_t = pi_theta / pi_anchor (`losses.terms.importance_ratio`): without `tis_cap` the anchor is the
+    behaviour policy the generator sampled from; with `tis_cap=C` it is pi_old, the trainer's own policy
+    before this batch's update (decoupled PPO). w_t is the detached rollout correction
+    (`losses.terms.correction_weight`): 1 when none is set; TIS with `tis_cap`, MIS/IcePop token masks with
+    `token_mask_band`, geometric-mean sequence masks with `seq_mask_band`. A_i comes from
     `batch.advantages`. KL_t estimates KL(pi_theta || pi_ref) with `kl_estimator` ("k1", "k2", "k3");
     it is added only when `batch.ref_logprobs` is set and `kl_coef` (beta) > 0.
     """
-    check_hyperparams("grpo", clip_eps=clip_eps, kl_coef=kl_coef, kl_estimator=kl_estimator, tis_cap=tis_cap)
+    check_hyperparams("grpo", clip_eps=clip_eps, kl_coef=kl_coef, kl_estimator=kl_estimator, tis_cap=tis_cap,
+                      token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     mask = batch.response_mask
-    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap)
+    log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap,
+                                           token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     ratio = log_ratio.exp()  # r_t
     advantages = batch.advantages.unsqueeze(-1)  # A_i, the same for every token of sequence i
     token_loss = -is_weight * clipped_surrogate(ratio, advantages, clip_eps, clip_eps)

@@ -24,25 +24,73 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / (mask > 0).sum(dim).clamp(min=1)
 
 
-def truncated_is_weight(
-    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+Band = tuple[float, float] | list[float] | None  # [low, high] of a ratio, or None: no bound
+
+
+def in_band(values: torch.Tensor, band: Band) -> torch.Tensor:
+    """low <= values <= high; everything when band is None."""
+    if band is None:
+        return torch.ones_like(values, dtype=torch.bool)
+    return (values >= band[0]) & (values <= band[1])
+
+
+def correction_weight(
+    old_logprobs: torch.Tensor,
+    batch: TrainBatch,
+    *,
+    tis_cap: float | None,
+    token_mask_band: Band,
+    seq_mask_band: Band,
 ) -> torch.Tensor:
-    """min(pi_old / pi_behaviour, cap) per token, detached; 1 off the mask."""
-    log_weight = torch.where(mask > 0, old_logprobs - behaviour_logprobs, 0).detach()
-    return log_weight.exp().clamp(max=cap)
+    """The detached per-token weight w_t that corrects for tokens sampled by pi_behaviour (the generator, possibly
+    some versions old or numerically different) instead of pi_old (the trainer before this batch's update).
+
+    With rho_t = pi_old(o_t) / pi_behaviour(o_t) and g_i = exp(1/|o_i| sum_t log rho_t), its geometric mean:
+
+        w_t = c_t * 1[low_tok <= rho_t <= high_tok] * 1[low_seq <= g_i <= high_seq]
+        c_t = min(rho_t, C) with tis_cap=C, else 1
+
+    Each published correction is a choice of these fields:
+      TIS, truncated IS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+        Training"): w_t = min(rho_t, C)                          tis_cap=C
+      MIS, masked IS (the same authors' follow-up; verl's token-level rejection): w_t = rho_t 1[rho_t <= C]
+                                                                 tis_cap=C, token_mask_band=[0, C]
+      IcePop (Ring-1T, arXiv:2510.18855, "Small Leak Can Sink a Great Ship"): w_t = M(rho_t; alpha, beta),
+        M(k) = k on [alpha, beta], 0 outside                     tis_cap=beta, token_mask_band=[alpha, beta]
+      Geometric-mean sequence masking (verl's "geometric" rejection): sequence i is dropped when g_i leaves
+        the band, a length-independent test of how off-policy the whole sequence is   seq_mask_band=[low, high]
+    A masked token keeps its place in the loss's normaliser (as in IcePop's equation): it only contributes 0.
+    Off the response w_t is 1 (ignored by the losses).
+    """
+    mask = batch.response_mask
+    log_rho = torch.where(mask > 0, old_logprobs - batch.behaviour_logprobs, 0).detach()
+    rho = log_rho.exp()
+    weight = torch.ones_like(rho) if tis_cap is None else rho.clamp(max=tis_cap)
+    keep = in_band(rho, token_mask_band)
+    if seq_mask_band is not None:
+        geometric_mean = masked_mean(log_rho, mask, dim=-1).exp()  # g_i
+        keep = keep & in_band(geometric_mean, seq_mask_band).unsqueeze(-1)
+    return torch.where(keep | (mask == 0), weight, 0)
 
 
 def importance_ratio(
-    logprobs: torch.Tensor, batch: TrainBatch, *, old_logprobs: torch.Tensor | None, tis_cap: float | None
+    logprobs: torch.Tensor,
+    batch: TrainBatch,
+    *,
+    old_logprobs: torch.Tensor | None,
+    tis_cap: float | None,
+    token_mask_band: Band = None,
+    seq_mask_band: Band = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log(pi_theta / pi_anchor) (0 off the mask) and the detached correction weight.
+    """Per-token log(pi_theta / pi_anchor) (0 off the mask) and the detached correction weight w_t.
 
-    Decoupled PPO (Hilton et al. 2021, arXiv:2110.00641) with truncated importance sampling:
-      tis_cap=None: anchor = pi_behaviour (the generator's recorded log-probs), weight = 1.
-      tis_cap=C:    anchor = pi_old (the trainer before this update),
-                    weight = min(pi_old / pi_behaviour, C), the stale-sample correction.
-    The clip then bounds how far this update moves from the anchor, and the weight corrects for the
-    tokens having been sampled by an older (or numerically different) policy.
+    Decoupled PPO (Hilton et al. 2021, arXiv:2110.00641):
+      tis_cap=None: anchor = pi_behaviour (the generator's recorded log-probs).
+      tis_cap=C:    anchor = pi_old (the trainer before this batch's first optimizer step).
+    The clip then bounds how far this update moves from the anchor, and w_t (`correction_weight`) corrects for
+    the tokens having been sampled by an older (or numerically different) policy. Any correction needs
+    `old_logprobs` (pi_old); without them this raises rather than guess (pi_theta would make r_t = 1 and switch
+    the clip off).
     """
     mask = batch.response_mask
     for name, tensor in (("logprobs", logprobs), ("batch.behaviour_logprobs", batch.behaviour_logprobs),
@@ -53,13 +101,16 @@ def importance_ratio(
     if batch.advantages.shape != mask.shape[:1]:
         raise ValueError(f"batch.advantages has shape {tuple(batch.advantages.shape)}; must be "
                          f"({mask.shape[0]},), one per sequence")
-    if tis_cap is None:
-        anchor, weight = batch.behaviour_logprobs, torch.ones_like(logprobs)
-    else:
-        old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs
-        anchor, weight = old_logprobs, truncated_is_weight(old_logprobs, batch.behaviour_logprobs, mask, tis_cap)
-    log_ratio = torch.where(mask > 0, logprobs - anchor.detach(), 0)
-    return log_ratio, weight
+    corrections = {"tis_cap": tis_cap, "token_mask_band": token_mask_band, "seq_mask_band": seq_mask_band}
+    if not any(value is not None for value in corrections.values()):
+        return torch.where(mask > 0, logprobs - batch.behaviour_logprobs.detach(), 0), torch.ones_like(logprobs)
+    if old_logprobs is None:
+        on = {name: value for name, value in corrections.items() if value is not None}
+        raise ValueError(f"old_logprobs=None with {on}: the correction needs pi_old, the trainer's log-probs before "
+                         "the batch's first optimizer step (TitanTrainer.train_step passes them)")
+    weight = correction_weight(old_logprobs, batch, **corrections)
+    anchor = batch.behaviour_logprobs if tis_cap is None else old_logprobs
+    return torch.where(mask > 0, logprobs - anchor.detach(), 0), weight
 
 
 def clipped_surrogate(
@@ -111,6 +162,7 @@ def loss_metrics(
         "ratio_max": torch.where(on, ratio, -math.inf).amax(),
         "is_weight_mean": masked_mean(is_weight, mask),
         "is_weight_max": torch.where(on, is_weight, -math.inf).amax(),
+        "masked_fraction": masked_mean((is_weight == 0).to(ratio.dtype), mask),  # tokens a correction dropped
     }
     if kl is not None:
         metrics["kl"] = masked_mean(kl, mask)

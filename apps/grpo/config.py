@@ -20,6 +20,7 @@ from actors.generator_config import GeneratorConfig
 from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
+from forge.loss_rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
 from forge.tasks import load_callable
 from forge.warm_start_config import WarmStartConfig
@@ -174,6 +175,8 @@ class GRPOConfig:
                 f"trainer.temperature={self.trainer.temperature}: must equal rollout.temperature="
                 f"{self.rollout.temperature} (log-probs are compared at the sampling temperature)"
             )
+        check_advantage_normalization(self.trainer.loss, self.rollout.normalize_advantages, loss_field="trainer.loss",
+                                      normalize_field="rollout.normalize_advantages")
         if self.trainer.max_steps < self.steps:
             raise ValueError(f"trainer.max_steps={self.trainer.max_steps}: must be >= steps={self.steps}")
         if self.generator.engine == "vllm":

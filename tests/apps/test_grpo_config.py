@@ -210,7 +210,15 @@ BAD = [
     ("trainer.dtype=float8", r"trainer\.dtype='float8': must be one of float32, bfloat16"),
     ("trainer.loss_params.clip_eps=-0.1", r"trainer\.loss_params \(grpo\): clip_eps=-0\.1: must be a number > 0"),
     ("trainer.loss_params.bogus=1", r"trainer\.loss_params=\{.*\}: \['bogus'\] not taken by loss 'grpo'; allowed: "
-                                    r"\['clip_eps', 'kl_coef', 'kl_estimator', 'tis_cap'\]"),
+                                    r"\['clip_eps', 'kl_coef', 'kl_estimator', 'seq_mask_band', 'tis_cap', "
+                                    r"'token_mask_band'\]"),
+    ("trainer.loss=dr_grpo", r"trainer\.loss='dr_grpo' with rollout\.normalize_advantages=True: Dr\. GRPO's advantage is "
+                             r"mean-centred only .*; set rollout\.normalize_advantages=false"),
+    ("+trainer.loss_params.token_mask_band=[5.0,0.5]",
+     r"trainer\.loss_params \(grpo\): token_mask_band=\[5\.0, 0\.5\]: must be None \(off\) or \[low, high\] with "
+     r"0 <= low < high"),
+    ("+trainer.loss_params.seq_mask_band=0.9",
+     r"trainer\.loss_params \(grpo\): seq_mask_band=0\.9: must be None \(off\) or \[low, high\] with 0 <= low < high"),
     ("steps=many", r"steps='many': expected int, got str"),
     ("+no_such_section.key=1", r"no_such_section=\{'key': 1\}: unknown key\. Allowed keys: generator, trainer, "),
     ("checkpoint.keep=0", r"checkpoint\.keep=0: must be >= 1"),
@@ -245,3 +253,11 @@ def test_asking_for_gpus_on_a_cpu_host_fails_naming_the_layout():
     cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "resources.with_gpus=true"])
     with pytest.raises(ConfigError, match=r"needs 2 GPUs \(generator_replicas=1 x generator_procs=1 \+ trainer_procs=1\) but 0"):
         check_resources(cfg)
+
+
+def test_dr_grpo_runs_with_mean_centred_advantages_and_the_rollout_corrections_parse():
+    cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "trainer.loss=dr_grpo",
+                              "rollout.normalize_advantages=false", "+trainer.loss_params.tis_cap=5.0",
+                              "+trainer.loss_params.token_mask_band=[0.5,5.0]", "+trainer.loss_params.seq_mask_band=[0.9,1.1]"])
+    assert cfg.trainer.loss_params == {"clip_eps": 0.2, "tis_cap": 5.0, "token_mask_band": [0.5, 5.0],
+                                       "seq_mask_band": [0.9, 1.1]}

@@ -23,7 +23,7 @@ def test_the_torch_free_registry_matches_the_loss_functions():
     assert LOSS_NAMES == tuple(LOSSES)
     for name, fn in LOSSES.items():
         assert loss_hyperparams(name) == set(inspect.signature(fn).parameters) - SUPPLIED_BY_TRAINER, name
-    assert loss_hyperparams("grpo") == {"clip_eps", "kl_coef", "kl_estimator", "tis_cap"}
+    assert loss_hyperparams("grpo") == {"clip_eps", "kl_coef", "kl_estimator", "tis_cap", "token_mask_band", "seq_mask_band"}
 
 
 def test_a_callable_is_returned_as_is():

@@ -95,16 +95,3 @@ def test_grpo_truncated_importance_sampling_is_decoupled_ppo(case):
     weights = [min(math.exp(case.old[i][t] - case.behaviour[i][t]), 1.5) for i in range(3) for t in case.tokens(i)]
     assert out.metrics["is_weight_mean"] == pytest.approx(sum(weights) / len(weights))
     assert out.metrics["is_weight_max"] == pytest.approx(1.5)  # pi_old / pi_behaviour reaches 3, capped
-
-
-def test_grpo_tis_without_old_logprobs_anchors_on_current_policy(case):
-    # First step on fresh samples: pi_old is pi_theta itself, so r = 1 and only the weight corrects.
-    logprobs = case.logprobs_leaf()
-    out = grpo(logprobs, case.batch(), clip_eps=0.2, tis_cap=1.2)
-    out.loss.backward()
-    for i in range(3):
-        tokens = case.tokens(i)
-        for t in tokens:
-            w = min(math.exp(case.logprobs[i][t] - case.behaviour[i][t]), 1.2)
-            assert logprobs.grad[i, t].item() == pytest.approx(-w * case.advantages[i] / len(tokens) / 3, rel=1e-12)
-    assert out.metrics["ratio_min"] == out.metrics["ratio_max"] == 1.0

@@ -70,3 +70,9 @@ def test_bad_hyperparameters_are_named(case, name):
         LOSSES[name](case.logprobs_leaf(), case.batch(), tis_cap=-1)
     with pytest.raises(TypeError, match="clip_epsilon"):
         LOSSES[name](case.logprobs_leaf(), case.batch(), clip_epsilon=0.2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_correction_without_pi_old_raises(case, name):
+    with pytest.raises(ValueError, match=r"old_logprobs=None with \{'tis_cap': 2.0\}: the correction needs pi_old"):
+        LOSSES[name](case.logprobs_leaf(), case.batch(), tis_cap=2.0)

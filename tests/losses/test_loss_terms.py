@@ -1,9 +1,11 @@
 import math
+import re
 
 import pytest
 import torch
 
-from losses.terms import check_hyperparams, importance_ratio, kl_estimate, masked_mean, truncated_is_weight
+from forge.types import TrainBatch
+from losses.terms import check_hyperparams, correction_weight, importance_ratio, kl_estimate, masked_mean
 
 # Two categorical distributions over 4 tokens: pi_theta = p, pi_ref = q.
 P = [0.1, 0.2, 0.3, 0.4]
@@ -43,11 +45,14 @@ def test_kl_estimate_rejects_unknown_estimator():
 
 
 def test_truncated_is_weight_caps_and_detaches():
-    old = torch.tensor([math.log(0.3), math.log(0.9), math.log(0.2), 5.0], requires_grad=True)
-    behaviour = torch.tensor([math.log(0.6), math.log(0.3), math.log(0.2), -5.0])
-    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    weight = truncated_is_weight(old, behaviour, mask, cap=2.0)
-    torch.testing.assert_close(weight, torch.tensor([0.5, 2.0, 1.0, 1.0]))  # 0.3/0.6, min(3, 2), 1, off-mask
+    old = torch.tensor([[math.log(0.3), math.log(0.9), math.log(0.2), 5.0]], requires_grad=True)
+    behaviour = torch.tensor([[math.log(0.6), math.log(0.3), math.log(0.2), -5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    batch = TrainBatch(input_ids=torch.zeros(1, 5, dtype=torch.long), response_mask=mask, behaviour_logprobs=behaviour,
+                       policy_versions=torch.zeros(1, 4, dtype=torch.long), advantages=torch.ones(1),
+                       rewards=torch.ones(1))
+    weight = correction_weight(old, batch, tis_cap=2.0, token_mask_band=None, seq_mask_band=None)
+    torch.testing.assert_close(weight, torch.tensor([[0.5, 2.0, 1.0, 1.0]]))  # 0.3/0.6, min(3, 2), 1, off-mask
     assert not weight.requires_grad
 
 
@@ -82,6 +87,14 @@ def test_importance_ratio_rejects_per_token_advantages(case):
         importance_ratio(case.logprobs_leaf(), batch, old_logprobs=None, tis_cap=None)
 
 
+@pytest.mark.parametrize("correction", [{"tis_cap": 2.0}, {"token_mask_band": [0.5, 5.0]}, {"seq_mask_band": (0.9, 1.1)}])
+def test_a_correction_without_pi_old_is_an_error_not_ratio_one(case, correction):
+    # pi_old defaulting to pi_theta would make r_t = 1 on every minibatch and switch the PPO clip off.
+    (name, value), = correction.items()
+    with pytest.raises(ValueError, match=rf"old_logprobs=None with \{{'{name}': .*\}}: the correction needs pi_old"):
+        importance_ratio(case.logprobs_leaf(), case.batch(), old_logprobs=None, **{"tis_cap": None, **correction})
+
+
 def test_masked_mean_ignores_masked_values_and_empty_rows():
     values = torch.tensor([[1.0, 2.0, 1e30], [5.0, 7.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
@@ -93,8 +106,12 @@ def test_masked_mean_ignores_masked_values_and_empty_rows():
     ("name", "value", "allowed"),
     [("clip_eps", 0.0, "a number > 0"), ("clip_high", "0.2", "a number > 0"), ("kl_coef", -0.1, "a number >= 0"),
      ("kl_estimator", "k5", "one of k1, k2, k3"), ("tis_cap", 0, "None \\(off\\) or a number > 0"),
-     ("max_tokens", 2.5, "None \\(use T-1\\) or an int >= 1")],
+     ("max_tokens", 2.5, "None \\(use T-1\\) or an int >= 1"),
+     ("token_mask_band", [2.0, 0.5], "None \\(off\\) or \\[low, high\\] with 0 <= low < high"),
+     ("token_mask_band", 2.0, "None \\(off\\) or \\[low, high\\] with 0 <= low < high"),
+     ("seq_mask_band", [-0.1, 1.0], "None \\(off\\) or \\[low, high\\] with 0 <= low < high"),
+     ("seq_mask_band", [0.5, 1.0, 2.0], "None \\(off\\) or \\[low, high\\] with 0 <= low < high")],
 )
 def test_check_hyperparams_names_loss_field_value_and_allowed(name, value, allowed):
-    with pytest.raises(ValueError, match=rf"^myloss: {name}={value!r}: must be {allowed}$"):
+    with pytest.raises(ValueError, match=rf"^myloss: {name}={re.escape(repr(value))}: must be {allowed}$"):
         check_hyperparams("myloss", **{name: value})
