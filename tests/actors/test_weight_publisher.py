@@ -17,7 +17,7 @@ from actors.titan_trainer import TitanTrainer
 from actors.trainer import TrainerActor
 from actors.trainer_config import TrainerConfig
 from actors.weight_publisher import WeightPublisher
-from forge import weight_store
+from forge import shm_weights
 from forge.actor import ForgeActor, rank0
 from forge.provisioner import get_provisioner
 from forge.tiny_model import build_tiny_checkpoint
@@ -57,13 +57,13 @@ def trainer_for(checkpoint: Path) -> TitanTrainer:
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Shared-memory writes wait until the test sets this event: a publish held in flight."""
     opened = threading.Event()
-    write = weight_store._SegmentWriter.write
+    write = shm_weights.SegmentWriter.write
 
     def gated_write(self, tensor: torch.Tensor, offset: int) -> None:
         assert opened.wait(timeout=120), "the test never opened the gate"
         write(self, tensor, offset)
 
-    monkeypatch.setattr(weight_store._SegmentWriter, "write", gated_write)
+    monkeypatch.setattr(shm_weights.SegmentWriter, "write", gated_write)
     yield opened
     opened.set()
 
@@ -114,10 +114,10 @@ async def test_an_optimizer_step_on_the_publishing_loop_is_an_error_not_a_hang(s
 async def test_a_failed_publish_is_raised_by_the_next_wait(store, checkpoint, monkeypatch):
     trainer = trainer_for(checkpoint)
     publisher = WeightPublisher(store, dtype=torch.float32, keep_versions=2)
-    monkeypatch.setattr(weight_store, "shm_free_bytes", lambda: 0)
+    monkeypatch.setattr(shm_weights, "shm_free_bytes", lambda: 0)
     store._spare_path().unlink(missing_ok=True)  # no deleted version's file to reuse either
     publisher.start(trainer.hf_state_dict_shards(), 8, trainer.optimizers)
-    with pytest.raises(weight_store.SharedMemoryError, match="policy version 8 needs"):
+    with pytest.raises(shm_weights.SharedMemoryError, match="policy version 8 needs"):
         await publisher.wait()
     assert await publisher.wait() is None  # raised once; the optimizer is free again
     assert trainer.train_step(batch(4))["policy_version"] == trainer.step == 1

@@ -10,7 +10,8 @@ import torch
 from forge.actor import ForgeActor
 from forge.provisioner import get_provisioner
 from tests.support import ShardedPublisher, WeightReader, constant_state_dict as _state_dict
-from forge import weight_store
+from forge import shm_weights, weight_store
+from forge.shm_weights import HEADER, WeightChecksumError
 from forge.weight_store import SHM_DIR, SharedMemoryError, WeightStore, WeightVersionError, job_id
 
 
@@ -40,11 +41,9 @@ async def test_fetch_into_existing_tensors(store):
 async def test_chunked_threaded_io_round_trips_every_byte(store, monkeypatch):
     """Large state dicts go through pwrite/preadv in chunks on a thread pool; force that path on a small dict
     with odd sizes, chunk edges inside tensors, and a bf16 tensor read into an fp32 receiver."""
-    from forge import weight_store
-
-    monkeypatch.setattr(weight_store, "_CHUNK", 1000)
-    monkeypatch.setattr(weight_store, "_THREADED_BYTES", 0)
-    monkeypatch.setattr(weight_store, "_IO_THREADS", 3)
+    monkeypatch.setattr(shm_weights, "_CHUNK", 1000)
+    monkeypatch.setattr(shm_weights, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(shm_weights, "_IO_THREADS", 3)
     generator = torch.Generator().manual_seed(0)
     weights = {"a": torch.randn(777, generator=generator), "b": torch.randn(33, 65, generator=generator),
                "c": torch.randn(5000, generator=generator).to(torch.bfloat16)}
@@ -73,7 +72,7 @@ def _files_of(version: int) -> list[str]:
 
 
 async def test_too_little_shared_memory_is_refused_before_writing_anything(store, monkeypatch):
-    monkeypatch.setattr(weight_store, "shm_free_bytes", lambda: 1000)
+    monkeypatch.setattr(shm_weights, "shm_free_bytes", lambda: 1000)
     latest = await store.latest_version()
     weights = {"big": torch.zeros(1 << 18)}  # 1 MiB, more than any spare file this module leaves
     needed = 64 + (1 << 20)
@@ -93,12 +92,59 @@ async def test_a_failed_write_leaves_no_segment_and_publishes_nothing(store, mon
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(weight_store.os, "pwrite", pwrite_until_full)
+    monkeypatch.setattr(shm_weights.os, "pwrite", pwrite_until_full)
     latest = await store.latest_version()
     with pytest.raises(SharedMemoryError, match=r"No space left on device.*partial segment was removed"):
         await store.publish(_state_dict(62), version=62)
     assert len(data_writes) == 2 and _files_of(62) == []
     assert 62 not in await store.versions() and await store.latest_version() == latest
+
+
+def _flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as segment:
+        segment.seek(offset)
+        byte = segment.read(1)
+        segment.seek(offset)
+        segment.write(bytes([byte[0] ^ 0x01]))
+
+
+async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(store):
+    manifest = await store.publish(_state_dict(70), version=70)
+    up_proj = manifest.entries["model.layers.0.mlp.up_proj.weight"]
+    _flip_byte(SHM_DIR / manifest.segment, HEADER + up_proj.offset + 37)  # one bit of one bf16 value
+    with pytest.raises(WeightChecksumError, match=r"policy version 70: tensor 'model.layers.0.mlp.up_proj.weight' "
+                                                  r"does not match the checksum.*corrupted tensors: "
+                                                  r"\['model.layers.0.mlp.up_proj.weight'\]"):
+        await store.fetch(70)
+    into = {k: torch.zeros_like(v) for k, v in _state_dict(0).items()}  # the `into` path checks too
+    with pytest.raises(WeightChecksumError, match="up_proj"):
+        await store.fetch(70, into=into)
+    await store.delete(70)
+
+
+async def test_corruption_in_a_later_chunk_read_on_a_thread_pool_is_caught(store, monkeypatch):
+    monkeypatch.setattr(shm_weights, "_CHUNK", 1000)
+    monkeypatch.setattr(shm_weights, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(shm_weights, "_IO_THREADS", 3)
+    weights = {"a": torch.randn(777), "b": torch.randn(5000)}
+    manifest = await store.publish(weights, version=71)
+    assert len(manifest.entries["b"].checksums) == 20  # 20,000 bytes in pieces of 1,000
+    await store.fetch(71)  # intact: every piece matches
+    _flip_byte(SHM_DIR / manifest.segment, HEADER + manifest.entries["b"].offset + 12_345)
+    with pytest.raises(WeightChecksumError, match=r"tensor 'b' .*bytes 12000\.\.13000 of 20000.*\['b'\]"):
+        await store.fetch(71)
+    await store.delete(71)
+
+
+async def test_a_corrupted_tensor_in_torchstore_fails_the_fetch_naming_it(store):
+    from forge.weight_store import ts
+
+    remote = WeightStore("test-remote-corrupt", transport="torchstore")
+    await remote.publish(_state_dict(4), version=4)
+    await ts.put("test-remote-corrupt/tensors/4/lm_head.weight", torch.full((32, 16), 4.0))  # not what was published
+    with pytest.raises(WeightChecksumError, match=r"policy version 4: tensor 'lm_head.weight'"):
+        await remote.fetch(4)
+    await remote.delete(4)
 
 
 async def test_torchstore_transport_round_trips_tensor_by_tensor(store):

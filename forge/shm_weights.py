@@ -1,0 +1,327 @@
+"""A policy version's bytes in one shared-memory file on a host: the write path (a publisher) and the read path
+(every generator on the host), with a checksum per tensor. Needs only torch and the standard library: no
+Monarch, no torchstore, so the data plane and its bench run on any torch (forge/weight_store.py adds the keys,
+manifests and cross-host transport on top).
+
+A segment is a 64-byte header (the version, written last) and every tensor's bytes, 64-byte aligned, at the
+offsets `layout` gives. The writer pwrites them one tensor at a time into `<name>.tmp` and renames it when
+complete, so a reader never sees half a version. Readers preadv straight into their tensors: large state dicts
+in 32 MB chunks on up to 8 threads (1 GB: 0.27 s on one thread, 0.15 s on two).
+
+Checksums: crc32 (zlib) of each 32 MB piece of a tensor's bytes, computed once when it is published and checked
+by every reader right after it reads that piece, on the same thread (a reader never returns bytes that differ
+from what was published; a mismatch names the tensor and the version). crc32 because it is in every Python,
+catches every burst of up to 32 flipped bits and any single changed word wherever it is, runs at ~4.5 GB/s on
+one core here and releases the GIL, so it spreads over the reading threads. xxh3 is ~3x faster but not a
+dependency of forge (nor on the GPU image); a sum of an int64 view is as fast but misses swapped words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from forge.distributed import gather_to_rank0
+
+SHM_DIR = Path(os.environ.get("FORGE_SHM_DIR", "/dev/shm"))
+HEADER = 64  # the segment starts with its version (int64), written last and checked by readers
+_ALIGN = 64
+_CHUNK = 32 << 20  # bytes per preadv call and per checksum: reading threads share big tensors evenly
+_THREADED_BYTES = 64 << 20  # below this one thread is faster than handing chunks to a pool
+_IO_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+class WeightVersionError(LookupError):
+    """The requested policy version does not exist (never published, or already deleted)."""
+
+
+class SharedMemoryError(OSError):
+    """A version could not be written to shared memory (too little room, a failed write); nothing of it is left."""
+
+
+class WeightChecksumError(RuntimeError):
+    """Bytes read for a policy version differ from what was published: the version must not be served."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    checksums: tuple[int, ...]  # crc32 of each _CHUNK-byte piece of the tensor's bytes, computed at publish
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    host: str
+    segment: str | None  # shared-memory file name, when the bytes went through shm
+    in_torchstore: bool
+    entries: dict[str, TensorEntry]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+
+def job_id() -> str:
+    """Identifies this job's segments; set by the provisioner for every process it spawns."""
+    return os.environ.setdefault("FORGE_JOB_ID", str(os.getpid()))
+
+
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process may still write into the shared-memory folder."""
+    stats = os.statvfs(SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
+
+
+def layout(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[dict[str, TensorEntry], int]:
+    """Each tensor's place in a segment (64-byte aligned, in `dtype` or its own), and the segment's size. The
+    entries' checksums are empty until the tensors are published (`checksums`)."""
+    entries, offset = {}, 0
+    for name, tensor in state_dict.items():
+        tensor_dtype = dtype or tensor.dtype
+        nbytes = tensor.numel() * tensor_dtype.itemsize  # a DTensor's numel and shape are the full tensor's
+        entries[name] = TensorEntry(str(tensor_dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes, ())
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return entries, offset
+
+
+def checksums(tensor: torch.Tensor) -> tuple[int, ...]:
+    """crc32 of each _CHUNK-byte piece of a contiguous CPU tensor's bytes (the pieces readers read)."""
+    pieces = _chunks(_bytes_of(tensor))
+    sums = [0] * len(pieces)
+
+    def checksum(index: int, view: memoryview) -> None:
+        sums[index] = zlib.crc32(view)
+
+    _run_io(checksum, list(enumerate(pieces)), tensor.numel() * tensor.element_size())
+    return tuple(sums)
+
+
+def check_compatible(manifest: Manifest, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Refuse weights whose names or shapes differ from the receiver's, listing the first mismatches."""
+    problems = []
+    for name in sorted(set(specs) - set(manifest.entries))[:5]:
+        problems.append(f"missing {name}")
+    for name in sorted(set(manifest.entries) - set(specs))[:5]:
+        problems.append(f"unexpected {name}")
+    for name in sorted(set(specs) & set(manifest.entries)):
+        if tuple(specs[name][0]) != tuple(manifest.entries[name].shape):
+            problems.append(f"{name}: shape {list(manifest.entries[name].shape)} vs expected {list(specs[name][0])}")
+        if len(problems) >= 10:
+            break
+    if problems:
+        raise ValueError(f"policy version {manifest.version} does not match the model: " + "; ".join(problems))
+
+
+def verify(name: str, tensor: torch.Tensor, entry: TensorEntry, version: int) -> None:
+    """Raise WeightChecksumError unless `tensor`'s bytes are the ones published as `name` in `version`."""
+    found = checksums(tensor.detach().cpu().contiguous())
+    published = entry.checksums + (None,) * (len(found) - len(entry.checksums))
+    _raise_on_mismatch(version, [(name, i, got, want) for i, (got, want) in enumerate(zip(found, published))
+                                 if got != want], {name: entry})
+
+
+# --- writing -----------------------------------------------------------------------------------------------
+def gathered_on_host(tensor: torch.Tensor, dtype: torch.dtype | None,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """`tensor` cast to `dtype` on its own rank (shards before they travel), gathered to rank 0 and copied into
+    host memory there: a contiguous CPU tensor on rank 0, None on the other ranks. A collective under FSDP/TP."""
+    full = gather_to_rank0(tensor.detach().to(dtype or tensor.dtype), group)
+    return None if full is None else full.cpu().contiguous()
+
+
+def create_segment(path: Path, size: int, version: int, spare: Path | None) -> SegmentWriter:
+    """A writer for `version`'s segment at `path`, once the shared-memory folder has room for `size` bytes of
+    tensors (a `spare` file, a deleted version's, is rewritten in place and counts as room)."""
+    reusable = spare.stat().st_blocks * 512 if spare is not None and spare.exists() else 0
+    needed, free = HEADER + size, shm_free_bytes()
+    if needed > free + reusable:
+        raise SharedMemoryError(
+            f"publishing policy version {version} needs {needed} bytes in {SHM_DIR}, but {free} are free ({reusable} "
+            "more reusable from a deleted version); nothing was written. Free shared memory, keep fewer versions, or "
+            "publish in a smaller dtype")
+    try:
+        return SegmentWriter(path, size, version, spare if spare is not None and spare.exists() else None)
+    except OSError as e:
+        raise SharedMemoryError(f"publishing policy version {version}: cannot create its segment in {SHM_DIR} ({e})") from e
+
+
+class SegmentWriter:
+    """A version's segment, written tensor by tensor into `<name>.tmp` with pwrite and renamed to its real name
+    once complete, so readers never see a half-written one. A failed write removes the file at once (and
+    later writes are skipped, so the other ranks' gathers still complete); `commit` then raises its error.
+
+    Reusing a deleted version's file (`spare`) skips the page faults and zeroing of fresh shared memory, the
+    slow part of writing a new file. One thread writes: writes to one tmpfs file serialize on its inode lock.
+    """
+
+    def __init__(self, path: Path, size: int, version: int, spare: Path | None) -> None:
+        self.path, self.tmp, self.version = path, path.with_name(path.name + ".tmp"), version
+        self.error: OSError | None = None
+        if spare is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(spare, self.tmp)
+        self.fd: int | None = os.open(self.tmp, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.pwrite(self.fd, struct.pack("<q", -1), 0)  # a reader still on the reused file fails its version check
+            os.ftruncate(self.fd, HEADER + max(size, 1))
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, tensor: torch.Tensor, offset: int) -> None:
+        """pwrite a contiguous CPU tensor's bytes at `offset` (from `layout`)."""
+        if self.fd is None:
+            return
+        data, done = _bytes_of(tensor), 0
+        try:
+            while done < len(data):
+                done += os.pwrite(self.fd, data[done:], HEADER + offset + done)
+        except OSError as e:  # ENOSPC: /dev/shm filled up after the check
+            self.error = e
+            self.abort()
+
+    def commit(self) -> None:
+        if self.error is not None:
+            raise SharedMemoryError(
+                f"publishing policy version {self.version}: writing {self.tmp} failed ({self.error}); "
+                "the partial segment was removed and nothing was published") from self.error
+        os.pwrite(self.fd, struct.pack("<q", self.version), 0)
+        os.close(self.fd)
+        self.fd = None
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.tmp.unlink(missing_ok=True)
+
+
+# --- reading -----------------------------------------------------------------------------------------------
+def read_segment(path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The version's tensors read from `path` straight into fresh tensors, or `into`'s (names and shapes must
+    match; plain CPU tensors of the published dtype are read into directly, others through a staging tensor),
+    every piece checked against its published checksum. Raises WeightVersionError when the segment was deleted
+    or recycled meanwhile, WeightChecksumError naming every tensor whose bytes differ (`into`'s tensors then
+    hold what was read: not weights to serve)."""
+    fd = os.open(path, os.O_RDONLY)
+    mismatches: list[tuple[str, int, int, int]] = []
+
+    def read(piece: tuple[str, int, TensorEntry], view: memoryview) -> None:
+        name, index, entry = piece
+        offset, done = HEADER + entry.offset + index * _CHUNK, 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise WeightVersionError(f"policy version {manifest.version}: segment {path.name} is truncated")
+            done += got
+        found = zlib.crc32(view)  # on this thread, right after the read: the bytes are still in its caches
+        if index >= len(entry.checksums) or found != entry.checksums[index]:
+            mismatches.append((name, index, found, entry.checksums[index] if index < len(entry.checksums) else None))
+
+    try:
+        _check_header(fd, manifest.version)
+        out, staged = {}, {}
+        for name, entry in manifest.entries.items():
+            dtype = getattr(torch, entry.dtype)
+            target = into[name] if into is not None else torch.empty(entry.shape, dtype=dtype)
+            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+            out[name] = target
+            staged[name] = target if direct else torch.empty(entry.shape, dtype=dtype)
+        pieces = [((name, i, manifest.entries[name]), view) for name, buffer in staged.items()
+                  for i, view in enumerate(_chunks(_bytes_of(buffer)))]
+        _run_io(read, pieces, manifest.nbytes)
+        _check_header(fd, manifest.version)  # the file was not recycled while we read it
+    finally:
+        os.close(fd)
+    _raise_on_mismatch(manifest.version, mismatches, manifest.entries)
+    with torch.no_grad():
+        for name, buffer in staged.items():
+            if buffer is not out[name]:
+                out[name].copy_(buffer)
+    return out
+
+
+def _check_header(fd: int, version: int) -> None:
+    (found,) = struct.unpack("<q", os.pread(fd, 8, 0))
+    if found != version:
+        raise WeightVersionError(f"policy version {version} was deleted while being fetched")
+
+
+def _raise_on_mismatch(version: int, mismatches: list[tuple[str, int, int, int | None]],
+                       entries: dict[str, TensorEntry]) -> None:
+    if not mismatches:
+        return
+    names = sorted({name for name, *_ in mismatches})
+    name, index, found, published = min(mismatches)
+    start = index * _CHUNK
+    where = f"bytes {start}..{min(start + _CHUNK, entries[name].nbytes)} of {entries[name].nbytes}"
+    expected = "no checksum was published" if published is None else f"published crc32 {published:#010x}"
+    raise WeightChecksumError(
+        f"policy version {version}: tensor {name!r} does not match the checksum taken when it was published "
+        f"({where}: crc32 {found:#010x}, {expected}); corrupted tensors: {names}. The version is not served.")
+
+
+# --- chunked, threaded byte work -----------------------------------------------------------------------------
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _chunks(view: memoryview) -> list[memoryview]:
+    return [view[i : i + _CHUNK] for i in range(0, len(view), _CHUNK)]
+
+
+def _run_io(work: Callable[[object, memoryview], None], pieces: list[tuple[object, memoryview]], nbytes: int) -> None:
+    """`work(key, view)` for every piece; on several threads when there is enough to share (preadv and crc32
+    release the GIL, and one core cannot saturate memory bandwidth on its own)."""
+    threads = min(_IO_THREADS, len(pieces))
+    if threads <= 1 or nbytes < _THREADED_BYTES:
+        for key, view in pieces:
+            work(key, view)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="weight-io") as pool:
+        for done in [pool.submit(work, key, view) for key, view in pieces]:
+            done.result()
+
+
+# --- a job's segments --------------------------------------------------------------------------------------
+def job_segments_bytes(job: str | None = None) -> int:
+    """Bytes of shared memory held by `job`'s segments (default: this job)."""
+    return sum(path.stat().st_size for path in SHM_DIR.glob(f"forge-{job or job_id()}-*") if path.exists())
+
+
+def remove_job_segments(job: str | None = None) -> list[Path]:
+    """Unlink every shared-memory segment of `job` (default: this job). Run at shutdown."""
+    job = job or job_id()
+    removed = []
+    for path in SHM_DIR.glob(f"forge-{job}-*"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def remove_dead_jobs_segments() -> list[Path]:
+    """Segments left by jobs whose controller process is gone (a crash, a SIGKILL)."""
+    import psutil
+
+    removed = []
+    for path in SHM_DIR.glob("forge-*-*"):
+        match = re.match(r"forge-(\d+)-", path.name)
+        if match and not psutil.pid_exists(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
