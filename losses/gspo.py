@@ -29,7 +29,8 @@ def gspo(
     paper's clip range is two orders of magnitude below PPO's because s_i is length-normalised. With a
     rollout correction, the sequence term is spread over its tokens and token t is weighted by w_t (the mean of
     w_t over the sequence multiplies the term); w_t = 1 without one, so L is exactly the equation above.
-    r_t and w_t as in `losses.grpo.grpo`.
+    A token mask removes a token's term but not its share of s_i; `seq_mask_band` is the sequence-level
+    correction that matches GSPO's sequence-level ratio. r_t and w_t as in `losses.grpo.grpo`.
     """
     check_hyperparams("gspo", clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
                       token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)

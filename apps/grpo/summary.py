@@ -34,6 +34,7 @@ class RunSummary:
     accuracy_start: float | None = None
     accuracy_end: float | None = None
     first_step: dict[str, float] = field(default_factory=dict)  # this run's first and last step's metrics
+    clip_fraction_max: float | None = None  # the PPO clip fraction's largest step value (0: the clip never bound)
     last_step: dict[str, float] = field(default_factory=dict)
     episodes: dict[str, int] = field(default_factory=dict)
     reward_failures: int = 0
@@ -50,6 +51,8 @@ class RunSummary:
         if not self.first_step:
             self.first_step, self.rss_start = metrics, memory()
         self.last_step = metrics
+        if "clip_fraction" in metrics:
+            self.clip_fraction_max = max(self.clip_fraction_max or 0.0, metrics["clip_fraction"])
 
     def count_episodes(self, counters: EpisodeCounters, buffer_stats: dict[str, int]) -> None:
         self.episodes = {"generated": counters.generated, "trained": counters.trained,
@@ -65,6 +68,24 @@ class RunSummary:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(fields, indent=2, default=str))
 
+    def _off_policy_lines(self) -> list[str]:
+        """The last step's trainer/generator mismatch per version lag (losses.mismatch) and the run's largest clip."""
+        by_lag: dict[str, dict[str, float]] = {}
+        for key, value in self.last_step.items():
+            if key.startswith("mismatch/"):
+                _, lag, name = key.split("/")
+                by_lag.setdefault(lag, {})[name] = value
+        lines = []
+        if self.clip_fraction_max is not None:
+            lines.append(f"PPO clip fraction: largest step {self.clip_fraction_max:.4f}")
+        order = sorted((lag for lag in by_lag if lag != "all"), key=lambda lag: int(lag.removeprefix("lag")))
+        for lag in order + (["all"] if "all" in by_lag else []):
+            m = by_lag[lag]
+            lines.append(f"off-policy, last step, {lag} ({m['token_share']:.0%} of tokens): |dlogp| "
+                         f"{m['abs_logp_diff']:.2e}, KL k3 {m['kl_k3']:.2e}, chi2 {m['chi2']:.2e}, out of band "
+                         f"{m['out_of_band']:.2%}, masked {m['masked']:.2%}, truncated {m['tis_truncated']:.2%}")
+        return lines
+
     def text(self) -> str:
         lines = ["", "=== GRPO run summary ===",
                  f"steps: {self.steps} (policy version {self.policy_version}), wall time {self.wall_s:.0f}s"]
@@ -79,6 +100,7 @@ class RunSummary:
         if self.train_s:
             lines.append(f"throughput: {self.steps_this_run / self.train_s:.2f} steps/s, "
                          f"{self.episodes['trained'] / self.train_s:.1f} trained episodes/s")
+        lines.extend(self._off_policy_lines())
         e = self.episodes
         lines.append(f"episodes: generated {e['generated']} = trained {e['trained']} + held {e['held_in_buffer']} "
                      f"+ dropped (too old {e['dropped_too_old']}, buffer full {e['dropped_buffer_full']}, "

@@ -183,6 +183,111 @@ def test_grpo_raises_positive_and_lowers_negative_advantage_tokens(checkpoint: P
 
 
 # ---------------------------------------------------------------------------------------------------
+# pi_old: the trainer's own log-probs before a batch's first optimizer step
+
+
+class RecordingLoss:
+    """The configured loss, recording what the trainer passes it and what it returns, call by call."""
+
+    def __init__(self, loss_fn) -> None:
+        self.loss_fn, self.calls = loss_fn, []
+
+    def __call__(self, logprobs, batch, **kwargs):
+        out = self.loss_fn(logprobs, batch, **kwargs)
+        self.calls.append(dict(logprobs=logprobs.detach().clone(), old_logprobs=kwargs.get("old_logprobs"),
+                               loss=out.loss.item(), metrics=out.metrics))
+        return out
+
+
+def recording(trainer: TitanTrainer) -> RecordingLoss:
+    trainer.loss_fn = RecordingLoss(trainer.loss_fn)
+    return trainer.loss_fn
+
+
+def reference_tis_grpo(logprobs, old, batch, *, clip_eps: float, tis_cap: float) -> float:
+    """GRPO with truncated IS in float64, written from its equation (not with losses.terms)."""
+    logprobs, old, behaviour = logprobs.double(), old.double(), batch.behaviour_logprobs.double()
+    mask, advantages = batch.response_mask.double(), batch.advantages.double()[:, None]
+    ratio, weight = (logprobs - old).exp(), (old - behaviour).exp().clamp(max=tis_cap)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    return (-(weight * surrogate * mask).sum(-1) / mask.sum(-1)).mean().item()
+
+
+def test_pi_old_makes_the_clip_bind_after_the_first_minibatch(checkpoint: Path) -> None:
+    # The defect: without pi_old the ratio pi / pi_old was 1 on every minibatch, so the clip never bound.
+    batch = make_batch(13, rows=8)
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", lr=3e-2, minibatches=4,
+                                          loss_params={"clip_eps": 0.2, "tis_cap": 2.0}))
+    batch.behaviour_logprobs = trainer.logprobs(batch)
+    calls = recording(trainer).calls
+    metrics = trainer.train_step(batch)
+    first, *later = [call["metrics"] for call in calls]
+    assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["clip_fraction"] == 0.0
+    assert all(m["clip_fraction"] > 0 for m in later), [m["clip_fraction"] for m in later]
+    assert metrics["clip_fraction"] > 0
+
+
+def test_tis_loss_matches_float64_reference_with_pi_old_computed_independently(checkpoint: Path) -> None:
+    batch = make_batch(14, rows=8)
+    batch.behaviour_logprobs = batch.behaviour_logprobs + torch.linspace(-1.0, 1.0, 11)  # stale samples
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint).double()
+    pi_old = hf_logprobs(hf_model, batch.input_ids).float()  # transformers in float64, before any step
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", lr=1e-2, minibatches=2, micro_batch_size=3,
+                                          loss_params={"clip_eps": 0.2, "tis_cap": 1.5}))
+    calls = recording(trainer).calls
+    trainer.train_step(batch)
+    for k, call in enumerate(calls):
+        rows = batch.slice(4 * k, 4 * k + 4)
+        torch.testing.assert_close(call["old_logprobs"], pi_old[4 * k : 4 * k + 4], rtol=0, atol=1e-5)
+        expected = reference_tis_grpo(call["logprobs"], pi_old[4 * k : 4 * k + 4], rows, clip_eps=0.2, tis_cap=1.5)
+        assert call["loss"] == pytest.approx(expected, rel=1e-4, abs=1e-7), k
+    # The second minibatch is scored after the first step: pi has moved away from pi_old.
+    assert not torch.allclose(calls[1]["logprobs"], calls[1]["old_logprobs"], atol=1e-4)
+
+
+def test_with_one_minibatch_pi_old_is_pi_exactly(checkpoint: Path) -> None:
+    batch = make_batch(15)
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", micro_batch_size=2,
+                                          loss_params={"tis_cap": 2.0, "token_mask_band": [0.0, 1e9]}))
+    expected = trainer.logprobs(batch)
+    calls = recording(trainer).calls
+    trainer.train_step(batch)
+    (call,) = calls
+    assert torch.equal(call["old_logprobs"], call["logprobs"]) and torch.equal(call["old_logprobs"], expected)
+    assert call["metrics"]["ratio_min"] == call["metrics"]["ratio_max"] == 1.0
+
+
+def test_without_a_correction_no_pi_old_is_computed_or_passed(checkpoint: Path) -> None:
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", minibatches=2))
+    scored = []
+    trainer._score = lambda input_ids: scored.append(input_ids)  # the extra forward pass
+    calls = recording(trainer).calls
+    trainer.train_step(make_batch(16))
+    assert scored == [] and [call["old_logprobs"] for call in calls] == [None, None]
+
+
+def test_mismatch_metrics_by_version_lag_every_step(checkpoint: Path) -> None:
+    batch = make_batch(17)
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", minibatches=2, loss_params={"tis_cap": 2.0}))
+    trainer.train_step(make_batch(18))
+    trainer.train_step(make_batch(19))  # the trainer is at policy version 2
+    mask = batch.response_mask > 0
+    batch.policy_versions = torch.where(mask, torch.tensor([2, 1, 0, 2])[:, None], -1)  # lags 0, 1, 2, 0 by row
+    pi_old = trainer.logprobs(batch)
+    metrics = trainer.train_step(batch)
+    for lag, rows in ((0, [0, 3]), (1, [1]), (2, [2])):
+        diff = (pi_old - batch.behaviour_logprobs)[rows][mask[rows]].double()
+        assert metrics[f"mismatch/lag{lag}/abs_logp_diff"] == pytest.approx(diff.abs().mean().item(), rel=1e-5)
+        assert metrics[f"mismatch/lag{lag}/kl_k3"] == pytest.approx((diff.exp() - 1 - diff).mean().item(), rel=1e-5)
+        assert metrics[f"mismatch/lag{lag}/token_share"] == pytest.approx(mask[rows].sum().item() / mask.sum().item())
+    rho = (pi_old - batch.behaviour_logprobs)[mask].double().exp()
+    assert metrics["mismatch/all/chi2"] == pytest.approx(((rho - 1) ** 2).mean().item(), rel=1e-5)
+    assert metrics["mismatch/all/out_of_band"] == ((rho < 0.5) | (rho > 5)).double().mean().item()
+    assert metrics["mismatch/all/tis_truncated"] == (rho > 2.0).double().mean().item()
+    assert metrics["mismatch/all/masked"] == 0.0 and "mismatch/lag3/kl_k3" not in metrics
+
+
+# ---------------------------------------------------------------------------------------------------
 # Checkpoints and export
 
 

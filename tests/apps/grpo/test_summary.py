@@ -48,3 +48,19 @@ def test_summary_json_holds_everything_but_the_per_step_metrics(tmp_path):
     assert "first_step" not in written and "last_step" not in written
     assert written["episodes"]["held_in_buffer"] == 20 and written["generation_failures"] == 1
     assert written["rss_start"] == {"controller": 100 * 2**20} and written["checkpoint"].endswith("step_000004")
+
+
+def test_the_text_reports_the_largest_clip_and_the_last_steps_mismatch_by_lag():
+    summary = finished_run()
+    mismatch = {"abs_logp_diff": 0.02, "kl_k3": 3e-4, "chi2": 6e-4, "out_of_band": 0.001, "masked": 0.0025,
+                "tis_truncated": 0.5, "token_share": 0.75}
+    step = {"clip_fraction": 0.01, **{f"mismatch/{lag}/{k}": v for lag in ("lag0", "lag1", "all")
+                                      for k, v in mismatch.items()}}
+    summary.step_logged({"clip_fraction": 0.06}, memory=dict)
+    summary.step_logged(step, memory=dict)
+    lines = summary.text().splitlines()
+    assert "PPO clip fraction: largest step 0.0600" in lines
+    mismatch_lines = [line for line in lines if line.startswith("off-policy, last step")]
+    assert [line.split(",")[2].split()[0] for line in mismatch_lines] == ["lag0", "lag1", "all"]
+    assert mismatch_lines[0] == ("off-policy, last step, lag0 (75% of tokens): |dlogp| 2.00e-02, KL k3 3.00e-04, "
+                                 "chi2 6.00e-04, out of band 0.10%, masked 0.25%, truncated 50.00%")
