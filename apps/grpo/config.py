@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 from actors.engines.vllm_args import check_engine_args
 from actors.generator_config import GeneratorConfig
@@ -23,37 +22,8 @@ from actors.trainer_config import TrainerConfig
 from forge.loss_rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
 from forge.tasks import load_callable
+from forge.tasks.config import TaskConfig
 from forge.warm_start_config import WarmStartConfig
-
-
-@dataclass
-class TaskConfig:
-    name: Literal["arithmetic", "gsm8k"] = "arithmetic"
-    # arithmetic: the built-in task (problems generated from `seed`)
-    num_digits: int = 2
-    reverse_answer: bool = False  # write answers least-significant digit first (learned much faster)
-    held_out: int = 500
-    # gsm8k-style math: loaded with `datasets` (a hub id or a local path / data files)
-    dataset: str = "openai/gsm8k"
-    dataset_config: str | None = "main"
-    train_split: str = "train"
-    eval_split: str = "test"
-    # gsm8k asks in the model's chat template when its tokenizer has one; these reach the template (e.g.
-    # Qwen3's enable_thinking).
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # The reward: "package.module:function" taking (completion_text, answer) -> float; None = the task's own.
-    reward: str | None = None
-    reward_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.num_digits < 1:
-            raise ValueError(f"num_digits={self.num_digits}: must be >= 1")
-        if self.held_out < 1:
-            raise ValueError(f"held_out={self.held_out}: must be >= 1")
-        if self.reward is not None and ":" not in self.reward:
-            raise ValueError(f"reward={self.reward!r}: must be 'package.module:function'")
-        if self.reward_timeout_s <= 0:
-            raise ValueError(f"reward_timeout_s={self.reward_timeout_s}: must be > 0")
 
 
 @dataclass

@@ -21,22 +21,15 @@ from actors.replay_buffer import ReplayBufferActor
 from actors.trainer import TrainerActor
 from apps.grpo.config import GRPOConfig
 from forge.provisioner import get_provisioner
-from forge.tasks import ArithmeticTask, load_callable
+from forge import tasks
+from forge.tasks import load_callable
 from forge.warm_start import warm_start
 
 WEIGHTS = "policy"  # the weight store namespace the trainer publishes to and the generators follow
 
 
 def make_task(cfg: GRPOConfig):
-    if cfg.task.name == "arithmetic":
-        return ArithmeticTask(seed=cfg.seed, num_digits=cfg.task.num_digits, held_out=cfg.task.held_out,
-                              reverse_answer=cfg.task.reverse_answer)
-    from forge.tasks.gsm8k import GSM8KTask  # needs `datasets`
-
-    return GSM8KTask(cfg.task.dataset, config=cfg.task.dataset_config, train_split=cfg.task.train_split,
-                     eval_split=cfg.task.eval_split, held_out=cfg.task.held_out, seed=cfg.seed,
-                     tokenizer=AutoTokenizer.from_pretrained(cfg.model),
-                     chat_template_kwargs=cfg.task.chat_template_kwargs)
+    return tasks.make_task(cfg.task, seed=cfg.seed, model=cfg.model)
 
 
 def reward_function(cfg: GRPOConfig, task) -> tuple[Callable[[str, str], float], float | None]:
@@ -49,7 +42,7 @@ def reward_function(cfg: GRPOConfig, task) -> tuple[Callable[[str, str], float],
 
 def warm_started_model(cfg: GRPOConfig, task) -> tuple[str, float | None]:
     """`cfg.model`, briefly trained on the arithmetic task first when `warm_start.enabled` (cached by its inputs)."""
-    if not (cfg.warm_start.enabled and cfg.task.name == "arithmetic"):
+    if not (cfg.warm_start.enabled and (cfg.task.source, cfg.task.name) == ("forge", "arithmetic")):
         return cfg.model, None
     eval_problems = task.sample_prompts(cfg.warm_start.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
     train_rng = random.Random(f"{cfg.seed}-warm-start")

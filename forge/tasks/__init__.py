@@ -6,8 +6,31 @@ import importlib
 from typing import Any, Callable
 
 from forge.tasks.arithmetic import ArithmeticTask, Problem
+from forge.tasks.config import TaskConfig
 
-__all__ = ["ArithmeticTask", "Problem", "load_callable"]
+__all__ = ["ArithmeticTask", "Problem", "TaskConfig", "load_callable", "make_task"]
+
+
+def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
+    """The task a config names. Every task has `sample_prompts(n, rng)`, `held_out()`, `reward(text, answer)`
+    and `stop_token_ids`; those that ask in a chat template read `model`'s tokenizer."""
+    if config.source == "forge" and config.name == "arithmetic":
+        return ArithmeticTask(seed=seed, num_digits=config.num_digits, held_out=config.held_out,
+                              reverse_answer=config.reverse_answer)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if config.source == "reasoning_gym":
+        from forge.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(config.name, options=config.options, seed=seed, size=config.size,
+                                held_out=config.held_out, tokenizer=tokenizer,
+                                chat_template_kwargs=config.chat_template_kwargs)
+    from forge.tasks.gsm8k import GSM8KTask  # needs `datasets`
+
+    return GSM8KTask(config.dataset, config=config.dataset_config, train_split=config.train_split,
+                     eval_split=config.eval_split, held_out=config.held_out, seed=seed, tokenizer=tokenizer,
+                     chat_template_kwargs=config.chat_template_kwargs)
 
 
 def load_callable(reference: str, *, field: str) -> Callable[..., Any]:

@@ -1,7 +1,8 @@
-"""GSM8K-style math word problems: the answer is the last number of the completion.
+"""GSM8K-style math word problems, scored by math-verify.
 
 Loaded with `datasets` from a hub id ("openai/gsm8k") or local files (a folder or .jsonl/.parquet files
-with `question` and `answer` columns, the answer ending in "#### <number>", as GSM8K ships it).
+with `question` and `answer` columns, the answer ending in "#### <number>", as GSM8K ships it). A single
+file is split: `held_out` rows (a seeded draw) for evaluation, the rest for training, never both.
 Given the model's tokenizer, questions are asked in its chat template and answers stop at its end of turn
 (forge/tasks/chat.py); `stop_token_ids` is what the app passes to the generators.
 """
@@ -9,34 +10,34 @@ Given the model's tokenizer, questions are asked in its chat template and answer
 from __future__ import annotations
 
 import random
-import re
 from pathlib import Path
 from typing import Any
+
+from math_verify import parse, verify
 
 from forge.tasks.arithmetic import Problem
 from forge.tasks.chat import PromptFormat
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 INSTRUCTION = "{question}\nThink step by step, then give the final answer after '####'."
 PROMPT_TEMPLATE = "Question: " + INSTRUCTION + "\nAnswer:"  # for a model without a chat template
 
 
-def final_number(text: str) -> str | None:
-    """The number after the last '####', else the last number in the text (commas dropped)."""
-    tail = text.rsplit("####", 1)[-1] if "####" in text else text
-    numbers = _NUMBER.findall(tail)
-    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+def final_answer(text: str) -> str:
+    """What follows the last '####' (GSM8K's answer marker), else the whole text."""
+    return text.rsplit("####", 1)[-1]
 
 
 def math_reward(completion_text: str, answer: str) -> float:
-    """1.0 when the completion's final number equals the reference answer's."""
-    predicted, expected = final_number(completion_text), final_number(answer)
-    if predicted is None or expected is None:
+    """1.0 when math-verify finds the completion's final answer equal to the reference's: as numbers
+    ("1,234" = "1234.0"), fractions, LaTeX (\\frac{1}{2} = 0.5, \\boxed{...}) or expressions.
+
+    Timeouts off: math-verify's use SIGALRM, which works only on the main thread, and rewards run on
+    the app's reward threads (which have their own timeout)."""
+    expected = parse(final_answer(answer), parsing_timeout=None)
+    predicted = parse(final_answer(completion_text), parsing_timeout=None)
+    if not expected or not predicted:
         return 0.0
-    try:
-        return float(abs(float(predicted) - float(expected)) < 1e-6)
-    except ValueError:
-        return 0.0
+    return float(verify(expected, predicted, timeout_seconds=None))
 
 
 class GSM8KTask:
@@ -48,10 +49,16 @@ class GSM8KTask:
         prompts = PromptFormat(tokenizer, chat_template_kwargs)
         template = INSTRUCTION if prompts.uses_chat_template else PROMPT_TEMPLATE
         self.stop_token_ids = prompts.stop_token_ids  # EOS and the chat template's end of turn
-        if Path(dataset).exists() and Path(dataset).is_file():
-            data = {"train": load_dataset(Path(dataset).suffix.lstrip(".").replace("jsonl", "json"),
-                                          data_files=str(dataset), split="train")}
-            train, evaluation = data["train"], data["train"]
+        if Path(dataset).is_file():
+            rows = load_dataset(Path(dataset).suffix.lstrip(".").replace("jsonl", "json"), data_files=str(dataset),
+                                split="train")
+            if len(rows) < 2:
+                raise ValueError(f"task.dataset={dataset!r}: {len(rows)} row(s); a single file is split into "
+                                 "training and held-out rows, so it needs at least 2")
+            order = list(range(len(rows)))
+            random.Random(f"{seed}-held-out").shuffle(order)
+            cut = min(held_out, len(rows) // 2)  # at most half is held out: training keeps the rest
+            evaluation, train = rows.select(order[:cut]), rows.select(order[cut:])
         else:
             train = load_dataset(dataset, config, split=train_split)
             evaluation = load_dataset(dataset, config, split=eval_split)

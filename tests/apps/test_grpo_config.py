@@ -161,7 +161,7 @@ def test_gsm8k_job_asks_in_the_models_chat_template_and_stops_at_its_end_of_turn
                                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tokenizer.save_pretrained(model)
     data = tmp_path / "gsm8k.jsonl"
-    data.write_text(json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}))
+    data.write_text("\n".join([json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"})] * 2))
     cfg, _ = load_job_config(["--config", str(QWEN3_1_7B), f"model={model}", f"task.dataset={data}", "task.held_out=1"])
     task = make_task(cfg)
     assert task.held_out()[0].prompt == ("<|im_start|>user\nWhat is 2+3?\nThink step by step, then give the final "

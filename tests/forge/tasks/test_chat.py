@@ -89,8 +89,9 @@ def gsm8k_file(tmp_path_factory):
 def test_gsm8k_asks_in_the_chat_template_and_names_its_stop_tokens(gsm8k_file, chatml):
     task = GSM8KTask(str(gsm8k_file), held_out=2, tokenizer=chatml, chat_template_kwargs={"enable_thinking": False})
     held = task.held_out()
-    assert len(held) == 2 and held[0].answer.endswith("#### 2")
-    assert held[0].prompt == ("<|im_start|>user\nTom has 0 apples and buys 2. How many?\nThink step by step, then "
+    n = int(held[0].answer.rsplit("#### ", 1)[1]) - 2
+    assert len(held) == 2
+    assert held[0].prompt == (f"<|im_start|>user\nTom has {n} apples and buys 2. How many?\nThink step by step, then "
                               "give the final answer after '####'.<|im_end|>\n"
                               "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert task.stop_token_ids == [chatml.eos_token_id, chatml.convert_tokens_to_ids("<|im_end|>")]
@@ -98,6 +99,7 @@ def test_gsm8k_asks_in_the_chat_template_and_names_its_stop_tokens(gsm8k_file, c
 
 def test_gsm8k_without_a_tokenizer_uses_the_plain_prompt(gsm8k_file):
     task = GSM8KTask(str(gsm8k_file), held_out=1)
-    assert task.held_out()[0].prompt == ("Question: Tom has 0 apples and buys 2. How many?\nThink step by step, "
+    n = int(task.held_out()[0].answer.rsplit("#### ", 1)[1]) - 2
+    assert task.held_out()[0].prompt == (f"Question: Tom has {n} apples and buys 2. How many?\nThink step by step, "
                                          "then give the final answer after '####'.\nAnswer:")
     assert task.stop_token_ids == []

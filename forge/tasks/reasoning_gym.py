@@ -1,0 +1,79 @@
+"""Any reasoning-gym task by name (`task.source: reasoning_gym`, `task.name: basic_arithmetic`, ...).
+
+reasoning-gym generates its problems procedurally from a seed and scores answers with each dataset's own
+`score_answer`, which is the reward here. The held-out problems come from a different seed, and any of
+them whose question also occurs in the training problems is dropped, so training and evaluation never
+overlap. A problem's `answer` is the key of its reasoning-gym entry (`"train/17"`), since a dataset's
+scorer needs the whole entry (metadata included), not only the reference answer.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from forge.tasks.arithmetic import Problem
+from forge.tasks.chat import PromptFormat
+
+INSTRUCTION = "{question}\nGive only the final answer, inside <answer></answer>."
+_TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def held_out_seed(seed: int) -> int:
+    """The seed the held-out problems are generated from: never the training seed."""
+    return seed + 1_000_003
+
+
+def tagged_answer(completion_text: str) -> str:
+    """The last <answer>...</answer> of a completion, else the whole completion (stripped)."""
+    tagged = _TAGGED.findall(completion_text)
+    return (tagged[-1] if tagged else completion_text).strip()
+
+
+class ReasoningGymTask:
+    def __init__(self, name: str, *, options: dict[str, Any] | None = None, seed: int = 0, size: int = 10_000,
+                 held_out: int = 500, tokenizer: Any = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+
+        if name not in DATASETS:
+            raise ValueError(f"task.name={name!r}: not a reasoning-gym dataset; it has {len(DATASETS)}, e.g. "
+                             f"{', '.join(sorted(DATASETS)[:8])}, ... (reasoning_gym.factory.DATASETS)")
+        options = dict(options or {})
+        try:
+            train = reasoning_gym.create_dataset(name, seed=seed, size=size, **options)
+            # Twice the held-out size, so the problems dropped as also in training rarely leave it short.
+            evaluation = reasoning_gym.create_dataset(name, seed=held_out_seed(seed), size=2 * held_out, **options)
+        except (TypeError, ValueError, AssertionError) as e:  # reasoning-gym checks its configs with asserts
+            raise ValueError(f"task.options={options!r}: reasoning-gym's {name!r} refuses them "
+                             f"({type(e).__name__}: {e})") from None
+        prompts = PromptFormat(tokenizer, chat_template_kwargs)
+        self.stop_token_ids = prompts.stop_token_ids
+        self._datasets = {"train": train, "eval": evaluation}
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._train = [self._problem("train", i, entry, prompts) for i, entry in enumerate(train)]
+        seen = {entry["question"] for entry in train}
+        fresh = [(i, entry) for i, entry in enumerate(evaluation) if entry["question"] not in seen]
+        self._held_out = [self._problem("eval", i, entry, prompts) for i, entry in fresh[:held_out]]
+        if not self._held_out:
+            raise ValueError(f"task.name={name!r}: every held-out problem also occurs in training; the task "
+                             f"has too few distinct problems with task.options={options!r}")
+        self.seed = seed
+
+    def _problem(self, split: str, index: int, entry: dict[str, Any], prompts: PromptFormat) -> Problem:
+        key = f"{split}/{index}"
+        self._entries[key] = entry
+        return Problem(prompts.format(INSTRUCTION.format(question=entry["question"])), key)
+
+    def sample_prompts(self, n: int, rng: random.Random) -> list[Problem]:
+        return [rng.choice(self._train) for _ in range(n)]
+
+    def held_out(self) -> list[Problem]:
+        return list(self._held_out)
+
+    def reward(self, completion_text: str, answer: str) -> float:
+        """The dataset's own score (0..1) of the completion's tagged answer; `answer` is the entry's key."""
+        split = answer.partition("/")[0]
+        return float(self._datasets[split].score_answer(tagged_answer(completion_text), self._entries[answer]))
