@@ -2,6 +2,9 @@
 
 `ReplayBuffer` is plain Python; `ReplayBufferActor` serves it on a proc mesh. Policy versions are those of `forge.types.Episode`
 (one per generated token); an episode is as old as its oldest token.
+
+The buffer also decides how much rollout work may be under way (`reserve`): it counts what it holds and what rollouts
+have reserved but not yet delivered, so nothing is generated that would be too old to train when it arrives.
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ class ReplayBuffer:
       each non-empty drop so the actor can forward counts to metrics.
     - Trainer versions never decrease: `sample` / `evict` with a version below the last one seen is an error.
 
+    Rollout capacity (`reserve` / `add(..., reserved=True)` / `release`): a rollout about to generate episodes
+    with policy version v reserves room for them first. An episode made by version v can be trained by the batches
+    the trainer samples at versions up to v + max_policy_age; the buffer assumes one batch per trainer version, so
+    the batches still to come are those sampled at `next_batch_version` (the last version sampled, plus one once a
+    batch went out at it) up to v + max_policy_age (and no later than the last batch of the job, when known). Room is
+    those batches' episodes minus what is held and what is reserved and not yet delivered (`in_flight`), capped by
+    `max_buffer_size`. So at `max_policy_age=0` nothing is reserved while the trainer trains on version v's batch
+    until version v + 1 is published, and a reserved episode is never dropped as too old. At any age the same holds
+    with `sample_order="oldest"` when episodes arrive in the order they were reserved (with "random", the batch
+    picks at random and an episode can still age out).
+
     Invariant: `added == held + consumed + dropped_too_old + dropped_buffer_full`.
     """
 
@@ -81,6 +95,8 @@ class ReplayBuffer:
         self._entries: list[_Entry] = []  # kept in insertion order so sampling is reproducible
         self._next_seq = 0
         self._last_policy_version = 0
+        self._next_batch_version = 0  # the trainer version the next batch will be sampled at
+        self._in_flight = 0  # episodes reserved by rollouts, not yet added or released
         self._counts = {"added": 0, "sampled": 0, "consumed": 0, **{f"dropped_{r}": 0 for r in DROP_REASONS}}
 
     def __len__(self) -> int:
@@ -91,8 +107,49 @@ class ReplayBuffer:
         """Counters since creation: added, sampled (hand-outs), consumed, held, dropped_<reason>."""
         return {**self._counts, "held": len(self._entries)}
 
-    def add(self, episodes: list[Episode]) -> None:
-        """Store episodes; if this overflows `max_buffer_size`, drop the oldest ("buffer_full")."""
+    @property
+    def in_flight(self) -> int:
+        """Episodes reserved by rollouts (`reserve`) and neither added nor released yet."""
+        return self._in_flight
+
+    def reserve(self, policy_version: int, groups: int, group_size: int = 1, last_version: int | None = None) -> int:
+        """Reserve room for up to `groups` groups of `group_size` episodes about to be generated with `policy_version`;
+        return how many groups were granted (0 when there is no room: wait for a batch to be sampled, for a newer
+        version, or for a `release`). `last_version`: the trainer version of the job's last batch, when known, so
+        that nothing is generated that only a later batch could train."""
+        check_int("ReplayBuffer.reserve: policy_version", policy_version, 0, "an int >= 0")
+        check_int("ReplayBuffer.reserve: groups", groups, 0, "an int >= 0")
+        check_int("ReplayBuffer.reserve: group_size", group_size, 1, "an int >= 1")
+        if last_version is not None:
+            check_int("ReplayBuffer.reserve: last_version", last_version, 0, "None or an int >= 0")
+        newest_batch = policy_version + self.max_policy_age  # the last batch that can still train these episodes
+        if last_version is not None:
+            newest_batch = min(newest_batch, last_version)
+        batches = max(0, newest_batch - self._next_batch_version + 1)
+        room = batches * self.batch_size
+        if self.max_buffer_size is not None:
+            room = min(room, self.max_buffer_size)
+        room -= len(self._entries) + self._in_flight
+        granted = max(0, min(groups, room // group_size))
+        self._in_flight += granted * group_size
+        return granted
+
+    def release(self, count: int) -> None:
+        """Give back `count` reserved episodes that will not arrive (a failed generation, a group filtered out)."""
+        check_int("ReplayBuffer.release: count", count, 0,
+                  f"an int from 0 to in_flight={self._in_flight} (the episodes reserved, not yet added or released)")
+        if count > self._in_flight:
+            raise ValueError(f"ReplayBuffer.release: count={count}: must be at most in_flight={self._in_flight} "
+                             "(the episodes reserved, not yet added or released)")
+        self._in_flight -= count
+
+    def add(self, episodes: list[Episode], reserved: bool = False) -> None:
+        """Store episodes; if this overflows `max_buffer_size`, drop the oldest ("buffer_full").
+
+        `reserved=True`: the episodes fill room reserved by `reserve` (they leave `in_flight`)."""
+        if reserved and len(episodes) > self._in_flight:
+            raise ValueError(f"ReplayBuffer.add: reserved=True for {len(episodes)} episodes but only "
+                             f"in_flight={self._in_flight} are reserved")
         for episode in episodes:
             if not isinstance(episode, Episode):
                 raise ValueError(f"ReplayBuffer.add: expected forge.types.Episode, got {type(episode).__name__}")
@@ -105,6 +162,8 @@ class ReplayBuffer:
             self._entries.append(_Entry(episode, self._next_seq))
             self._next_seq += 1
         self._counts["added"] += len(episodes)
+        if reserved:
+            self._in_flight -= len(episodes)
 
         overflow = len(self._entries) - (self.max_buffer_size or len(self._entries))
         if overflow > 0:
@@ -146,6 +205,7 @@ class ReplayBuffer:
         self._entries = [e for i, e in enumerate(self._entries) if i not in consumed]
         self._counts["sampled"] += self.batch_size
         self._counts["consumed"] += len(consumed)
+        self._next_batch_version = policy_version + 1  # one batch per trainer version
         per_rank = self.batch_size // self.dp_size
         return [batch[rank * per_rank : (rank + 1) * per_rank] for rank in range(self.dp_size)]
 
@@ -158,13 +218,16 @@ class ReplayBuffer:
             ],
             "next_seq": self._next_seq,
             "last_policy_version": self._last_policy_version,
+            "next_batch_version": self._next_batch_version,
             "counts": dict(self._counts),
             "rng_state": self._rng.getstate(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore held episodes, counters and RNG state; the configuration stays this buffer's own."""
-        missing = {"entries", "next_seq", "last_policy_version", "counts", "rng_state"} - state.keys()
+        """Restore held episodes, counters and RNG state; the configuration stays this buffer's own. Reservations
+        are not part of the state: they belong to the rollouts of the job that made them."""
+        keys = {"entries", "next_seq", "last_policy_version", "next_batch_version", "counts", "rng_state"}
+        missing = keys - state.keys()
         if missing:
             raise ValueError(f"ReplayBuffer.load_state_dict: state is missing keys {sorted(missing)}")
         self._entries = [
@@ -172,6 +235,7 @@ class ReplayBuffer:
         ]
         self._next_seq = state["next_seq"]
         self._last_policy_version = state["last_policy_version"]
+        self._next_batch_version = state["next_batch_version"]
         self._counts = dict(state["counts"])
         version, internal, gauss_next = state["rng_state"]
         # A round trip through some serializers turns the tuples into lists; setstate needs tuples.
@@ -185,6 +249,7 @@ class ReplayBuffer:
                 f"({self._last_policy_version}); trainer versions never decrease"
             )
         self._last_policy_version = policy_version
+        self._next_batch_version = max(self._next_batch_version, policy_version)
 
     def _count_drop(self, reason: str, count: int) -> None:
         if count == 0:
@@ -195,7 +260,7 @@ class ReplayBuffer:
 
 
 class ReplayBufferActor(ForgeActor):
-    """The replay buffer as an actor: rollout loops `add`, the training loop `sample`s."""
+    """The replay buffer as an actor: rollouts `reserve` room and `add`, the training loop `sample`s."""
 
     def __init__(self, config: ReplayBufferConfig | dict | None = None, **overrides) -> None:
         if isinstance(config, dict) or config is None:
@@ -206,8 +271,19 @@ class ReplayBufferActor(ForgeActor):
         record_metric(f"buffer/dropped_{reason}", count, "sum")
 
     @endpoint
-    async def add(self, episodes: list[Episode]) -> int:
-        self.buffer.add(episodes)
+    async def reserve(self, policy_version: int, groups: int, group_size: int = 1,
+                      last_version: int | None = None) -> int:
+        granted = self.buffer.reserve(policy_version, groups, group_size, last_version)
+        record_metric("buffer/in_flight", self.buffer.in_flight, "max")
+        return granted
+
+    @endpoint
+    async def release(self, count: int) -> None:
+        self.buffer.release(count)
+
+    @endpoint
+    async def add(self, episodes: list[Episode], reserved: bool = False) -> int:
+        self.buffer.add(episodes, reserved)
         record_metric("buffer/size", len(self.buffer), "max")
         return len(self.buffer)
 

@@ -5,8 +5,10 @@
 Each run is the real app (`python -m apps.grpo`) on the same config and the same number of trained samples;
 only `replay_buffer.max_policy_age` differs. From each run's metrics.jsonl it reports steps per second of
 the training loop, the trainer's busy fraction (time inside train_step over the loop's wall time) and the
-generators' busy fraction (engine time over wall time x replicas), and the speedup over age 0.
-Evaluation and the warm start are off: this measures the loop, not the task.
+generators' busy fraction (engine time over wall time x replicas), and the speedup over age 0; from its
+summary.json, the episodes generated, trained and dropped (too old or buffer full) over the whole run.
+Evaluation and the warm start are off: this measures the loop, not the task. Exits 1 when the synchronous run
+(age 0) dropped any episode: at age 0 nothing may be generated that cannot be trained.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def run_app(age: int, steps: int, run_dir: Path, overrides: list[str]) -> dict[s
     if result.returncode != 0:
         raise RuntimeError(f"max_policy_age={age}: the app failed:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    episodes = json.loads((run_dir / "summary.json").read_text())["episodes"]
     # The first step includes start-up (first generations, first publish): measure steps 2..N.
     timed = rows[1:]
     wall = timed[-1]["time"] - rows[0]["time"]
@@ -42,7 +45,9 @@ def run_app(age: int, steps: int, run_dir: Path, overrides: list[str]) -> dict[s
         "trainer_busy": train_busy / wall,
         "generator_busy": generator_busy / (wall * replicas),
         "mean_version_lag": sum(r["train/version_lag"] for r in timed) / len(timed),
-        "dropped_too_old": rows[-1].get("buffer/dropped_too_old", 0.0),
+        "generated": episodes["generated"],
+        "trained": episodes["trained"],
+        "dropped": episodes["dropped_too_old"] + episodes["dropped_buffer_full"],
     }
 
 
@@ -59,11 +64,16 @@ def main() -> int:
             results.append(run_app(age, args.steps, Path(tmp) / f"age{age}", args.overrides))
     base = results[0]["steps_per_s"]
     print(f"\n{'max_policy_age':>14} {'steps/s':>8} {'speedup':>8} {'trainer busy':>13} {'generator busy':>15} "
-          f"{'version lag':>12} {'dropped old':>12}")
+          f"{'version lag':>12} {'generated':>10} {'trained':>8} {'dropped':>8}")
     for r in results:
         print(f"{r['max_policy_age']:>14} {r['steps_per_s']:>8.3f} {r['steps_per_s'] / base:>7.2f}x "
               f"{r['trainer_busy']:>12.0%} {r['generator_busy']:>15.0%} {r['mean_version_lag']:>12.2f} "
-              f"{r['dropped_too_old']:>12.0f}")
+              f"{r['generated']:>10} {r['trained']:>8} {r['dropped']:>8}")
+    wasted = [r for r in results if r["max_policy_age"] == 0 and r["dropped"]]
+    if wasted:
+        print(f"FAIL: max_policy_age=0 dropped {wasted[0]['dropped']} episodes: a synchronous run must generate only "
+              "what it trains", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -13,15 +13,12 @@ run, and forge.lifecycle owns signals, actor failures, the exit code and the cle
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -39,8 +36,6 @@ from forge.service import NoHealthyReplicaError
 from forge.types import Episode, SamplingParams
 from losses.advantages import group_advantages
 
-T = TypeVar("T")
-
 
 class GRPOJob:
     def __init__(self, cfg: GRPOConfig, resume: bool) -> None:
@@ -54,11 +49,10 @@ class GRPOJob:
         self.counters = EpisodeCounters()
         self.summary = RunSummary()
         self.step = self.version = 0
-        # Rollout capacity (see _room_for_a_group): groups being generated, the episodes the replay buffer holds
-        # (its latest answer; answers apply in the order their calls were sent) and the batch in training.
-        self.generating = self.buffered = self.in_training = 0
-        self._buffer_calls, self._buffered_as_of = itertools.count(), -1
-        self.capacity = asyncio.Condition()
+        # The replay buffer decides how much rollout work may be under way (ReplayBuffer.reserve); these say when
+        # to ask it again: `room` when something may have freed room (a batch sampled, a version published, a group
+        # finished), `arrived` when episodes reached the buffer (the training loop may find a batch).
+        self.room, self.arrived = asyncio.Event(), asyncio.Event()
         self._scored: list[Episode] = []  # scored, on their way to the buffer
         self._buffer_writer = asyncio.Lock()  # one add in flight at a time
         self.rewards_this_step: list[float] = []
@@ -80,7 +74,6 @@ class GRPOJob:
             await self.restore()
         self.version = rank0(await self.actors.trainer.publish_weights.call())
         await self.actors.generators.update_weights.fanout(self.version)
-        await self._buffer_stats()
         if cfg.eval.at_start and not self.interrupted:
             self.summary.accuracy_start = await self.evaluate("start")
         await self.train_while_generating()
@@ -93,7 +86,7 @@ class GRPOJob:
             self.summary.hf_model = str(self.run_dir / "hf_model")
             await self.actors.trainer.export_hf.call(self.summary.hf_model)
         s = self.summary
-        s.count_episodes(self.counters, await self._buffer_stats())
+        s.count_episodes(self.counters, await self.actors.buffer.stats.call_one())
         s.steps, s.policy_version, s.interrupted = self.step, self.version, self.interrupted
         s.reward_failures = self.rewards.failures
         s.rss_end, s.shm_bytes = get_provisioner().memory_rss(), weight_store.job_segments_bytes()
@@ -102,68 +95,80 @@ class GRPOJob:
         s.write(self.run_dir / "summary.json")
 
     async def train_while_generating(self) -> None:
-        """`rollout.concurrency` rollout loops fill the replay buffer while the training loop drains it."""
-        rollouts = [asyncio.ensure_future(self.rollout_loop()) for _ in range(self.cfg.rollout.concurrency)]
-        training = asyncio.ensure_future(self.training_loop())
+        """The rollout loop fills the replay buffer while the training loop drains it."""
+        rollouts, training = asyncio.ensure_future(self.rollout_loop()), asyncio.ensure_future(self.training_loop())
         try:
-            done, _ = await asyncio.wait([training, *rollouts], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([training, rollouts], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                task.result()  # a rollout loop that died takes the job down with its error
+                task.result()  # a rollout that died takes the job down with its error
             await training  # rollouts end first only when asked to stop: the step in progress finishes
         finally:
             self.stopping.set()
-            await self._capacity_changed()
-            for task in [training, *rollouts]:
+            for task in [training, rollouts]:
                 task.cancel()
-            await asyncio.gather(training, *rollouts, return_exceptions=True)
+            await asyncio.gather(training, rollouts, return_exceptions=True)
 
     # --- rollout -> reward -> group advantages -> buffer ------------------------------------------------
     async def rollout_loop(self) -> None:
+        """Start prompt groups, each with the newest published version, as far as the replay buffer has room for
+        their episodes (ReplayBuffer.reserve: what the trainer can still train within max_policy_age versions) and
+        at most `rollout.concurrency` at once; otherwise wait until something may have freed room."""
         r = self.cfg.rollout
         params = SamplingParams(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop_token_ids=list(self.task.stop_token_ids))
-        while not self.stopping.is_set():
-            async with self.capacity:
-                await self.capacity.wait_for(lambda: self.stopping.is_set() or self._room_for_a_group())
-                if self.stopping.is_set():
-                    return
-                self.generating += 1
-            try:
-                await self.one_group(params)
-            finally:
-                self.generating -= 1
-                await self._capacity_changed()
+        groups: set[asyncio.Future] = set()
+        try:
+            while not self.stopping.is_set():
+                self.room.clear()  # whatever frees room from here on sets it again: no change is missed
+                for group in [g for g in groups if g.done()]:
+                    groups.discard(group)
+                    group.result()  # a group that failed (e.g. no healthy generator left) takes the job down
+                wanted = r.concurrency - len(groups)
+                if wanted:
+                    version = self.version
+                    last_version = version + self.cfg.steps - self.step - 1  # the job's last batch: nothing beyond it
+                    granted = await self.actors.buffer.reserve.call_one(version, wanted, r.group_size, last_version)
+                    for _ in range(granted):
+                        group = asyncio.ensure_future(self.one_group(params, version))
+                        group.add_done_callback(lambda _: self.room.set())
+                        groups.add(group)
+                await self._wait_for(self.room)
+        finally:
+            for group in groups:
+                group.cancel()
+            await asyncio.gather(*groups, return_exceptions=True)
 
-    def _room_for_a_group(self) -> bool:
-        """Staleness as a capacity bound. A group is generated by the newest published version v (generators fetch
-        it first) and trained at v + max_policy_age at the latest: the trainer is at most one step past v when it
-        starts, and max_policy_age - 1 full batches are ahead of it in the buffer, so none ages out. With
-        max_policy_age = 0 the batch in training counts too: the next one waits for the version it publishes."""
-        per_step = self.cfg.replay_buffer.batch_size // self.cfg.rollout.group_size
-        groups = self.generating + (self.buffered + self.in_training) // self.cfg.rollout.group_size
-        return groups < per_step * max(1, self.cfg.replay_buffer.max_policy_age)
+    async def one_group(self, params: SamplingParams, version: int) -> None:
+        """Generate one prompt's group with `version` or newer, score it and hand it to the buffer, or give its
+        reserved room back."""
+        episodes = await self.scored_group(params, version)
+        if episodes is None:
+            await self.actors.buffer.release.call_one(params.n)
+        else:
+            await self._add_to_buffer(episodes)
 
-    async def one_group(self, params: SamplingParams) -> None:
+    async def scored_group(self, params: SamplingParams, version: int) -> list[Episode] | None:
+        """The group's episodes with rewards and advantages; None when generation failed or the group was dropped."""
         (problem,) = self.task.sample_prompts(1, self.rng)
         try:
             completions = await self.actors.generators.generate.route(problem.prompt, params,
-                                                                      min_policy_version=self.version)
+                                                                      min_policy_version=version)
         except NoHealthyReplicaError:
             raise
         except Exception as e:  # a per-request engine error (e.g. a prompt over the window) fails this group only
             self.counters.generation_failures += 1
             record_metric("rollout/generation_failures", 1, "sum")
             print(f"generation failed for prompt {problem.prompt[:60]!r}: {e}", file=sys.stderr)
-            return
+            return None
         rewards = await self.rewards.score([c.text for c in completions], problem.answer)
-        self.counters.generated += len(completions)
         self.rewards_this_step.extend(rewards)
         advantages, zero_variance = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
                                                      normalize_std=self.cfg.rollout.normalize_advantages)
         if self.cfg.rollout.drop_zero_variance_groups and bool(zero_variance.all()):
+            self.counters.generated += len(completions)
             self.counters.zero_variance_dropped += len(completions)
             record_metric("rollout/zero_variance_dropped", len(completions), "sum")
-            return
+            return None
         group_id = self.rng.getrandbits(62)
         episodes = [Episode.from_completion(c, episode_id=group_id * 64 + i, group_id=group_id, reward=r,
                                             advantage=float(a))
@@ -172,7 +177,7 @@ class GRPOJob:
             ref = rank0(await self.actors.reference.logprobs.call(episodes, self.actors.pad_id))
             for episode, logprobs in zip(episodes, ref):
                 episode.ref_logprobs = logprobs
-        await self._add_to_buffer(episodes)
+        return episodes
 
     async def _add_to_buffer(self, episodes: list[Episode]) -> None:
         """Returns once `episodes` are in the buffer. Groups that finish while an add is in flight go in one call
@@ -182,7 +187,10 @@ class GRPOJob:
         async with self._buffer_writer:
             if self._scored:  # else an earlier caller's add took these
                 episodes, self._scored = self._scored, []
-                await self._ask_buffer(self.actors.buffer.add.call_one(episodes), held_in=lambda held: held)
+                # Counted as they are sent: a job that stops with scored groups not yet sent counts them nowhere.
+                self.counters.generated += len(episodes)
+                await self.actors.buffer.add.call_one(episodes, reserved=True)
+                self.arrived.set()
 
     # --- train -> publish -------------------------------------------------------------------------------
     async def training_loop(self) -> None:
@@ -200,8 +208,8 @@ class GRPOJob:
                 self.version = int(metrics.pop("policy_version"))  # the trainer published it
                 self.step += 1
                 self.counters.trained += len(episodes)
-                self.in_training = 0
-                stats = await self._buffer_stats()
+                self.room.set()  # rollouts may start with the new version
+                stats = await self.actors.buffer.stats.call_one()
                 elapsed = time.perf_counter() - step_start
                 rewards, self.rewards_this_step = self.rewards_this_step, []
                 record = logger.log(self.step, await get_provisioner().collect_metrics(), {
@@ -223,36 +231,22 @@ class GRPOJob:
     async def _next_batch(self) -> list[Episode] | None:
         """The next batch for the current version; None when asked to stop while waiting for one."""
         while not self.interrupted:
+            self.arrived.clear()  # episodes that reach the buffer from here on set it again
             batch = await self.actors.buffer.sample.call_one(self.version)
-            if batch is not None and self.cfg.replay_buffer.max_policy_age == 0:
-                self.in_training = self.cfg.replay_buffer.batch_size  # synchronous: no rollout until it is trained
-            await self._buffer_stats()  # sample() consumed a batch or evicted stale episodes: room for rollouts
+            self.room.set()  # the buffer handed out a batch or evicted stale episodes: rollouts may have room
             if batch is not None:
                 return [e for shard in batch for e in shard]
-            async with self.capacity:
-                try:
-                    await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
-                except asyncio.TimeoutError:
-                    pass
+            await self._wait_for(self.arrived)
         return None
 
-    # --- the replay buffer's held count -----------------------------------------------------------------
-    async def _buffer_stats(self) -> dict[str, int]:
-        return await self._ask_buffer(self.actors.buffer.stats.call_one(), held_in=lambda stats: stats["held"])
-
-    async def _ask_buffer(self, call: Awaitable[T], held_in: Callable[[T], int]) -> T:
-        """Await a buffer call whose answer carries the buffer's held count. The buffer answers calls in the order
-        they were sent, so an answer to an earlier call that arrives after a later one's is not applied."""
-        sent = next(self._buffer_calls)
-        answer = await call
-        if sent > self._buffered_as_of:
-            self._buffered_as_of, self.buffered = sent, held_in(answer)
-        await self._capacity_changed()
-        return answer
-
-    async def _capacity_changed(self) -> None:
-        async with self.capacity:
-            self.capacity.notify_all()
+    async def _wait_for(self, event: asyncio.Event) -> None:
+        """Until `event` is set or the job is stopping."""
+        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self.stopping.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     # --- evaluation and checkpoints ---------------------------------------------------------------------
     async def evaluate(self, label: str) -> float:

@@ -66,12 +66,18 @@ def test_grpo_with_the_vllm_engine_trains_on_versioned_tokens_and_stops_every_pr
     assert not processes_with_mark(str(run_dir))  # vLLM's engine-core process included
 
 
-def test_synchronous_mode_trains_strictly_on_policy(tmp_path):
+def test_synchronous_mode_trains_strictly_on_policy_and_generates_only_what_it_trains(tmp_path):
     run_dir = tmp_path / "sync"
-    _run_grpo(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "eval.at_start=false", "checkpoint.final=false",
-              "checkpoint.interval=0")
+    # Room for 4 batches' groups at once: only the replay buffer's reservations keep rollouts to the next batch.
+    _run_grpo(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "rollout.concurrency=8", "eval.at_start=false",
+              "eval.at_end=false", "checkpoint.final=false", "checkpoint.interval=0")
     rows = _metrics(run_dir)
     assert len(rows) == 3 and all(r["train/version_lag"] == 0 for r in rows)
+    assert all(r["buffer/dropped_too_old"] == 0 for r in rows)
+    e = json.loads((run_dir / "summary.json").read_text())["episodes"]
+    # Nothing generated for a version that is stale on arrival, nothing generated past the last step.
+    assert e["dropped_too_old"] == e["dropped_buffer_full"] == e["held_in_buffer"] == 0, e
+    assert e["generated"] == e["trained"] == 3 * 32, e
 
 
 def test_kill_and_resume_continues_step_and_version(tmp_path):
