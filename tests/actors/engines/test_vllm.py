@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from actors.logprobs import token_logprobs
+from forge.sampling import MAX_KEPT_TOKENS
 from forge.tiny_model import build_tiny_checkpoint
-from forge.types import SamplingParams
+from forge.types import Episode, SamplingParams, TrainBatch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs the vllm extra (make install-vllm on CPU)")
@@ -167,10 +169,49 @@ def test_parameter_specs_are_the_hf_names(engine, random_weights):
     assert specs["model.layers.0.self_attn.q_norm.weight"] == ((32,), torch.float32)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_p=0.9), SamplingParams(top_k=5)])
-def test_top_k_and_top_p_are_refused(engine, params):
-    with pytest.raises(ValueError, match=r"the vllm engine samples without top-k/top-p"):
-        engine.generate(["1+2="], params)
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.8), (1.0, 5, 1.0), (0.7, 20, 0.9)])
+def test_trainer_replays_the_kept_sets_of_truncated_sampling(engine, checkpoint, random_weights, temperature, top_k,
+                                                             top_p):
+    """vLLM's processed log-probs are renormalised over the kept tokens; the trainer's log-prob function, given the
+    kept sets the engine recorded (through Episode -> TrainBatch), computes the same within 1e-4."""
+    weights = perturbed(random_weights, 30)
+    engine.load_weights(weights, version=11)
+    params = SamplingParams(n=4, max_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, seed=5)
+    completions = [c for group in engine.generate(PROMPTS, params) for c in group]
+    batch = TrainBatch.from_episodes(
+        [Episode.from_completion(c, episode_id=i, group_id=0, reward=0.0) for i, c in enumerate(completions)], 0)
+    with torch.no_grad():
+        logits = model_with(checkpoint, weights)(batch.input_ids).logits[:, :-1]
+    targets, on_response = batch.input_ids[:, 1:], batch.response_mask.bool()
+    replayed = token_logprobs(logits, targets, temperature, batch.kept_token_ids)
+    torch.testing.assert_close(replayed[on_response], batch.behaviour_logprobs[on_response], atol=1e-4, rtol=0)
+    full = token_logprobs(logits, targets, temperature)
+    assert bool((full[on_response] < batch.behaviour_logprobs[on_response] - 1e-3).any())  # the mask matters
+
+    probs = (logits.float() / temperature).softmax(-1)
+    for row, completion in enumerate(completions):
+        assert completion.policy_versions == [11] * len(completion.token_ids)
+        start = len(completion.prompt_ids) - 1
+        for step, token in enumerate(completion.token_ids):
+            ids = completion.kept_token_ids[step]
+            ids = ids[ids >= 0].long()
+            assert token in ids.tolist()
+            p = probs[row, start + step]
+            assert p[ids].min() >= p.topk(len(ids)).values[-1] - 1e-5  # the most likely tokens
+            assert len(ids) == top_k if top_p == 1 else 1 <= len(ids) <= (top_k or MAX_KEPT_TOKENS)
+
+
+def test_a_kept_set_wider_than_the_bound_is_an_error(engine, random_weights):
+    """A zero output layer ties every token at the top-k threshold; vLLM then keeps them all, more than the
+    bound, and the engine refuses to record a partial set."""
+    engine.load_weights({**random_weights, "lm_head.weight": torch.zeros_like(random_weights["lm_head.weight"])},
+                        version=12)
+    with pytest.raises(RuntimeError, match=r"sampled from more than 5 kept tokens"):
+        engine.generate(["1+2="], SamplingParams(max_tokens=2, top_k=5))
+    # Greedy and untruncated sampling record no kept set.
+    for params in (SamplingParams(max_tokens=2, temperature=0.0, top_k=5), SamplingParams(max_tokens=2)):
+        ((completion,),) = engine.generate(["1+2="], params)
+        assert completion.kept_token_ids is None and completion.policy_versions == [12, 12]
 
 
 def test_an_empty_prompt_is_refused(engine):
