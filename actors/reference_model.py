@@ -52,18 +52,21 @@ class ReferenceModel:
         self.dp = DataParallel.of(dims)
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """log pi_ref(input_ids[:, 1:]) for right-padded sequences [B, T]: [B, T-1] float32 on CPU.
 
         Rows go through the model `chunk_rows` at a time and each chunk's logits are reduced to one
         log-prob per position before the next, so memory grows with B x T, not B x T x vocab.
+        With `kept_token_ids` ([B, T-1, K], top-k / top-p rollouts) the reference is truncated to the same kept
+        sets as the policy the trainer scores, so the KL term compares like with like (0 while they are equal).
         """
         check_input_ids(input_ids, self.model_args)
 
-        def score(rows: torch.Tensor) -> torch.Tensor:
-            return token_logprobs(self.model(rows[:, :-1]), rows[:, 1:], self.config.temperature)
+        def score(rows: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+            return token_logprobs(self.model(rows[:, :-1]), rows[:, 1:], self.config.temperature, kept)
 
-        return score_rows(score, input_ids.to(self.device), self.config.chunk_rows, self.dp)
+        kept = None if kept_token_ids is None else kept_token_ids.to(self.device)
+        return score_rows(score, input_ids.to(self.device), self.config.chunk_rows, self.dp, kept)
 
 
 class ReferenceActor(ForgeActor):
@@ -81,7 +84,7 @@ class ReferenceActor(ForgeActor):
     async def logprobs(self, episodes: list[Episode], pad_id: int) -> list[list[float]]:
         """log pi_ref of each episode's completion tokens."""
         batch = TrainBatch.from_episodes(episodes, pad_id)
-        logprobs = self.model.logprobs(batch.input_ids)
+        logprobs = self.model.logprobs(batch.input_ids, batch.kept_token_ids)
         out = []
         for row, e in enumerate(episodes):
             start = len(e.prompt_ids) - 1

@@ -213,3 +213,18 @@ def stop_http_app(proc: subprocess.Popen, timeout: float = 90) -> int:
     left = job_processes(proc.pid)
     assert not left, f"processes of the stopped app are still running: {left}"
     return code
+
+
+def assert_kept_sets_replay(model, completions, *, temperature, version, atol):
+    """Each completion's behaviour log-probs equal the trainer's log-prob function over its recorded kept sets,
+    and every token carries `version`."""
+    from actors.logprobs import token_logprobs
+
+    for c in completions:
+        assert c.policy_versions == [version] * len(c.token_ids)
+        assert c.kept_token_ids.shape[0] == len(c.token_ids)
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1]
+        replayed = token_logprobs(logits, torch.tensor(c.token_ids), temperature, c.kept_token_ids)
+        torch.testing.assert_close(replayed, torch.tensor(c.logprobs), atol=atol, rtol=0)

@@ -203,7 +203,7 @@ class VLLMEngine:
         asked = min(width + 1, self._vocab_size) if width else 0
         sampling = VLLMSamplingParams(
             n=n, temperature=params.temperature, max_tokens=params.max_tokens,
-            top_k=params.kept_width if params.truncates else 0, top_p=params.top_p,
+            top_k=width, top_p=params.top_p,
             stop_token_ids=list(params.stop_token_ids) or None, logprobs=asked,
             # One seed per prompt: identical prompts in one call still get different samples.
             seed=None if params.seed is None else params.seed + index, output_kind=RequestOutputKind.FINAL_ONLY)

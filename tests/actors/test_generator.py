@@ -13,6 +13,7 @@ from forge.provisioner import get_provisioner
 from forge.tiny_model import build_tiny_checkpoint
 from forge.types import SamplingParams
 from forge.weight_store import WeightStore
+from tests.support import assert_kept_sets_replay
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,11 @@ async def test_generator_service_follows_published_versions(checkpoint):
             await asyncio.sleep(0.05)
         out = await service.generate.route("1+2=", SamplingParams(n=2, max_tokens=4))
         assert all(set(c.policy_versions) == {1} for c in out)
+
+        # Top-p rollouts come back with each token's kept set: the trainer's log-prob function replays it.
+        out = await service.generate.route("1+2=", SamplingParams(n=3, max_tokens=6, top_p=0.8))
+        engine.load_weights(perturbed, version=1)
+        assert_kept_sets_replay(engine.model, out, temperature=1.0, version=1, atol=1e-5)
 
         # An explicit update to an older version is honoured (e.g. an evaluation of version 0).
         assert await service.update_weights.route(0) == 0

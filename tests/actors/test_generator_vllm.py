@@ -13,6 +13,7 @@ from forge.provisioner import get_provisioner
 from forge.tiny_model import build_tiny_checkpoint
 from forge.types import SamplingParams
 from forge.weight_store import WeightStore
+from tests.support import assert_kept_sets_replay
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs the vllm extra (make install-vllm on CPU)")
@@ -66,6 +67,12 @@ async def test_vllm_generator_follows_versions_and_serves_concurrent_loops(check
                 torch.testing.assert_close(torch.tensor(completion.logprobs),
                                            teacher_forced(model, completion.prompt_ids, completion.token_ids, 0.7),
                                            atol=1e-4, rtol=0)
+
+        # Top-k rollouts come back with each token's kept set: the trainer's log-prob function replays it.
+        out = await service.generate.route("12+34=", SamplingParams(n=3, max_tokens=6, temperature=0.7, top_k=5),
+                                           min_policy_version=1)
+        assert all(c.kept_token_ids.shape == (len(c.token_ids), 5) for c in out)
+        assert_kept_sets_replay(model, out, temperature=0.7, version=1, atol=1e-4)
 
         # A bad prompt fails alone; its batch-mates still succeed.
         good, bad = await asyncio.gather(service.generate.route("3+4=", SamplingParams(max_tokens=3)),

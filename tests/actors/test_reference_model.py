@@ -69,6 +69,22 @@ def test_reference_equals_the_trainers_initial_policy(checkpoint: Path) -> None:
     torch.testing.assert_close(trainer.logprobs(batch), expected, rtol=0, atol=1e-5)
 
 
+def test_reference_replays_the_kept_sets_of_truncated_sampling(checkpoint: Path) -> None:
+    """Chunk by chunk, positions with a kept set are renormalised over it (like the trainer), others are not."""
+    input_ids = sequences()
+    kept = torch.full((5, 13, 3), -1, dtype=torch.int32)
+    kept[:, 6:, 0] = input_ids[:, 7:]  # the target, and two other tokens
+    kept[:, 6:, 1:] = torch.tensor([1, 2], dtype=torch.int32)
+    reference = ReferenceModel(ReferenceConfig(model_path=str(checkpoint), chunk_rows=2, temperature=0.7))
+    replayed = reference.logprobs(input_ids, kept)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(checkpoint)(input_ids).logits[:, :-1].double() / 0.7
+    kept_logits = torch.stack([logits.gather(-1, input_ids[:, 1:, None])[..., 0], logits[..., 1], logits[..., 2]], -1)
+    expected = hf_logprobs(checkpoint, input_ids, temperature=0.7).double()
+    expected[:, 6:] = (kept_logits[..., 0] - kept_logits.logsumexp(-1))[:, 6:]
+    torch.testing.assert_close(replayed.double(), expected, rtol=0, atol=1e-5)
+
+
 def test_bfloat16_reference_stores_bfloat16_weights(checkpoint: Path) -> None:
     input_ids = sequences()
     reference = ReferenceModel(ReferenceConfig(model_path=str(checkpoint), dtype="bfloat16"))
