@@ -1,7 +1,11 @@
 """How far the trainer's policy is from the policy that sampled the tokens, per version lag.
 
 Every training step reports, over the response tokens of its batch and separately for each version lag
-(lag = the trainer's policy version when it trains minus the version that generated the token; 0 is on-policy):
+(lag = the trainer's policy version when it trains minus the version that generated the token; 0 is on-policy),
+pi_train against pi_behaviour (the generator's recorded log-probs). pi_train is pi_old, the trainer before the
+batch's first optimizer step, whenever the trainer has it: with one minibatch (the training forward is pi_old) or
+with a rollout correction on (it scores pi_old once per batch). Without a correction and with several minibatches
+no extra forward pass is spent: a minibatch's pi_train is its own forward, just before its optimizer step.
 
   abs_logp_diff  mean |log pi_train - log pi_behaviour|
   kl_k3          mean of rho - 1 - log rho, rho = pi_train / pi_behaviour: Schulman's k3 estimator of

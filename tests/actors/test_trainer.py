@@ -371,6 +371,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def corrected_config(path: Path) -> TrainerConfig:
+    """Two minibatches with truncated IS and an IcePop band: pi_old is scored before the first step."""
+    return trainer_config(path, micro_batch_size=1, minibatches=2,
+                          loss_params={"tis_cap": 2.0, "token_mask_band": [0.05, 2.0]})
+
+
 def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -391,10 +397,12 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         trainer.load_checkpoint(saved)
         resumed = trainer.train_step(make_batch(9))
         after_resumed = trainer.hf_state_dict()
+        corrected = TitanTrainer(corrected_config(Path(path)), rank=rank, world_size=world_size)
+        corrected_metrics = corrected.train_step(make_batch(8))
         result = dict(first=first, second=second, resumed=resumed, first_grads=first_grads, after_first=after_first,
                       after_first_bf16=after_first_bf16, after_second=after_second, after_resumed=after_resumed,
                       shards_are_sharded=all(isinstance(t, DTensor) for t in shards.values()), full=full,
-                      logprobs=logprobs)
+                      logprobs=logprobs, corrected=corrected_metrics, after_corrected=corrected.hf_state_dict())
         torch.save(result, Path(out_dir) / f"result{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -431,6 +439,22 @@ def test_fsdp_two_ranks_match_one_rank(fsdp_results: list[dict], checkpoint: Pat
     assert_same_weights(fsdp_result["first_grads"], gradients(single), atol=1e-7)
     assert_same_weights(fsdp_result["after_first"], single.hf_state_dict(), atol=1e-6)
     torch.testing.assert_close(fsdp_result["logprobs"], single.logprobs(make_batch(10)), rtol=0, atol=1e-5)
+
+
+def test_fsdp_pi_old_and_mismatch_metrics_match_one_rank(fsdp_results: list[dict], checkpoint: Path) -> None:
+    # Every rank passes the same batch; pi_old is gathered across ranks, sliced per minibatch like the batch.
+    single = TitanTrainer(corrected_config(checkpoint))
+    expected = single.train_step(make_batch(8))
+    corrected = fsdp_results[0]["corrected"]
+    assert corrected.keys() == expected.keys() and any(key.startswith("mismatch/lag0/") for key in expected)
+    for key in expected:
+        if key not in ("tokens_per_second", "publish_s"):
+            assert corrected[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    # Two Adam steps (eps=1e-6): summation-order differences in near-zero gradient elements grow past the
+    # one-step test's 1e-6; a wrong pi_old slice would move the second step by the learning rate (1e-3).
+    after = single.hf_state_dict()
+    worst = max((fsdp_results[0]["after_corrected"][n] - after[n]).abs().max().item() for n in after)
+    assert worst < 2e-5, worst
 
 
 def test_fsdp_shards_are_dtensors_of_the_full_weights(fsdp_results: list[dict]) -> None:
