@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from apps.gateway.errors import openai_error
 from apps.gateway.runtime import Gateway
+from apps.gateway.streaming import completion_events
 from apps.gateway.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -48,8 +50,13 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def health() -> GatewayHealth:
         return gateway.health()
 
-    async def chat(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
-        return await gateway.chat(session_of(request), body)
+    async def chat(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | StreamingResponse:
+        response = await gateway.chat(session_of(request), body)
+        if not body.stream:
+            return response
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(completion_events(response, include_usage=include_usage),
+                                 media_type="text/event-stream")
 
     for path in ("/v1/chat/completions", "/chat/completions"):
         app.post(path, response_model=ChatCompletionResponse, tags=["openai"], name=f"chat{path.replace('/', '_')}")(chat)

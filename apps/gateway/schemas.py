@@ -27,6 +27,11 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content if part.type in ("text", "input_text"))
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk with the usage and no choices
+
+
 class ChatCompletionRequest(BaseModel):
     """Fields the gateway does not use are accepted and ignored, as OpenAI clients send many."""
 
@@ -38,18 +43,12 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1, description="one choice per request (each is one recorded interaction)")
-    stream: bool = False
+    stream: bool = False  # server-sent events (OpenAI's chat.completion.chunk objects), ending with [DONE]
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="only 0: the sampled token's log-prob is returned")
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("stream=true is not supported; send stream=false")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -107,6 +106,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str
     forge: ForgeInteraction
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion; the last one with choices carries forge's record."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    system_fingerprint: str
+    usage: Usage | None = None
+    forge: ForgeInteraction | None = None
 
 
 class ModelCard(BaseModel):

@@ -221,6 +221,33 @@ def test_openai_client_session_rewards_and_export(http):
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "1+1="}])
 
 
+def test_streamed_completions_arrive_as_openai_chunks_and_are_recorded(http):
+    session = _start(http, task_id="stream-test")
+    client = openai.OpenAI(base_url=_v1(http), api_key=session["api_key"], max_retries=0)
+    chunks = list(client.chat.completions.create(model="default", messages=[{"role": "user", "content": "12+34="}],
+                                                 stream=True, stream_options={"include_usage": True}, logprobs=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    logprobs = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert finish in (["stop"], ["length"]) and not chunks[-1].choices
+    assert text and usage.prompt_tokens == 6 and len(logprobs) == usage.completion_tokens >= 1
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    record = next(c.model_extra["forge"] for c in chunks if c.model_extra.get("forge"))
+    assert record["interaction_id"] == chunks[0].id and len(record["policy_versions"]) == usage.completion_tokens
+    key = _bearer(session["api_key"])
+    assert http.post("/rl/set_reward", json={"reward": 1.0}, headers=key).json()["interaction_id"] == chunks[0].id
+    # Without stream_options, no usage chunk; errors still come before any event, as JSON with their codes.
+    plain = list(client.chat.completions.create(model="default", messages=[{"role": "user", "content": "1+1="}],
+                                                stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason in ("stop", "length")
+    assert http.post("/rl/end_session", headers=key).json()["interactions"] == 2
+    with pytest.raises(openai.AuthenticationError):  # the session ended
+        next(iter(client.chat.completions.create(model="default", messages=[{"role": "user", "content": "1+1="}],
+                                                 stream=True)))
+
+
 def test_reward_before_any_interaction_is_409_and_an_off_temperature_chat_is_not_trained(http):
     session = _start(http)
     key = _bearer(session["api_key"])
@@ -258,7 +285,6 @@ def test_malformed_bodies_are_422_with_field_errors(http):
     key = _bearer(session["api_key"])
     cases = [({"model": "default"}, "messages"),
              ({"messages": [{"role": "user", "content": "1+1="}], "n": 2}, "n"),
-             ({"messages": [{"role": "user", "content": "1+1="}], "stream": True}, "stream"),
              ({"messages": [{"role": "robot", "content": "1+1="}]}, "messages.0.role"),
              ({"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 0}, "max_tokens")]
     for body, param in cases:  # OpenAI's error shape: the first field at fault is `param`, the message names it
