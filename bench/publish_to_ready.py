@@ -9,7 +9,7 @@ It builds a Qwen3 model of that shape with random weights from a config it write
 trainer's), and an empty second copy there (the generator's). The weights then go the way forge moves them
 (forge/shm_weights.py, the shared-memory path of the weight store), timed per stage:
   device->host  each tensor cast to the generator dtype on its device and copied to host memory, one at a time
-  checksum      crc32 of every tensor, taken once at publish (what readers verify against)
+  checksum      a hash of every tensor (xxh3-64, or crc32 without xxhash), taken once at publish
   write         pwrite into one shared-memory segment in /dev/shm
   read          preadv from the segment into fresh host tensors, every piece verified against its checksum
   host->device  those tensors copied to the generator's device
@@ -38,7 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from actors.engines.weights import check_state_dict, hf_weight_specs
-from forge.shm_weights import (SHM_DIR, Manifest, checksums, create_segment, gathered_on_host, job_id, layout,
+from forge.shm_weights import (CHECKSUM, SHM_DIR, Manifest, checksums, create_segment, gathered_on_host, job_id, layout,
                                read_segment)
 
 # Qwen3 dimensions (the published config.json of each model); "tiny" is for tests.
@@ -124,12 +124,12 @@ def publish_and_load(source: PreTrainedModel, target: PreTrainedModel, dtype: to
     try:
         for name, tensor in state_dict.items():
             host = stages.timed("device->host", lambda: gathered_on_host(tensor, dtype))
-            sums = stages.timed("checksum", lambda: checksums(host))
+            sums = stages.timed("checksum", lambda: checksums(host, CHECKSUM))
             entries[name] = dataclasses.replace(entries[name], checksums=sums)
             stages.timed("write", lambda: segment.write(host, entries[name].offset))
             del host
         segment.commit()
-        manifest = Manifest(0, "", segment.path.name, False, entries)
+        manifest = Manifest(0, "", segment.path.name, False, entries, CHECKSUM)
         fetched = stages.timed("read", lambda: read_segment(segment.path, manifest))
         on_device = stages.timed("host->device", lambda: {n: t.to(device) for n, t in fetched.items()})
         del fetched
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"publish-to-ready: {args.model_shape}, {nbytes / 1e9:.3f} GB published in {args.dtype} "
           f"(trainer {args.trainer_dtype or args.dtype}) on {name}, torch {torch.__version__}, "
-          f"{len(os.sched_getaffinity(0))} cores", flush=True)
+          f"{len(os.sched_getaffinity(0))} cores, {CHECKSUM} checksums", flush=True)
 
     stages = publish_and_load(source, target, dtype)
     check_equal(source, target, dtype, "the forge path")

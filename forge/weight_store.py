@@ -20,7 +20,7 @@ paths:
 With transport="auto" a version goes through shared memory, and readers on another host fall back to
 torchstore when the publisher also put it there (`cross_host=True`).
 
-Every tensor's checksums (crc32 per 32 MB) are taken once at publish and kept in the manifest; `fetch` checks
+Every tensor's checksums (a hash per 32 MB, forge/shm_weights.py) are taken once at publish and kept in the manifest; `fetch` checks
 what it read against them on either path and raises WeightChecksumError, naming the tensor and the version,
 instead of returning weights that differ from what was published.
 
@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from forge import compat
+from forge import compat, shm_weights
 from forge.distributed import group_rank, group_size
 from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and the job_* helpers are re-exported)
     SHM_DIR,
@@ -113,11 +113,13 @@ class WeightStore:
         use_shm = self.transport in ("auto", "shm")
         use_ts = self.transport == "torchstore" or (self.transport == "auto" and self.cross_host)
         entries, size = layout(state_dict, dtype)
+        algorithm = shm_weights.CHECKSUM
         segment = await asyncio.to_thread(self._open_segment, version, size, group) if use_shm else None
         put_keys = []
         try:
             for name, tensor in state_dict.items():
-                written = await asyncio.to_thread(_gather_and_write, tensor, dtype, group, segment, entries[name].offset)
+                written = await asyncio.to_thread(_gather_and_write, tensor, dtype, group, segment, entries[name].offset,
+                                                algorithm)
                 if written is None:
                     continue
                 full, sums = written
@@ -135,7 +137,8 @@ class WeightStore:
             raise
         if not is_writer:
             return None
-        manifest = Manifest(version, self.host, None if segment is None else segment.path.name, use_ts, entries)
+        manifest = Manifest(version, self.host, None if segment is None else segment.path.name, use_ts, entries,
+                            algorithm)
         await ts.put(self._manifest_key(version), manifest)
         # `latest` only moves forward, and only after the bytes are in place.
         latest = await self.latest_version()
@@ -199,7 +202,7 @@ class WeightStore:
             fetched = {}
             for name, entry in manifest.entries.items():
                 fetched[name] = await ts.get(f"{key}/{name}", inplace_tensor=None if into is None else into[name])
-                verify(name, fetched[name].to(getattr(torch, entry.dtype)), entry, version)
+                verify(name, fetched[name].to(getattr(torch, entry.dtype)), manifest)
             return fetched
         raise WeightVersionError(
             f"policy version {version} was published to shared memory on host {manifest.host!r} only; this process "
@@ -234,7 +237,8 @@ async def _keys_with_prefix(prefix: str) -> list[str]:
 
 
 def _gather_and_write(tensor: torch.Tensor, dtype: torch.dtype | None, group: dist.ProcessGroup | None,
-                      segment: SegmentWriter | None, offset: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+                      segment: SegmentWriter | None, offset: int,
+                      algorithm: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """One tensor cast, gathered to rank 0, checksummed and written there; returns the full CPU tensor and its
     checksums on rank 0, None on the others."""
     full = gathered_on_host(tensor, dtype, group)
@@ -242,4 +246,4 @@ def _gather_and_write(tensor: torch.Tensor, dtype: torch.dtype | None, group: di
         return None
     if segment is not None:
         segment.write(full, offset)
-    return full, checksums(full)
+    return full, checksums(full, algorithm)

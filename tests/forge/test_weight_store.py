@@ -108,12 +108,15 @@ def _flip_byte(path, offset: int) -> None:
         segment.write(bytes([byte[0] ^ 0x01]))
 
 
-async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(store):
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])  # with the xxhash package, and without it
+async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(store, monkeypatch, algorithm):
+    monkeypatch.setattr(shm_weights, "CHECKSUM", algorithm)
     manifest = await store.publish(_state_dict(70), version=70)
+    assert manifest.checksum == algorithm
     up_proj = manifest.entries["model.layers.0.mlp.up_proj.weight"]
     _flip_byte(SHM_DIR / manifest.segment, HEADER + up_proj.offset + 37)  # one bit of one bf16 value
     with pytest.raises(WeightChecksumError, match=r"policy version 70: tensor 'model.layers.0.mlp.up_proj.weight' "
-                                                  r"does not match the checksum.*corrupted tensors: "
+                                                  rf"does not match the checksum.* {algorithm} .*corrupted tensors: "
                                                   r"\['model.layers.0.mlp.up_proj.weight'\]"):
         await store.fetch(70)
     into = {k: torch.zeros_like(v) for k, v in _state_dict(0).items()}  # the `into` path checks too
@@ -134,6 +137,14 @@ async def test_corruption_in_a_later_chunk_read_on_a_thread_pool_is_caught(store
     with pytest.raises(WeightChecksumError, match=r"tensor 'b' .*bytes 12000\.\.13000 of 20000.*\['b'\]"):
         await store.fetch(71)
     await store.delete(71)
+
+
+def test_a_reader_without_the_publishers_hash_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(shm_weights, "xxhash", None)
+    with pytest.raises(WeightChecksumError, match="needs the xxhash package in the reading process: pip install xxhash"):
+        shm_weights.hash_function("xxh3_64")
+    with pytest.raises(ValueError, match=r"checksum='md5': must be 'xxh3_64' or 'crc32'"):
+        shm_weights.hash_function("md5")
 
 
 async def test_a_corrupted_tensor_in_torchstore_fails_the_fetch_naming_it(store):
