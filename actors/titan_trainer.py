@@ -120,14 +120,16 @@ class TitanTrainer:
 
     # -- forward passes ---------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None, *,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (differentiable when grad is on) and entropies (no grad) of input_ids[:, 1:]: [b, T-1]."""
         inputs, targets = input_ids[:, :-1], input_ids[:, 1:]
         # Sequence parallelism splits positions evenly across TP ranks; right padding changes no earlier logit.
         inputs = F.pad(inputs, (0, -inputs.shape[1] % self.parallel_dims.tp))
         with self._autocast:
             logits = self.model(inputs)[:, : targets.shape[1]]
-        logprobs = token_logprobs(logits, targets, self.config.temperature)
+        # Under top-k/top-p the behaviour policy is the truncated distribution: renormalise over the same kept sets.
+        logprobs = token_logprobs(logits, targets, self.config.temperature, kept_token_ids)
         entropy = token_entropy(logits, self.config.temperature) if with_entropy else None
         return logprobs, entropy
 
@@ -135,12 +137,13 @@ class TitanTrainer:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch."""
         check_input_ids(batch.input_ids, self.model_args)
-        return self._score(batch.input_ids.to(self.device))
+        return self._score(batch.input_ids.to(self.device), batch.kept_token_ids)
 
     @torch.no_grad()
-    def _score(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return score_rows(lambda rows: self._forward(rows, with_entropy=False)[0], input_ids,
-                          self.config.micro_batch_size, self.dp)
+    def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        kept = None if kept_token_ids is None else kept_token_ids.to(input_ids.device)
+        return score_rows(lambda rows, kept_rows=None: self._forward(rows, kept_rows, with_entropy=False)[0], input_ids,
+                          self.config.micro_batch_size, self.dp, kept)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -161,7 +164,7 @@ class TitanTrainer:
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         # pi_old: the weights before the first optimizer step, scored once for the whole batch and sliced with it.
         # With one minibatch the training forward itself is pi_old, so it costs nothing extra.
-        old_logprobs = self._score(batch.input_ids).to(self.device) if self._needs_pi_old and count > 1 else None
+        old_logprobs = self._score(batch.input_ids, batch.kept_token_ids).to(self.device) if self._needs_pi_old and count > 1 else None
         size = rows // count
         # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
         # samples are off-policy and the loss's clip bounds the update (around pi_old with a rollout correction).
@@ -199,7 +202,7 @@ class TitanTrainer:
         # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass.
         keep_graph = len(micro) == 1
         with torch.set_grad_enabled(keep_graph):
-            parts = [self._forward(mb.input_ids, with_entropy=with_entropy) for mb in micro]
+            parts = [self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy) for mb in micro]
         local_logprobs = torch.cat([lp for lp, _ in parts])
         entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
         logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
@@ -219,7 +222,7 @@ class TitanTrainer:
         else:
             offset = 0
             for mb in micro:
-                mb_logprobs, _ = self._forward(mb.input_ids, with_entropy=False)
+                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False)
                 mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
                 offset += mb.num_sequences
         return out, logprobs.detach(), entropy

@@ -533,3 +533,27 @@ def test_batch_outside_the_vocabulary_or_context_is_rejected(checkpoint: Path) -
 
 if __name__ == "__main__":  # one rank of the FSDP tests, started by the fsdp_result fixture
     _fsdp_worker(*map(int, sys.argv[1:4]), *sys.argv[4:])
+
+
+def test_trainer_logprobs_replay_the_generators_kept_sets(checkpoint: Path) -> None:
+    """Top-p / top-k rollouts of the hf engine at the trainer's weights: the log-probs the trainer scores and
+    trains on renormalise over each token's kept set, so they equal the behaviour log-probs within 1e-5."""
+    from actors.engines.hf import HFEngine
+    from forge.types import Episode, SamplingParams
+
+    engine = HFEngine(checkpoint, seed=0)
+    trainer = TitanTrainer(trainer_config(checkpoint, temperature=0.7, micro_batch_size=5))
+    for top_k, top_p in ((0, 0.8), (5, 1.0)):
+        params = SamplingParams(n=4, max_tokens=10, temperature=0.7, top_k=top_k, top_p=top_p, seed=3)
+        completions = [c for group in engine.generate(["1+2=", "12+34=", "99+1="], params) for c in group]
+        batch = TrainBatch.from_episodes(
+            [Episode.from_completion(c, episode_id=i, group_id=0, reward=0.0) for i, c in enumerate(completions)],
+            pad_id=engine.pad_token_id)
+        on_response = batch.response_mask.bool()
+        expected = batch.behaviour_logprobs[on_response]
+        torch.testing.assert_close(trainer.logprobs(batch)[on_response], expected, rtol=0, atol=1e-5)
+        _, trained, _ = trainer.accumulate_gradients(batch, trainer.loss_fn, trainer.config.loss_params)
+        torch.testing.assert_close(trained[on_response], expected, rtol=0, atol=1e-5)
+        # Over the full vocabulary the trainer would measure another policy.
+        batch.kept_token_ids = None
+        assert bool((trainer.logprobs(batch)[on_response] < expected - 1e-3).all())
