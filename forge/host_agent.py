@@ -1,0 +1,79 @@
+"""The per-host agent of a multi-host job: Monarch's `process_allocator`, started with forge's environment.
+
+Run once on every host of the job, before the controller starts (same port on every host: Monarch's
+remote allocator dials one port):
+
+    python -m forge.host_agent --addr 10.0.0.2 --port 26600 [--log-dir /tmp/forge-logs]
+
+The allocator spawns the job's processes on this host when the controller asks. They inherit this
+environment: the CPU stand-ins' library path, forge's job deadlines and the tcp transport (forge.compat),
+and FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output (a remote
+process never prints through Monarch's log pipe: forge.compat, 5 and 17).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+LOG_DIR_VARIABLE = "FORGE_HOST_LOG_DIR"
+DEFAULT_LOG_DIR = "/tmp/forge-logs"
+
+
+def own_address_problem(address: str) -> str | None:
+    """Why this host's processes could not be reached at `address`, or None. Monarch's processes listen on
+    the address their host's name resolves to (forge.compat, 19)."""
+    name = socket.gethostname()
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    except OSError as e:
+        return f"this host's name {name!r} does not resolve ({e}); map it to {address} in /etc/hosts"
+    if address not in resolved:
+        return (f"this host's name {name!r} resolves to {sorted(resolved)}, not {address}: Monarch's processes "
+                f"here would listen there; map {name!r} to {address} in /etc/hosts")
+    return None
+
+
+def agent_command(address: str, port: int) -> list[str]:
+    """Monarch's allocator listening on `address:port`, spawning `monarch_bootstrap` from this environment."""
+    bin_dir = Path(sys.executable).parent
+    allocator = shutil.which("process_allocator", path=str(bin_dir)) or "process_allocator"
+    bootstrap = shutil.which("monarch_bootstrap", path=str(bin_dir)) or "monarch_bootstrap"
+    return [allocator, "--addr", f"tcp!{address}:{port}", "--program", bootstrap]
+
+
+def agent_environment(log_dir: str) -> dict[str, str]:
+    from forge import compat
+
+    compat.configure_job_environment()  # deadlines, the stand-ins' library path
+    compat.use_tcp_transport_in_environment()
+    return {**os.environ, LOG_DIR_VARIABLE: log_dir}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m forge.host_agent", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--addr", required=True, help="this host's IP address, as the job's `hosts.addresses` lists it")
+    parser.add_argument("--port", type=int, default=26600, help="the port every host's agent listens on")
+    parser.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help="where this host's job processes write their output")
+    args = parser.parse_args(argv)
+    try:
+        ipaddress.ip_address(args.addr)
+    except ValueError:
+        parser.error(f"--addr {args.addr!r}: must be an IP address (Monarch's allocator does not take host names)")
+    problem = own_address_problem(args.addr)
+    if problem:
+        parser.error(problem)
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    command = agent_command(args.addr, args.port)
+    print(f"forge host agent: {' '.join(command)} (process output in {args.log_dir})", flush=True)
+    os.execve(command[0], command, agent_environment(args.log_dir))
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""A Monarch host mesh over the hosts of a `hosts` config section (forge.hosts): one Monarch remote
+allocator dialling every host's agent (`python -m forge.host_agent`), or a scheduler's allocation through
+TorchX. Everything that can be refused is refused before the first Monarch call."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+
+from forge import compat
+from forge.hosts import HostsConfig, HostsError
+
+from monarch._src.actor.allocator import (  # noqa: E402 (after forge.compat)
+    RemoteAllocator,
+    RemoteAllocInitializer,
+    StaticRemoteAllocInitializer,
+    TorchXRemoteAllocInitializer,
+)
+from monarch._src.actor.v1.host_mesh import BootstrapCommand, HostMesh, _bootstrap_cmd  # noqa: E402
+from monarch._rust_bindings.monarch_hyperactor.shape import Extent  # noqa: E402
+
+
+def controller_address() -> str:
+    """The address the job's other hosts reach this controller at: the first non-loopback address its host
+    name resolves to (Monarch listens there: forge.compat, 19)."""
+    name = socket.gethostname()
+    try:
+        resolved = [info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)]
+    except OSError as e:
+        raise HostsError(f"hosts: this controller's host name {name!r} does not resolve ({e})") from None
+    reachable = [a for a in resolved if not ipaddress.ip_address(a).is_loopback]
+    if not reachable:
+        raise HostsError(f"hosts: this controller's host name {name!r} resolves to {sorted(set(resolved))} only: the "
+                         f"job's other hosts could not reach it; map {name!r} to this host's network address in /etc/hosts")
+    return reachable[0]
+
+
+def initializer(hosts: HostsConfig) -> RemoteAllocInitializer:
+    """Where Monarch's remote allocator finds the hosts' agents."""
+    if hosts.scheduler is not None:
+        return TorchXRemoteAllocInitializer(hosts.scheduler, transport="tcp", port=hosts.port)
+    return StaticRemoteAllocInitializer(*(f"tcp!{address}:{hosts.port}" for address in hosts.addresses))
+
+
+def check_hosts(hosts: HostsConfig) -> None:
+    """Check the section (fields, reachable agents, this controller's own address) and switch this process to
+    tcp (forge.compat, 17); raises HostsError naming the field."""
+    hosts.validate()
+    if not hosts.enabled:
+        raise HostsError("hosts: no addresses and no scheduler: a host mesh needs one of them")
+    if hosts.addresses:
+        hosts.check_reachable()
+    compat.remote_alloc_bootstrap_address(controller_address())
+    try:
+        compat.enable_tcp_transport()
+    except RuntimeError as e:
+        raise HostsError(f"hosts: configure the hosts before anything else starts Monarch ({e})") from None
+
+
+def allocate_host_mesh(hosts: HostsConfig, name: str = "hosts") -> HostMesh:
+    """The host mesh over `hosts` (checked by `check_hosts`); returns at once, Monarch connects in the background."""
+    allocator = RemoteAllocator(world_id=f"forge-{name}", initializer=initializer(hosts))
+    extent = Extent(list(compat.HOST_EXTENT_LABELS), [hosts.count, 1])  # forge.compat, 18
+    return HostMesh.allocate_nonblocking(name, extent, allocator, bootstrap_cmd=bootstrap_command())
+
+
+def bootstrap_command() -> BootstrapCommand:
+    """How each host starts Monarch's host process: this interpreter's path (the same environment installed at
+    the same path on every host), with the job's environment (forge.compat, 1, 2, 3, 17) passed along."""
+    compat.configure_job_environment()
+    command = _bootstrap_cmd()
+    passed = [*compat.JOB_ENVIRONMENT, compat.TRANSPORT_VARIABLE, "LD_LIBRARY_PATH", "PYTHONPATH"]
+    env = {**command.env, **{key: os.environ[key] for key in passed if key in os.environ}}
+    return BootstrapCommand(command.program, command.arg0, command.args, env)
