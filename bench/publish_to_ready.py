@@ -18,7 +18,10 @@ References, on the same weights in the same run:
   raw copy      the same bytes device->host->device into the generator's parameters, nothing else (the limit;
                 pinned host memory on CUDA)
   torch.save    the naive way: torch.save of the cast state dict to /dev/shm, torch.load, load_state_dict
-The bench checks that the generator copy equals the source (cast to the generator dtype) after each way.
+The forge path runs twice: the first publish writes fresh shared memory (the job's first version), the second
+rewrites that file (what the weight store does from then on: a deleted version's file is reused); the table shows
+the second, with the first beside it. The bench checks that the generator copy equals the source (cast to the
+generator dtype) after each way.
 
 Needs only torch and transformers (no Monarch, torchstore, torchtitan or vLLM), so it runs unchanged on a GPU
 machine that has nothing else.
@@ -113,14 +116,17 @@ def load_into(model: PreTrainedModel, weights: dict[str, torch.Tensor]) -> None:
     model.tie_weights()
 
 
-def publish_and_load(source: PreTrainedModel, target: PreTrainedModel, dtype: torch.dtype) -> Stages:
+def publish_and_load(source: PreTrainedModel, target: PreTrainedModel, dtype: torch.dtype,
+                     spare: Path | None = None) -> Stages:
     """The forge path: publish `source`'s weights through a shared-memory segment in `dtype`, one tensor at a
-    time, and load them into `target`. The segment is removed afterwards."""
+    time, and load them into `target`. The segment is written into the file at `spare` when there is one (as
+    the weight store rewrites a deleted version's file) and left there afterwards; without `spare` it is
+    written into fresh shared memory and removed."""
     device = next(target.parameters()).device
     stages = Stages(device, {})
     state_dict = published_state_dict(source)
     entries, size = layout(state_dict, dtype)
-    segment = create_segment(SHM_DIR / f"forge-{job_id()}-bench-publish-v0", size, 0, None)
+    segment = create_segment(SHM_DIR / f"forge-{job_id()}-bench-publish-v0", size, 0, spare)
     try:
         for name, tensor in state_dict.items():
             host = stages.timed("device->host", lambda: gathered_on_host(tensor, dtype))
@@ -136,6 +142,8 @@ def publish_and_load(source: PreTrainedModel, target: PreTrainedModel, dtype: to
         stages.timed("load", lambda: load_into(target, on_device))
     finally:
         segment.abort()
+        if spare is not None and segment.path.exists():
+            segment.path.replace(spare)
         segment.path.unlink(missing_ok=True)
     return stages
 
@@ -208,8 +216,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"(trainer {args.trainer_dtype or args.dtype}) on {name}, torch {torch.__version__}, "
           f"{len(os.sched_getaffinity(0))} cores, {CHECKSUM} checksums", flush=True)
 
-    stages = publish_and_load(source, target, dtype)
-    check_equal(source, target, dtype, "the forge path")
+    spare = SHM_DIR / f"forge-{job_id()}-bench-spare"
+    try:
+        first = publish_and_load(source, target, dtype, spare)  # fresh shared memory: the job's first publish
+        check_equal(source, target, dtype, "the forge path (first publish)")
+        del target
+        target = build_model(config, dtype, device, seed=None)
+        stages = publish_and_load(source, target, dtype, spare)  # the file rewritten: every later publish
+        check_equal(source, target, dtype, "the forge path")
+    finally:
+        spare.unlink(missing_ok=True)
     del target
     target = build_model(config, dtype, device, seed=None)
     raw = raw_copy(source, target, dtype)
@@ -219,15 +235,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     naive = save_and_load(source, target, dtype)
     check_equal(source, target, dtype, "torch.save/torch.load")
 
-    print(f"{'stage':<14}{'seconds':>9}{'GB/s':>8}")
+    print(f"{'stage':<14}{'seconds':>9}{'GB/s':>8}{'first publish s':>17}")
     for stage, seconds in stages.seconds.items():
-        print(f"{stage:<14}{seconds:>9.3f}{nbytes / 1e9 / seconds:>8.2f}")
-    print(f"{'total':<14}{stages.total:>9.3f}{nbytes / 1e9 / stages.total:>8.2f}")
-    print(f"{'raw copy':<14}{raw:>9.3f}{nbytes / 1e9 / raw:>8.2f}   total / raw copy = {stages.total / raw:.2f}x")
+        print(f"{stage:<14}{seconds:>9.3f}{nbytes / 1e9 / seconds:>8.2f}{first.seconds[stage]:>17.3f}")
+    print(f"{'total':<14}{stages.total:>9.3f}{nbytes / 1e9 / stages.total:>8.2f}{first.total:>17.3f}")
+    print(f"{'raw copy':<14}{raw:>9.3f}{nbytes / 1e9 / raw:>8.2f}   total / raw copy = {stages.total / raw:.2f}x "
+          f"(first publish {first.total / raw:.2f}x)")
     print(f"{'torch.save':<14}{naive:>9.3f}{nbytes / 1e9 / naive:>8.2f}   total / torch.save+load = "
-          f"{stages.total / naive:.2f}x")
+          f"{stages.total / naive:.2f}x (first publish {first.total / naive:.2f}x)")
     print("the generator copy equals the published weights after each way")
-    return {**stages.seconds, "total": stages.total, "raw copy": raw, "torch.save": naive}
+    return {**stages.seconds, "total": stages.total, "first publish total": first.total, "raw copy": raw,
+            "torch.save": naive}
 
 
 if __name__ == "__main__":

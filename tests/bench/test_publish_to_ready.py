@@ -3,6 +3,7 @@ the tiny shape (the same code runs on CUDA with the real shapes)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +49,16 @@ def test_an_unknown_shape_is_refused_naming_the_choices():
         qwen3_config("qwen3-0.6b")
 
 
-def test_the_command_prints_every_stage_and_both_references_with_ratios():
+def test_the_command_prints_every_stage_and_both_references_with_ratios_and_leaves_no_file():
+    job = f"{os.getpid()}"  # names the bench's shared-memory files
     result = subprocess.run([sys.executable, "-m", "bench.publish_to_ready", "--model-shape", "tiny",
-                             "--trainer-dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                             "--trainer-dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "FORGE_JOB_ID": job})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert list(SHM_DIR.glob(f"forge-{job}-bench-*")) == []
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
     for stage in [*STAGES, "total"]:
         assert stage in rows, result.stdout
+    assert len(rows["total"].split()) == 4  # total: seconds, GB/s, and the first publish's seconds beside
     assert "total / raw copy =" in result.stdout and "total / torch.save+load =" in result.stdout
     assert "the generator copy equals the published weights after each way" in result.stdout
