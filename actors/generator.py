@@ -84,6 +84,14 @@ class Generator(ForgeActor):
         return list(await asyncio.gather(*(self._submit(p, params, min_policy_version) for p in prompts)))
 
     @endpoint
+    async def score(self, prompt_ids: list[int], token_ids: list[int], policy_version: int) -> tuple[list[float], int]:
+        """Teacher-forced log-probs of `token_ids` after `prompt_ids` (temperature 1, full vocabulary) with exactly
+        `policy_version` loaded, and the version scored: the weight-sync canary's generator side."""
+        if self.engine.policy_version != policy_version:
+            await self._load(policy_version, stage=False)
+        return await asyncio.to_thread(self.engine.score, prompt_ids, token_ids)
+
+    @endpoint
     async def policy_version(self) -> int:
         return self.engine.policy_version
 

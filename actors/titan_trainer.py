@@ -121,7 +121,7 @@ class TitanTrainer:
     # -- forward passes ---------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None, *,
-                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (differentiable when grad is on) and entropies (no grad) of input_ids[:, 1:]: [b, T-1]."""
         inputs, targets = input_ids[:, :-1], input_ids[:, 1:]
         # Sequence parallelism splits positions evenly across TP ranks; right padding changes no earlier logit.
@@ -129,7 +129,8 @@ class TitanTrainer:
         with self._autocast:
             logits = self.model(inputs)[:, : targets.shape[1]]
         # Under top-k/top-p the behaviour policy is the truncated distribution: renormalise over the same kept sets.
-        logprobs = token_logprobs(logits, targets, self.config.temperature, kept_token_ids)
+        temperature = self.config.temperature if temperature is None else temperature
+        logprobs = token_logprobs(logits, targets, temperature, kept_token_ids)
         entropy = token_entropy(logits, self.config.temperature) if with_entropy else None
         return logprobs, entropy
 
@@ -138,6 +139,16 @@ class TitanTrainer:
         """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch."""
         check_input_ids(batch.input_ids, self.model_args)
         return self._score(batch.input_ids.to(self.device), batch.kept_token_ids)
+
+    @torch.no_grad()
+    def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Teacher-forced log pi(token_ids | prompt_ids) at temperature 1 over the full vocabulary: the weight-sync
+        canary's trainer side (every rank calls it; each scores one copy of the row)."""
+        input_ids = torch.tensor([list(prompt_ids) + list(token_ids)] * self.dp.degree)
+        check_input_ids(input_ids, self.model_args)
+        scored = score_rows(lambda rows: self._forward(rows, with_entropy=False, temperature=1.0)[0],
+                            input_ids.to(self.device), 1, self.dp)
+        return scored[0, len(prompt_ids) - 1 :].tolist()
 
     @torch.no_grad()
     def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:

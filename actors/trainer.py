@@ -105,6 +105,11 @@ class TrainerActor(ForgeActor):
         return self.trainer.policy_version
 
     @endpoint
+    async def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
+        """The weight-sync canary's trainer side: log-probs at the current weights, and their version."""
+        return await self._compute(self.trainer.score_tokens, prompt_ids, token_ids), self.trainer.policy_version
+
+    @endpoint
     async def policy_version(self) -> int:
         return self.trainer.policy_version
 

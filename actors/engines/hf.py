@@ -134,6 +134,15 @@ class HFEngine:
             completions = self._generate([ids for ids in prompt_ids for _ in range(params.n)], params)
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
 
+    def score(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
+        ids = self._encode(0, list(prompt_ids) + list(token_ids))
+        with self._weights_lock, torch.no_grad():
+            self._apply_staged()
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, len(prompt_ids) - 1 : -1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            targets = torch.tensor(token_ids, device=self.device)[:, None]
+            return logprobs.gather(-1, targets)[:, 0].tolist(), self._version
+
     def _encode(self, index: int, prompt: list[int] | str) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

@@ -223,6 +223,22 @@ class VLLMEngine:
                 kept_token_ids=self._kept_token_ids(sample.logprobs, asked) if width else None))
         return group
 
+    def score(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
+        return self._call(self._score(list(prompt_ids) + list(token_ids), len(token_ids)))
+
+    async def _score(self, ids: list[int], scored: int) -> tuple[list[float], int]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # vLLM's prompt log-probs come from the raw logits (temperature 1, no top-k/top-p), whatever the mode.
+        sampling = VLLMSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        async with self._weights_in_use() as version:
+            output = None
+            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, uuid.uuid4().hex):
+                pass
+        positions = output.prompt_logprobs[len(ids) - scored :]
+        return [step[token].logprob for step, token in zip(positions, ids[len(ids) - scored :])], version
+
     def _kept_token_ids(self, steps: list[dict], asked: int) -> torch.Tensor:
         """[steps, K] int32, -1 padded: per step the tokens with a finite processed log-prob among the `asked`
         most likely (plus the sampled token, which vLLM always includes)."""

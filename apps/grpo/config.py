@@ -19,6 +19,7 @@ from actors.generator_config import GeneratorConfig
 from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
+from actors.weight_canary import CanaryConfig
 from forge.loss_rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
 from forge.tasks import load_callable
@@ -116,6 +117,7 @@ class GRPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # weight-sync check (actors/weight_canary.py)
 
     def __post_init__(self) -> None:
         if self.steps < 1:

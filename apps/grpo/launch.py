@@ -59,6 +59,7 @@ class JobActors:
     buffer: Any  # ReplayBufferActor
     generators: Any  # Service of Generator replicas
     reference: Any | None  # ReferenceActor mesh when reference.enabled
+    tokenizer: Any  # the model's, for what the job encodes itself (the weight-sync canary)
     pad_id: int
 
 
@@ -90,4 +91,4 @@ async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
               f"{f', gpus {mesh.gpus}' if mesh.gpus else ''}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return JobActors(trainer, buffer, generators, reference[0] if reference else None, pad_id)
+    return JobActors(trainer, buffer, generators, reference[0] if reference else None, tokenizer, pad_id)

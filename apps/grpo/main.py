@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from actors.weight_canary import check_weight_sync
 from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
 from apps.grpo.launch import make_task, reward_function, start_actors, warm_started_model
@@ -207,6 +208,8 @@ class GRPOJob:
                 metrics = rank0(await self.actors.trainer.train_step.call(episodes, self.actors.pad_id))
                 self.version = int(metrics.pop("policy_version"))  # the trainer published it
                 self.step += 1
+                if cfg.canary.every and self.step % cfg.canary.every == 0:
+                    metrics["canary/logprob_diff"] = await self.check_weight_sync()
                 self.counters.trained += len(episodes)
                 self.room.set()  # rollouts may start with the new version
                 stats = await self.actors.buffer.stats.call_one()
@@ -247,6 +250,13 @@ class GRPOJob:
         finally:
             for wait in waits:
                 wait.cancel()
+
+    async def check_weight_sync(self) -> float:
+        """The trainer and one generator score the first held-out prompt and its answer (actors/weight_canary.py)."""
+        problem, tokenizer = self.task.held_out()[0], self.actors.tokenizer
+        await self.actors.trainer.wait_published.call()
+        return await check_weight_sync(self.actors.trainer, self.actors.generators, tokenizer.encode(problem.prompt),
+                                       tokenizer.encode(problem.answer), self.cfg.canary.max_logprob_diff)
 
     # --- evaluation and checkpoints ---------------------------------------------------------------------
     async def evaluate(self, label: str) -> float:

@@ -85,6 +85,17 @@ def test_behaviour_logprobs_equal_teacher_forced_logprobs(engine, checkpoint, ra
                 assert completion.token_ids == all_logprobs.argmax(-1).tolist()[:len(completion.token_ids)]
 
 
+def test_teacher_forced_scores_are_at_temperature_one_with_the_loaded_version(engine, checkpoint, random_weights):
+    """The weight-sync canary's generator side (actors/weight_canary.py)."""
+    weights = perturbed(random_weights, 7)
+    engine.load_weights(weights, version=5)
+    prompt, tokens = engine.tokenizer.encode("12+34="), engine.tokenizer.encode("46 and 7")
+    scored, version = engine.score(prompt, tokens)
+    _, expected = teacher_forced(model_with(checkpoint, weights), prompt, tokens, 1.0)
+    assert version == 5
+    torch.testing.assert_close(torch.tensor(scored), expected, rtol=0, atol=1e-4)
+
+
 def test_a_swap_resets_the_prefix_cache(engine, checkpoint, random_weights):
     prompt = engine.tokenizer.encode("12+34=" * 10)  # 60 tokens: 3 full KV blocks the cache can reuse
     greedy = SamplingParams(n=1, max_tokens=6, temperature=0.0)
