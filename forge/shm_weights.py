@@ -13,7 +13,8 @@ every reader right after it reads that piece, on the same thread: a reader never
 what was published, and a mismatch names the tensor and the version. xxh3-64 where the `xxhash` package is
 installed (~13 GB/s on one idle core), crc32 from the standard library elsewhere (~4.5 GB/s); the manifest names
 the one used. On a loaded 2-core host a 1 GB publish spent 20-30% of its time on xxh3, 50-63% on crc32, and a
-1 GB fetch +0.3 s verifying with xxh3, +0.5-1.0 s with crc32. Both release the GIL, so they spread over the
+1 GB fetch +0.3 s verifying with xxh3, +0.5-1.0 s with crc32 (`python -m bench.publish_to_ready` prints the
+publish side as its checksum stage). Both release the GIL, so they spread over the
 reading threads. A sum of an int64 view is as fast as xxh3 but misses bytes moved within a piece.
 """
 
