@@ -3,13 +3,15 @@ scoring a batch a few rows at a time across data-parallel ranks. Shared by the t
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
-from torchtitan.protocols import BaseModelArgs
 
 from forge.distributed import DataParallel
+
+if TYPE_CHECKING:
+    from torchtitan.protocols import BaseModelArgs
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

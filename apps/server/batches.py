@@ -9,6 +9,7 @@ import torch
 
 from apps.server.errors import ServiceError, field_error
 from apps.server.schemas import Datum
+from forge.loss_rules import uses_old_logprobs
 from forge.types import TrainBatch
 from losses import LOSSES, get_loss
 
@@ -36,8 +37,10 @@ def check_loss_inputs(name: str, params: dict[str, Any], batch: TrainBatch) -> N
     """422 unless the loss runs on this batch with these parameters (a parameter's value or type, a KL term
     without ref_logprobs): evaluated here on the behaviour log-probs, so the trainer never meets a request
     that cannot work and whatever it raises is the server's failure."""
+    # pi_old stands in as the behaviour log-probs: only shapes and parameters are checked here.
+    old = {"old_logprobs": batch.behaviour_logprobs} if uses_old_logprobs(params) else {}
     try:
-        get_loss(name)(batch.behaviour_logprobs, batch, **params)
+        get_loss(name)(batch.behaviour_logprobs, batch, **params, **old)
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
         raise field_error(["loss_fn_params"], params, f"loss {name!r} cannot run on this request: "
                                                       f"{type(e).__name__}: {e}") from None

@@ -20,6 +20,7 @@ from torchtitan.distributed import utils as titan_dist
 from actors.trainer import TitanTrainer, TrainerActor, check_input_ids
 from forge.actor import endpoint
 from forge.distributed import init_from_environment
+from forge.loss_rules import uses_old_logprobs
 from forge.types import TrainBatch
 from forge.weight_store import WeightStore
 from losses import get_loss
@@ -45,7 +46,9 @@ class ServerTrainer(TitanTrainer):
         check_input_ids(batch.input_ids, self.model_args)
         loss_fn = get_loss(loss)
         batch = _on_device(batch, self.device)
-        out, logprobs, _ = self.accumulate_gradients(batch, loss_fn, loss_params)
+        # The weights change only at optim_step, so they are pi_old for every forward_backward before it.
+        out, logprobs, _ = self.accumulate_gradients(batch, loss_fn, loss_params,
+                                                     old_is_current=uses_old_logprobs(loss_params))
         self.accumulated += 1
         return {"loss": out.loss.item(), "metrics": dict(out.metrics), "logprobs": logprobs.cpu()}
 

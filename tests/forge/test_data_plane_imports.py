@@ -56,7 +56,7 @@ def test_the_data_plane_imports_without_monarch_or_torchstore():
 
 def test_what_a_bare_torch_gpu_image_runs_imports_without_torchtitan_or_vllm():
     modules = ["forge.shm_weights", "actors.engines.weights", "actors.engines.hf", "actors.engines.vllm",
-               "bench.publish_to_ready"]
+               "actors.logprobs", "bench.publish_to_ready"]
     result = import_with_blocked(modules, ["monarch", "torchstore", "torchtitan", "vllm"])
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 
