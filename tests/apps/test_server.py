@@ -283,13 +283,6 @@ def test_malformed_bodies_are_422_with_field_errors(http, training):
     param = http.post("/api/v1/forward_backward", json={"session_id": sid, "data": [datum],
                                                          "loss_fn_config": {"clip": 0.1}})
     assert param.status_code == 422 and param.json()["detail"][0]["loc"] == ["body", "loss_fn_params", "clip"]
-    # A rollout correction needs pi_old: the weights since the last optim_step, which forward_backward scores.
-    corrected = http.post("/api/v1/forward_backward", json={"session_id": sid, "data": [datum],
-                                                             "loss_fn_config": {"tis_cap": 2.0}})
-    assert corrected.status_code == 200, corrected.text
-    assert corrected.json()["metrics"]["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # pi == pi_old before a step
-    consumed = http.post("/api/v1/optim_step", json={"model_id": sid, "adam_params": {"learning_rate": 1e-9}})
-    assert consumed.json()["accumulated_batches"] == 1  # later tests count their own batches
     sample = http.post("/api/v1/sample", json={"prompt": "1+1=", "sampling_params": {"top_p": 0}})
     assert sample.status_code == 422 and sample.json()["detail"][0]["loc"] == ["body", "sampling_params"]
     assert "SamplingParams.top_p=0.0: must be in (0, 1]" in sample.json()["detail"][0]["msg"]  # forge.sampling's check
@@ -313,7 +306,8 @@ def test_training_steps_change_the_policy_and_reach_the_sampler(service, trainin
     assert len(before.loss_fn_outputs) == len(data)
     assert len(before.loss_fn_outputs[0].logprobs) == len(data[0].model_input.input_ids) - 1
     # Submitted without waiting: the server runs them in call order (seq_id).
-    fb = training.forward_backward(data, "grpo", {"clip_eps": 0.2})
+    # With a rollout correction (tis_cap) the loss needs pi_old: the weights since the last optim_step.
+    fb = training.forward_backward(data, "grpo", {"clip_eps": 0.2, "tis_cap": 2.0})
     step = training.optim_step(AdamParams(learning_rate=1e-2))
     sync = training.sync_inference_weights()
     fb, step, sync = fb.result(), step.result(), sync.result()
