@@ -55,10 +55,10 @@ class ReplayBuffer:
     the batches still to come are those sampled at `next_batch_version` (the last version sampled, plus one once a
     batch went out at it) up to v + max_policy_age (and no later than the last batch of the job, when known). Room is
     those batches' episodes minus what is held and what is reserved and not yet delivered (`in_flight`), capped by
-    `max_buffer_size`. So at `max_policy_age=0` nothing is reserved while the trainer trains on version v's batch
-    until version v + 1 is published, and a reserved episode is never dropped as too old. At any age the same holds
-    with `sample_order="oldest"` when episodes arrive in the order they were reserved (with "random", the batch
-    picks at random and an episode can still age out).
+    `max_buffer_size`. So at `max_policy_age=0` rollouts wait while the trainer trains on version v's batch, until
+    v + 1 is published, and no reserved episode is ever dropped as too old. At larger ages none is either with
+    `sample_order="oldest"` when episodes arrive in the order they were reserved; with "random" an episode can still
+    be left behind until it ages out.
 
     Invariant: `added == held + consumed + dropped_too_old + dropped_buffer_full`.
     """
