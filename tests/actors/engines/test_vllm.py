@@ -41,6 +41,24 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.3) -
 
 
 @pytest.fixture(scope="module")
+def warm_started_weights(checkpoint, tmp_path_factory):
+    """The tiny model after a short supervised warm start on arithmetic, as apps.grpo starts from (60 steps:
+    trained weights, which a fresh model's symmetric initialisation is not)."""
+    import random
+
+    from forge.tasks.arithmetic import ArithmeticTask
+    from forge.warm_start import WarmStartConfig, warm_start
+
+    task = ArithmeticTask(seed=0, held_out=50, reverse_answer=True)
+    rng = random.Random(0)
+    config = WarmStartConfig(target_accuracy=1.0, lr=3e-3, batch_size=32, max_steps=60, eval_every=60, eval_prompts=16)
+    path, _ = warm_start(checkpoint, tmp_path_factory.mktemp("warm"), train_problems=lambda n: task.sample_prompts(n, rng),
+                         eval_problems=task.held_out()[:16], reward=task.reward, config=config, seed=0, max_tokens=4,
+                         log=lambda line: None)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+@pytest.fixture(scope="module")
 def engine(checkpoint):
     from actors.engines.vllm import VLLMEngine
 
@@ -65,11 +83,11 @@ def teacher_forced(model, prompt_ids, token_ids, temperature):
     return logprobs, logprobs.gather(-1, torch.tensor(token_ids)[:, None]).squeeze(-1)
 
 
-@pytest.mark.parametrize("weights_seed", [None, 1], ids=["random", "perturbed"])
+@pytest.mark.parametrize("weights_seed", [None, 1, "warm"], ids=["random", "perturbed", "warm-started"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_behaviour_logprobs_equal_teacher_forced_logprobs(engine, checkpoint, random_weights, weights_seed,
-                                                          temperature):
-    weights = random_weights if weights_seed is None else perturbed(random_weights, weights_seed)
+def test_behaviour_logprobs_equal_teacher_forced_logprobs(engine, checkpoint, random_weights, warm_started_weights,
+                                                          weights_seed, temperature):
+    weights = {None: random_weights, "warm": warm_started_weights, 1: perturbed(random_weights, 1)}[weights_seed]
     engine.load_weights(weights, version=1)
     reference = model_with(checkpoint, weights)
     results = engine.generate(PROMPTS, SamplingParams(n=4, max_tokens=12, temperature=temperature, seed=3))
