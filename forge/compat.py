@@ -45,6 +45,21 @@ Nothing here runs at import, except making Monarch importable for the modules th
     coordinator in the controller, which panics ("could    replica SIGKILLed mid-run never aborts the controller
     not propagate supervision event: coordinator port      with the variable unset (tests/apps/test_grpo_faults)
     is not set") and aborts the job
+17  across hosts, the default transport is unix sockets:   `enable_tcp_transport` before the first Monarch call
+    a proc mesh on a remote host never answers ("error     (forge.hosts_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
+    spawning proc mesh: statuses: Timeout(30s)")           in the per-host agents' environment (forge.host_agent)
+18  a remote host mesh's extent must have 2 dimensions     hosts x 1 (`HOST_EXTENT_LABELS`, forge.hosts_mesh)
+    ("invalid extent: {hosts: 2}, expected at least 2")
+19  every process listens on the address its host's name   the per-host agent refuses to start when its name does
+    resolves to (127.0.0.1 on a stock Debian /etc/hosts:   not resolve to its configured IP (forge.host_agent); the
+    the controller then hangs silently)                    controller's name is checked the same way (forge.hosts_mesh)
+20  5 on a remote host: a remote process that prints one   every remote process writes to a file on its host under
+    line through Monarch's pipe can deadlock its host      FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent);
+    process (4 runs in 12 with one warning line)           can go with 5
+21  the controller's remote allocator listens for the      HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR set to the
+    hosts' answers on 127.0.0.1 whatever its host name     controller's own address (`remote_alloc_bootstrap_address`,
+    resolves to: the hosts' allocators cannot answer       forge.hosts_mesh); can go when a host mesh comes up with
+    ("failed to send Allocated message"), nothing starts   the variable unset (tests/forge/test_multihost.py)
 """
 
 from __future__ import annotations
@@ -268,3 +283,48 @@ def ignore_results_of_cancelled_calls(loop: asyncio.AbstractEventLoop) -> None:
 
     handler._forge_ignores_cancelled_results = True
     loop.set_exception_handler(handler)
+
+
+# -- 17, 18. several hosts ------------------------------------------------------------------------------------
+# 17 can go when a controller that never names a transport spawns a proc mesh on a remote host's allocator
+# (tests/forge/test_multihost.py with `enable_tcp_transport` removed); 18 when `Extent(["hosts"], [2])`
+# allocates on a RemoteAllocator.
+
+TRANSPORT_VARIABLE = "HYPERACTOR_MESH_DEFAULT_TRANSPORT"
+HOST_EXTENT_LABELS = ("hosts", "gpus")  # 18: hosts x 1
+
+
+def use_tcp_transport_in_environment() -> None:
+    """Processes started from this one (a host's allocator and what it spawns) use tcp (17)."""
+    os.environ[TRANSPORT_VARIABLE] = "tcp"
+
+
+def enable_tcp_transport() -> None:
+    """This process talks tcp to other hosts (17); must run before its first Monarch call."""
+    from monarch._src.actor import actor_mesh
+
+    use_tcp_transport_in_environment()
+    if actor_mesh._transport is None or actor_mesh._context.get(None) is None:  # a second job in one process
+        actor_mesh.enable_transport("tcp")
+
+
+# -- 21. the remote allocator's own address -------------------------------------------------------------------
+
+
+def remote_alloc_bootstrap_address(address: str) -> None:
+    """The controller's remote allocator takes the hosts' answers on `address` (an IP of this host), any port."""
+    os.environ["HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR"] = f"tcp!{address}:0"
+    reload_config_from_env()
+
+
+# -- 20. output of remote processes ---------------------------------------------------------------------------
+# Can go with 5.
+
+
+def route_output_to_file(path: str) -> None:
+    """Point this process's stdout and stderr at `path` (appended), so Monarch's host never forwards a line."""
+    opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in (1, 2):
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        os.dup2(opened, fd)
+    os.close(opened)

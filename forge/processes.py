@@ -1,17 +1,37 @@
 """The operating-system side of a job's processes: liveness, resident memory, and killing what is left.
 
-Pids are only meaningful on the host that reads them: every function here is about processes of this
-host (the controller's descendants, or pids its own agents reported from this host).
+Pids are only meaningful on the host that reads them: every process of a job is known by a `ProcessId`
+(its host and its pid there), and the functions here that take bare pids are about processes of the host
+that calls them (the controller for its own processes, a host's agent for that host's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+from dataclasses import dataclass
 
 import psutil
 
 from forge import weight_store
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process of the job: `pid` on `host` (a name for messages); `local` when that host is the controller's,
+    the only case where this process's table may be read or signalled for it."""
+
+    host: str
+    pid: int
+    local: bool
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.pid}"
+
+
+def local_pids(ids: list[ProcessId]) -> list[int]:
+    """The pids of the processes of `ids` that run on this host."""
+    return [p.pid for p in ids if p.local]
 
 
 def is_alive(pid: int) -> bool:
@@ -61,8 +81,13 @@ def kill_job_processes(*, hosts: bool = True) -> None:
     weight_store.remove_job_segments()
 
 
+def dead_among(pids: list[int]) -> list[int]:
+    """The pids of `pids` (of this host) whose process has exited."""
+    return [pid for pid in pids if not is_alive(pid)]
+
+
 def resident_memory(pids: dict[str, int]) -> dict[str, int]:
-    """Resident bytes of the controller and of each named live process."""
+    """Resident bytes of this process (`controller`) and of each named live process of this host."""
     rss = {"controller": psutil.Process().memory_info().rss}
     for name, pid in pids.items():
         with contextlib.suppress(psutil.Error):
@@ -70,8 +95,8 @@ def resident_memory(pids: dict[str, int]) -> dict[str, int]:
     return rss
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on `address` (of this host) right now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]

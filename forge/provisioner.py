@@ -6,6 +6,11 @@ a small `ProcAgent` actor on each process that sets that process's environment (
 RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) before any user actor exists, and that hands the
 process's metrics to the controller each step.
 
+Several hosts: `configure_hosts(HostsConfig)` (before anything else starts Monarch) makes the provisioner
+place each mesh on the hosts its role has in the config (forge.hosts). Every process is then known by its
+host and pid (`ProcessId`); the liveness, memory and killing of another host's processes go through a
+small watch mesh on that host, never through this host's process table.
+
 Failures: Monarch's default reaction to a dead process is to exit the controller. The provisioner
 replaces that hook: a failure on a mesh that a service owns goes to the service (which re-routes and
 restarts the replica); any other failure is fatal and is recorded in `fatal_failures`, which apps watch
@@ -24,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from forge import compat, metrics, processes, weight_store
+from forge.hosts import HostsConfig, HostsError
 from forge.proc_agent import ProcAgent
-from forge.processes import free_port, kill_job_processes, monarch_children  # noqa: F401 (public here too)
+from forge.processes import ProcessId, free_port, kill_job_processes, monarch_children  # noqa: F401 (public here too)
 
 import psutil  # noqa: E402
 from monarch.actor import HostMesh, ProcMesh, this_host  # noqa: E402
@@ -51,11 +57,25 @@ class ProvisionedMesh:
     procs: ProcMesh
     agents: ProcAgent
     gpus: list[int]
-    pids: list[int]
+    processes: list[ProcessId]  # by rank
     on_failure: Callable[[MeshFailure], None] | None = None
     stopped: bool = False
     failed: bool = False  # a process of this mesh is gone: reported once, never sent messages again
     actors: list[Any] = field(default_factory=list)  # actors here that define `teardown`: called before the stop
+    hosts: list[int] = field(default_factory=list)  # indices in the `hosts` config; [] on this host only
+    log_files: list[str] = field(default_factory=list)  # by rank: where a remote process's output goes
+
+    @property
+    def local(self) -> bool:
+        return all(p.local for p in self.processes)
+
+    @property
+    def pids(self) -> list[int]:
+        """The pids of a mesh on the controller's host (a remote pid means nothing here: use `processes`)."""
+        if not self.local:
+            raise ValueError(f"mesh {self.name!r} runs on other hosts ({', '.join(map(str, self.processes))}): "
+                             "its processes are known by (host, pid) in `processes`")
+        return [p.pid for p in self.processes]
 
 
 def _visible_gpus() -> list[int]:
@@ -70,6 +90,8 @@ def _visible_gpus() -> list[int]:
         return []
 
 
+HOST_SILENT_POLLS = 10  # a host whose watch agent misses this many polls in a row (~10 s) is reported lost
+REMOTE_SPAWN_TIMEOUT_S = 120.0  # a proc mesh on other hosts not up by then is an error naming it
 SPAWN_WAIT_S = 120.0  # how long shutdown waits for spawns already under way (a loaded host is slow)
 DRAIN_WAIT_S = 10.0  # how long shutdown lets calls in flight finish before stopping their processes
 
@@ -79,6 +101,7 @@ class Provisioner:
     """Allocates proc meshes on this host (or on a configured Monarch host mesh) and stops them all."""
 
     host_mesh: HostMesh | None = None
+    hosts: HostsConfig | None = None  # the hosts `host_mesh` spans, and where each role goes
     gpus: list[int] = field(default_factory=_visible_gpus)
     meshes: dict[str, ProvisionedMesh] = field(default_factory=dict)
     fatal_failures: list[MeshFailure] = field(default_factory=list)
@@ -98,6 +121,8 @@ class Provisioner:
         self._weight_store_started = False
         self._watcher: asyncio.Task | None = None
         self._store_mesh: ProvisionedMesh | None = None
+        self._host_watch: dict[int, ProvisionedMesh] = {}  # host index -> its watch mesh (other hosts only)
+        self._silent_polls: dict[int, int] = {}
         weight_store.job_id()  # this controller's pid names the job's shared-memory segments
         weight_store.remove_dead_jobs_segments()
         # A script that ends without `shutdown()` must not leave its weights in shared memory.
@@ -142,11 +167,18 @@ class Provisioner:
         mesh_name: str | None = None,
         env: dict[str, str] | None = None,
         on_failure: Callable[[MeshFailure], None] | None = None,
+        role: str | None = None,
+        replica: int = 0,
     ) -> ProvisionedMesh:
-        """Spawn `procs` processes (per host) with their environment set; fails before spawning on bad requests."""
+        """Spawn `procs` processes (per host) with their environment set; fails before spawning on bad requests.
+        With a `hosts` config, the mesh goes on `hosts` (default 1) of the hosts of `role` (default: the mesh
+        name), replica `replica` of a service on the next ones in turn."""
         if procs < 1:
             raise ValueError(f"procs={procs}: must be >= 1")
-        if hosts not in (None, 1):
+        placement: list[int] = []
+        if self.hosts is not None:
+            placement = self._place(role or mesh_name or "mesh", hosts or 1, replica, procs)
+        elif hosts not in (None, 1):
             if self.host_mesh is None:
                 raise ValueError(
                     f"hosts={hosts}: more than one host needs a Monarch host mesh; "
@@ -163,54 +195,131 @@ class Provisioner:
         async with self.busy(f"spawning mesh {name!r}"):
             # Shielded: a caller that is cancelled (a service stopping a restart) does not abort Monarch's
             # spawn half-way; the mesh is registered anyway, and shutdown stops it.
-            mesh = await asyncio.shield(self._spawn(name, procs, with_gpus, env, on_failure))
+            mesh = await asyncio.shield(self._spawn(name, procs, with_gpus, env, on_failure, placement))
+            if not mesh.local:
+                for index in placement:
+                    await asyncio.shield(self._watch_host(index))
         self.refuse_if_closing(f"spawning mesh {name!r}")  # shutdown began meanwhile: it stops this mesh
         return mesh
 
+    def _place(self, role: str, span: int, replica: int, procs: int) -> list[int]:
+        """The indices of the `span` consecutive hosts (in the host mesh) this mesh goes on."""
+        assert self.hosts is not None
+        candidates = self.hosts.hosts_of(role)
+        where = f"hosts.roles.{role}={candidates}" if role in self.hosts.roles else f"role {role!r} (not in hosts.roles: host 0)"
+        if span > len(candidates):
+            raise HostsError(f"{where}: a mesh of {span} hosts needs at least {span} hosts for its role")
+        start = (replica * span) % len(candidates)
+        chosen = sorted(candidates[(start + k) % len(candidates)] for k in range(span))
+        if chosen != list(range(chosen[0], chosen[0] + span)):
+            raise HostsError(f"{where}: a mesh spanning {span} hosts needs consecutive host indices, got {chosen}")
+        used: dict[int, int] = {}
+        for mesh in self.meshes.values():
+            for host in mesh.hosts:
+                used[host] = used.get(host, 0) + len(mesh.processes) // len(mesh.hosts)
+        for host in chosen:
+            self.hosts.check_capacity(used, host, procs, f"mesh {role!r}")
+        return chosen
+
     async def _spawn(self, name: str, procs: int, with_gpus: bool, env: dict[str, str] | None,
-                     on_failure: Callable[[MeshFailure], None] | None) -> ProvisionedMesh:
+                     on_failure: Callable[[MeshFailure], None] | None, placement: list[int]) -> ProvisionedMesh:
         gpus: list[int] = []
         if with_gpus:
             gpus, self._free_gpus = self._free_gpus[:procs], self._free_gpus[procs:]
-        host = self.host_mesh if self.host_mesh is not None else this_host()
+        if placement:
+            host = self.host_mesh.slice(hosts=slice(placement[0], placement[-1] + 1))
+        else:
+            host = self.host_mesh if self.host_mesh is not None else this_host()
         try:
             proc_mesh = host.spawn_procs(per_host={"procs": procs}, name=name)
-            agents = proc_mesh.spawn("proc_agent", ProcAgent, os.getpid(), psutil.Process().create_time())
+            if placement:
+                # On other hosts a mesh that never comes up would block the first spawn on it for ever.
+                await asyncio.wait_for(proc_mesh.initialized, timeout=REMOTE_SPAWN_TIMEOUT_S)
+            agents = proc_mesh.spawn("proc_agent", ProcAgent, os.getpid(), psutil.Process().create_time(),
+                                     weight_store.job_id(), name)
+            found = sorted((await agents.identify.call()).values(), key=lambda p: p["rank"])
+            master = found[0]
             shared = {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port()),
-                "WORLD_SIZE": str(procs),
+                "MASTER_ADDR": master["address"],
+                "MASTER_PORT": str(master["free_port"]),
+                "WORLD_SIZE": str(len(found)),
                 "FORGE_JOB_ID": weight_store.job_id(),
                 **(env or {}),
             }
-            # Each process sees only its own GPU, always as cuda:0.
-            per_rank = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(procs),
-                         "CUDA_VISIBLE_DEVICES": str(gpus[rank]) if gpus else ""} for rank in range(procs)]
-            pids = list((await agents.set_environment.call(shared, per_rank)).values())
+            # Ranks run host by host, `procs` on each. Each process sees only its own GPU, always as cuda:0.
+            per_rank = [{"RANK": str(rank), "LOCAL_RANK": str(rank % procs), "LOCAL_WORLD_SIZE": str(procs),
+                         "CUDA_VISIBLE_DEVICES": str(gpus[rank % procs]) if gpus else ""} for rank in range(len(found))]
+            await agents.set_environment.call(shared, per_rank)
         except BaseException:
             self._free_gpus = sorted(self._free_gpus + gpus)
             raise
-        mesh = ProvisionedMesh(name, proc_mesh, agents, gpus, pids, on_failure)
+        ids = [ProcessId(p["host"], p["pid"], p["local"]) for p in found]
+        mesh = ProvisionedMesh(name, proc_mesh, agents, gpus, ids, on_failure, hosts=placement,
+                               log_files=[p["log_file"] for p in found])
         self.meshes[name] = mesh
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch_processes())
-        logger.debug("provisioned mesh %s: %d procs (pids %s), gpus %s", name, procs, pids, gpus)
+        logger.debug("provisioned mesh %s: %d procs (%s), gpus %s", name, len(ids), ", ".join(map(str, ids)), gpus)
+        if not mesh.local:
+            logger.info("mesh %s: output of its processes on other hosts in %s", name,
+                        ", ".join(f"{p.host}:{f}" for p, f in zip(ids, mesh.log_files) if f))
         return mesh
+
+    async def _watch_host(self, index: int) -> None:
+        """A 1-process mesh on host `index` whose agent answers for that host's processes (once per host)."""
+        if index in self._host_watch or self.hosts is None:
+            return
+        name = f"host{index}-watch"
+        self._host_watch[index] = await self._spawn(name, 1, False, None, None, [index])
+        self.meshes.pop(name, None)  # watched by the watcher through its own answers, not counted as a role
 
     async def _watch_processes(self, poll_s: float = 0.5) -> None:
         """Report a mesh whose process has exited within a second. Monarch notices a dead process only when
         its proc-state queries go unanswered for HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE (300 s here, so that
-        busy processes on a loaded host are not declared dead): far too late for a job to fail fast."""
+        busy processes on a loaded host are not declared dead): far too late for a job to fail fast.
+        Processes of this host are read from its process table; another host's from its watch agent."""
         while self.meshes:
             await asyncio.sleep(poll_s)
-            for mesh in list(self.meshes.values()):
-                if mesh.stopped or mesh.failed:
-                    continue
-                gone = [pid for pid in mesh.pids if not processes.is_alive(pid)]
-                if gone:
-                    mesh.failed = True
-                    self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited "
-                                       f"(killed or crashed; its actors are lost)")
+            live = [m for m in self.meshes.values() if not (m.stopped or m.failed)]
+            remote: dict[int, list[ProcessId]] = {}
+            for mesh in live:
+                for host, proc in zip(self._host_of_rank(mesh), mesh.processes):
+                    if not proc.local:
+                        remote.setdefault(host, []).append(proc)
+            answers = await asyncio.gather(*(self._dead_on_host(host, procs) for host, procs in remote.items()))
+            dead = {proc for procs in answers for proc in procs}
+            for mesh in live:
+                gone = [p for p in mesh.processes if (not processes.is_alive(p.pid) if p.local else p in dead)]
+                if gone and not mesh.failed:
+                    self._report_gone(mesh, gone)
+
+    def _host_of_rank(self, mesh: ProvisionedMesh) -> list[int]:
+        """The host index of each rank of `mesh` (ranks run host by host); -1 on the controller's host."""
+        per_host = len(mesh.processes) // max(1, len(mesh.hosts))
+        return [mesh.hosts[rank // per_host] if mesh.hosts else -1 for rank in range(len(mesh.processes))]
+
+    def _report_gone(self, mesh: ProvisionedMesh, gone: list[ProcessId]) -> None:
+        mesh.failed = True
+        self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited "
+                           f"(killed or crashed; its actors are lost)")
+
+    async def _dead_on_host(self, host: int, procs: list[ProcessId]) -> list[ProcessId]:
+        """Which of `procs` (all on host `host`) have exited, as that host's watch agent sees it. A host whose
+        agent stops answering is lost, and every process of the job there with it."""
+        watch = self._host_watch.get(host)
+        if watch is None:
+            return []
+        try:
+            dead = await asyncio.wait_for(watch.agents.dead_among.call_one([p.pid for p in procs]), timeout=1.0)
+            self._silent_polls[host] = 0
+            return [p for p in procs if p.pid in dead]
+        except Exception as e:
+            self._silent_polls[host] = self._silent_polls.get(host, 0) + 1
+            if self._silent_polls[host] < HOST_SILENT_POLLS:
+                return []
+            logger.error("host %d (%s) stopped answering: %r", host, self.hosts.describe(host), e)
+            watch.failed = True
+            return list(procs)
 
     def _report(self, mesh: ProvisionedMesh | None, message: str) -> None:
         event = MeshFailure(mesh.name if mesh else "unknown", message)
@@ -244,9 +353,23 @@ class Provisioner:
         return self.fatal_failures[0]
 
     def memory_rss(self) -> dict[str, int]:
-        """Resident memory in bytes of the controller and of every live process of every mesh, by name."""
-        return processes.resident_memory({f"{mesh.name}[{rank}]": pid for mesh in self.meshes.values()
-                                          for rank, pid in enumerate(mesh.pids)})
+        """Resident memory in bytes of the controller and of every live process of every mesh on this host, by
+        name (another host's processes are not in this host's process table: `remote_memory_rss`)."""
+        return processes.resident_memory({f"{mesh.name}[{rank}]": proc.pid for mesh in self.meshes.values()
+                                          for rank, proc in enumerate(mesh.processes) if proc.local})
+
+    async def remote_memory_rss(self) -> dict[str, int]:
+        """Resident memory in bytes of every live process of every mesh on the other hosts, as their watch
+        agents read it."""
+        rss: dict[str, int] = {}
+        for host, watch in self._host_watch.items():
+            named = {f"{mesh.name}[{rank}]": proc.pid for mesh in self.meshes.values()
+                     for rank, (h, proc) in enumerate(zip(self._host_of_rank(mesh), mesh.processes))
+                     if h == host and not proc.local}
+            with contextlib.suppress(Exception):
+                answer = await asyncio.wait_for(watch.agents.resident_memory.call_one(named), timeout=10)
+                rss.update({k: v for k, v in answer.items() if k != "controller"})
+        return rss
 
     async def collect_metrics(self) -> list[dict[str, metrics.Partial]]:
         """Every live process's partial metrics since the last call, plus the controller's own."""
@@ -266,10 +389,10 @@ class Provisioner:
             return
         mesh.stopped = True
         self._retired.add(mesh.name)
-        if mesh.failed or not all(processes.is_alive(pid) for pid in mesh.pids):
+        if mesh.failed or not all(processes.is_alive(p.pid) for p in mesh.processes if p.local):
             # A mesh that lost a process cannot be stopped through Monarch (the requests wait for answers
             # that never come): kill what is left of it.
-            processes.kill(mesh.pids)
+            await self._kill(mesh)
         else:
             # Let actors finish what they are doing (background tasks, in-flight store requests): a reply
             # sent to an actor that is already gone is a supervision failure (forge.compat, 8).
@@ -281,9 +404,22 @@ class Provisioner:
             except Exception as e:
                 # Only a mesh that did not stop cleanly is killed (forge.compat, 10).
                 logger.debug("stopping mesh %s: %s", mesh.name, e)
-                processes.kill(mesh.pids)
+                await self._kill(mesh)
         self._free_gpus = sorted(self._free_gpus + mesh.gpus)
         self.meshes.pop(mesh.name, None)
+
+    async def _kill(self, mesh: ProvisionedMesh) -> None:
+        """Kill a mesh's processes: this host's directly, another host's through its watch agent (bounded)."""
+        processes.kill(processes.local_pids(mesh.processes))
+        by_host: dict[int, list[int]] = {}
+        for host, proc in zip(self._host_of_rank(mesh), mesh.processes):
+            if not proc.local:
+                by_host.setdefault(host, []).append(proc.pid)
+        for host, pids in by_host.items():
+            watch = self._host_watch.get(host)
+            if watch is not None and watch is not mesh and not watch.failed:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(watch.agents.kill.call_one(pids), timeout=10)
 
     async def shutdown(self) -> None:
         """Stop everything this provisioner made, in order: services (their restarts, then their calls in
@@ -313,18 +449,47 @@ class Provisioner:
         if store_mesh is not None:
             await self.stop_proc_mesh(store_mesh)
             self._store_mesh = None
+        await asyncio.gather(*(self.stop_proc_mesh(watch) for watch in self._host_watch.values()))
+        self._host_watch.clear()
+        if self.hosts is not None and self.host_mesh is not None:
+            try:  # the host processes of the allocation: Monarch stops the procs they run
+                await asyncio.wait_for(self.host_mesh.shutdown(), timeout=30)
+            except Exception as e:
+                logger.warning("stopping the host mesh: %r", e)
         kill_job_processes(hosts=False)
 
 
 _provisioner: Provisioner | None = None
 _shutting_down: asyncio.Future | None = None
+_hosts: HostsConfig | None = None
+
+
+def configure_hosts(hosts: HostsConfig | None) -> None:
+    """Place the job's meshes on `hosts` (None or an empty section: this host only). Call it before anything
+    starts Monarch: the section is checked (fields, reachable agents) and the transport switched to tcp here,
+    and a bad section raises `HostsError` naming the field."""
+    global _hosts
+    if _provisioner is not None and _provisioner.meshes:
+        raise HostsError("hosts: configure the hosts before the first actor or service is started")
+    if hosts is not None and hosts.enabled:
+        from forge.hosts_mesh import check_hosts
+
+        check_hosts(hosts)
+        _hosts = hosts
+    else:
+        _hosts = None
 
 
 def get_provisioner() -> Provisioner:
-    """The controller's provisioner (created on first use, or after a shutdown)."""
+    """The controller's provisioner (created on first use, or after a shutdown), on the configured hosts."""
     global _provisioner
     if _provisioner is None:
-        _provisioner = Provisioner()
+        if _hosts is not None:
+            from forge.hosts_mesh import allocate_host_mesh
+
+            _provisioner = Provisioner(host_mesh=allocate_host_mesh(_hosts), hosts=_hosts)
+        else:
+            _provisioner = Provisioner()
         compat.install_fault_hook(_provisioner.on_supervision_event)
     return _provisioner
 

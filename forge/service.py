@@ -99,6 +99,8 @@ class Service:
             hosts=self.placement.hosts,
             with_gpus=self.placement.with_gpus,
             mesh_name=f"{self.name}-r{index}",
+            role=self.name,  # with a `hosts` config: replicas take the role's hosts in turn
+            replica=index,
             on_failure=lambda failure, i=index: self._failure_from_monitor(i, failure),
         )
         actor = await self.actor_cls._spawn_on(mesh, self.args, self.kwargs)

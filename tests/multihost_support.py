@@ -4,8 +4,8 @@ Each host is a network namespace joined to a bridge in the root namespace by a v
 hostname, /etc/hosts, resolv.conf (pointing at 127.0.0.1, so no name query leaves the machine), a private
 tmpfs /dev/shm, and its own PID namespace (a remote pid means nothing to the controller, as on real
 machines). Inside it runs forge's per-host agent (`python -m forge.host_agent`, Monarch's
-process_allocator). The test process is the controller; its hostname (in a private UTS namespace) is
-its bridge address, so Monarch's processes listen there and every host can reach it.
+process_allocator). The test process is the controller, on the bridge's address: it runs again in a
+hostname and hosts file of its own (`relaunch_as_controller_host`) so that Monarch listens there.
 
 Addresses come from 198.18.0.0/15 only; traffic stays between the bridge and these namespaces. Every
 name starts with `PREFIX` and the owning pid, so leftovers of a crashed run are removed by the next one.
@@ -14,7 +14,6 @@ name starts with `PREFIX` and the owning pid, so leftovers of a crashed run are 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -29,7 +28,6 @@ import psutil
 
 PREFIX = "fmh"  # forge multi-host: namespaces, links and folders of these tests
 PORT = 26600  # every host's agent listens on the same port (Monarch's remote allocator requires it)
-CLONE_NEWUTS = 0x04000000
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -86,14 +84,35 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
-def become_controller_host(address: str) -> None:
-    """This process (the test's controller) names itself `address` in a private UTS namespace: Monarch's
-    processes listen on the address their host's name resolves to, and a numeric name needs no lookup."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if socket.gethostname() == address:
+CONTROLLER_MARK = "FORGE_MULTIHOST_CONTROLLER"  # the pid of a test process already on its controller host
+
+
+def subnet_of(pid: int) -> str:
+    """One /24 per test process: two runs at once never share a subnet."""
+    return f"198.18.{pid % 250 + 1}"
+
+
+def relaunch_as_controller_host() -> None:
+    """Run this test process again (same pid, same command line) with a hostname and hosts file of its own
+    that name its bridge address: Monarch's processes, the controller's included, listen on the address their
+    host's name resolves to, and they resolve it on threads of their own, so the process must start in its
+    namespaces (a namespace entered later applies to the calling thread only). No-op once done."""
+    if os.environ.get(CONTROLLER_MARK) == str(os.getpid()):
         return
-    if libc.unshare(CLONE_NEWUTS) != 0 or libc.sethostname(address.encode(), len(address)) != 0:
-        raise OSError(ctypes.get_errno(), f"cannot name this process's host {address}")
+    name, folder = f"{PREFIX}{os.getpid()}ctl", Path("/tmp") / f"{PREFIX}{os.getpid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "controller-hosts").write_text(f"127.0.0.1 localhost\n{subnet_of(os.getpid())}.1 {name}\n")
+    os.environ[CONTROLLER_MARK] = str(os.getpid())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    script = f'hostname {name} && mount --bind {folder}/controller-hosts /etc/hosts && exec "$0" "$@"'
+    os.execvp("unshare", ["unshare", "--uts", "--mount", "sh", "-c", script, *sys.orig_argv])
+
+
+# A simulated host's pid 1: runs its agent, reaps every orphan, exits with the agent.
+_INIT = ("import os, subprocess, sys\n"
+         "agent = subprocess.Popen(sys.argv[1:])\n"
+         "while os.wait()[0] != agent.pid: pass")
 
 
 @dataclass
@@ -103,18 +122,20 @@ class SimulatedHost:
     address: str
     port: int
     folder: Path  # its hosts file, resolv.conf, agent log and process logs (FORGE_HOST_LOG_DIR)
-    agent: subprocess.Popen | None = None  # `ip netns exec ... unshare ...`: the host's init is its child
+    # `ip netns exec ... unshare ...`, whose child is the host's init. Not a child of the test process: a
+    # controller kills its own Monarch descendants at shutdown, and another host's processes are none of those.
+    agent_pid: int | None = None
 
     @property
     def log_dir(self) -> Path:
         return self.folder / "logs"
 
     def init_pid(self) -> int | None:
-        """The root-namespace pid of this host's first process (pid 1 inside it: the agent)."""
-        if self.agent is None or self.agent.poll() is not None:
+        """The root-namespace pid of this host's first process (pid 1 inside it)."""
+        if self.agent_pid is None:
             return None
         with contextlib.suppress(psutil.Error):
-            children = psutil.Process(self.agent.pid).children()  # `ip netns exec` became `unshare`
+            children = psutil.Process(self.agent_pid).children()  # `ip netns exec` became `unshare`
             return children[0].pid if children else None
         return None
 
@@ -127,11 +148,15 @@ class SimulatedHost:
                     check=False, timeout=timeout)
 
     def processes(self) -> list[psutil.Process]:
-        """Every process on this host but its agent (as the root namespace sees them)."""
+        """Every live process on this host but its init and agent (as the root namespace sees them)."""
         init = self.init_pid()
+        found = []
         with contextlib.suppress(psutil.Error):
-            return psutil.Process(init).children(recursive=True) if init else []
-        return []
+            for proc in psutil.Process(init).children(recursive=True) if init else []:
+                with contextlib.suppress(psutil.Error):
+                    if proc.status() != psutil.STATUS_ZOMBIE and "process_allocator" not in proc.name():
+                        found.append(proc)
+        return found
 
     def shared_memory(self) -> list[str]:
         return self.run("ls -A /dev/shm").stdout.split()
@@ -154,8 +179,7 @@ class SimulatedHosts:
     hosts: list[SimulatedHost] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # One /24 per test process: two runs at once never share a subnet.
-        self.subnet = f"198.18.{os.getpid() % 250 + 1}"
+        self.subnet = subnet_of(os.getpid())
         self.controller_address = f"{self.subnet}.1"
         self.bridge = f"{self.tag}br"
         self.folder = Path("/tmp") / self.tag
@@ -202,28 +226,28 @@ class SimulatedHosts:
             _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
 
     def _start_agent(self, host: SimulatedHost) -> None:
-        # Inside: own hostname, hosts file, resolver, /dev/shm and /proc, then the agent as pid 1 (when it
-        # dies, the kernel kills everything else on the host).
+        # Inside: own hostname, hosts file, resolver, /dev/shm and /proc; pid 1 reaps orphans like a host's init
+        # and exits with the agent (then the kernel kills everything else on the host).
         script = (
             f"set -e; hostname {host.name}; "
             f"mount --bind {host.folder}/hosts /etc/hosts; mount --bind {host.folder}/resolv.conf /etc/resolv.conf; "
             f"mount -t tmpfs -o size=4g tmpfs /dev/shm; "
-            f"exec {sys.executable} -m forge.host_agent --addr {host.address} --port {host.port} "
-            f"--log-dir {host.log_dir}"
+            f"exec {sys.executable} -c '{_INIT}' {sys.executable} -m forge.host_agent --addr {host.address} "
+            f"--port {host.port} --log-dir {host.log_dir}"
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        with open(host.folder / "agent.log", "ab") as log:
-            host.agent = subprocess.Popen(
-                ["ip", "netns", "exec", host.name, "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
-                 "--kill-child", "sh", "-c", script],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                start_new_session=True)
+        command = ["ip", "netns", "exec", host.name, "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
+                   "--kill-child", "sh", "-c", script]
+        # Started in the background by a shell that exits at once: the host is re-parented away from us.
+        launched = subprocess.run(["sh", "-c", f'"$@" >> {host.folder}/agent.log 2>&1 < /dev/null & echo $!', "sh", *command],
+                                  capture_output=True, text=True, cwd=ROOT, env=env, timeout=10, start_new_session=True)
+        host.agent_pid = int(launched.stdout.strip())
 
     def _wait_for_agent(self, host: SimulatedHost, deadline: float) -> None:
         while True:
             with contextlib.suppress(OSError), socket.create_connection((host.address, host.port), timeout=1):
                 return
-            if host.agent.poll() is not None or time.monotonic() > deadline:
+            if not psutil.pid_exists(host.agent_pid) or time.monotonic() > deadline:
                 log = (host.folder / "agent.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"host {host.name}: its agent did not start listening on "
                                    f"{host.address}:{host.port}:\n{log}")
@@ -233,11 +257,12 @@ class SimulatedHosts:
         """Kill every process of every host, remove namespaces, links and folders (idempotent)."""
         for host in self.hosts:
             host.kill_agent()
-            if host.agent is not None:
+            if host.agent_pid is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(host.agent.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    host.agent.wait(timeout=10)
+                    os.killpg(host.agent_pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while psutil.pid_exists(host.agent_pid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
         for host in self.hosts:
             for pid in _run("ip", "netns", "pids", host.name, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
@@ -278,7 +303,8 @@ class HostProbe(ForgeActor):
         await compat.import_torchstore().put(key, value)
 
     @endpoint
-    async def get(self, key: str) -> object:
+    async def get(self, key: str) -> dict:
         from forge import compat
 
-        return await compat.import_torchstore().get(key)
+        # In a dict: a bare tensor has a `values` method, which `compat.raise_if_failed` takes for a ValueMesh.
+        return {"value": await compat.import_torchstore().get(key), "host": socket.gethostname()}

@@ -1,0 +1,176 @@
+"""Jobs across hosts, on hosts simulated by network namespaces (tests/multihost_support.py): the `hosts`
+section refused before anything starts, a mesh across 2 hosts (ranks, rendezvous, torchstore both ways),
+processes known by (host, pid), remote output in a file on its host, and nothing left on any host."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from tests.multihost_support import HostProbe, SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
+
+from forge import provisioner
+from forge.actor import mesh_of
+from forge.hosts import HostsConfig, HostsError
+
+_UNAVAILABLE = namespaces_unavailable()
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
+if _UNAVAILABLE is None:
+    relaunch_as_controller_host()  # at collection, before any test ran: nothing is lost
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    simulated = SimulatedHosts(count=2)
+    try:
+        simulated.start()
+        yield simulated
+    finally:
+        simulated.close()
+
+
+def _config(hosts: SimulatedHosts, **kwargs) -> HostsConfig:
+    return HostsConfig(addresses=hosts.addresses, port=hosts.port, **kwargs)
+
+
+async def _until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.2)
+
+
+# -- the section, refused before anything starts ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("section, field", [
+    (dict(addresses=["198.18.0.2", "198.18.0.2"]), "hosts.addresses[1]='198.18.0.2': duplicate of hosts.addresses[0]"),
+    (dict(addresses=["hostb.example"]), "hosts.addresses[0]='hostb.example': must be an IP address"),
+    (dict(addresses=["127.0.0.1"]), "hosts.addresses[0]='127.0.0.1': a loopback"),
+    (dict(addresses=["198.18.0.2"], roles={"trainer": [1]}), "hosts.roles.trainer: host index 1 is out of range"),
+    (dict(scheduler="slurm:/1234", num_hosts=2), "hosts.scheduler='slurm:/1234': must be a TorchX server handle"),
+    (dict(scheduler="slurm:///1234"), "hosts.num_hosts=None: with hosts.scheduler"),
+    (dict(addresses=["198.18.0.2"], port=0), "hosts.port=0"),
+])
+def test_a_bad_section_is_refused_naming_the_field(section, field):
+    with pytest.raises(HostsError) as error:
+        HostsConfig(**section).validate()
+    assert field in str(error.value)
+
+
+def test_an_unreachable_host_is_refused_within_its_timeout(hosts):
+    silent = f"{hosts.subnet}.250"  # on the test's bridge, where nothing answers
+    section = HostsConfig(addresses=[hosts.addresses[0], silent], port=hosts.port, connect_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(HostsError) as error:
+        section.check_reachable()
+    assert f"hosts.addresses[1]='{silent}': no agent answers on port {hosts.port}" in str(error.value)
+    assert "addresses[0]" not in str(error.value)
+    assert time.monotonic() - started < 5
+
+
+def test_more_processes_than_a_host_offers_are_refused():
+    section = HostsConfig(addresses=["198.18.0.2", "198.18.0.3"], procs_per_host=2).validate()
+    section.check_capacity({1: 1}, 1, 1, "mesh 'generator'")
+    with pytest.raises(HostsError, match=r"hosts.procs_per_host=2: mesh 'generator' needs 2 process\(es\) on host 1 "
+                                         r"\(198.18.0.3\), which already runs 1"):
+        section.check_capacity({1: 1}, 1, 2, "mesh 'generator'")
+
+
+def test_the_scheduler_route_builds_monarchs_torchx_initializer():
+    from monarch._src.actor.allocator import StaticRemoteAllocInitializer, TorchXRemoteAllocInitializer
+
+    from forge.hosts_mesh import initializer
+
+    made = initializer(HostsConfig(scheduler="slurm:///1234", num_hosts=2, port=26601).validate())
+    assert isinstance(made, TorchXRemoteAllocInitializer)
+    assert (made.server_handle, made.transport, made.port) == ("slurm:///1234", "tcp", 26601)
+    static = initializer(HostsConfig(addresses=["198.18.0.2", "198.18.0.3"]).validate())
+    assert isinstance(static, StaticRemoteAllocInitializer)
+    assert static.addrs == ["tcp!198.18.0.2:26600", "tcp!198.18.0.3:26600"]
+
+
+# -- a job across two hosts ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def job(hosts):
+    provisioner.configure_hosts(_config(hosts, procs_per_host=3, roles={"pair": [0, 1], "solo": [1]}))
+    yield provisioner.get_provisioner()
+    await provisioner.shutdown()
+
+
+async def test_a_mesh_across_two_hosts_has_ranks_and_rendezvous_right_on_every_host(hosts, job):
+    pair = await HostProbe.options(procs=2, hosts=2, mesh_name="pair").as_actor()
+    where = sorted((await pair.where.call()).values(), key=lambda w: int(w["RANK"]))
+    assert [w["host"] for w in where] == [hosts.hosts[0].name] * 2 + [hosts.hosts[1].name] * 2
+    assert [(w["RANK"], w["LOCAL_RANK"], w["WORLD_SIZE"], w["LOCAL_WORLD_SIZE"]) for w in where] == [
+        ("0", "0", "4", "2"), ("1", "1", "4", "2"), ("2", "0", "4", "2"), ("3", "1", "4", "2")]
+    assert {(w["MASTER_ADDR"], w["MASTER_PORT"]) for w in where} == {(hosts.addresses[0], where[0]["MASTER_PORT"])}
+    mesh = mesh_of(pair)
+    assert [str(p) for p in mesh.processes] == [f"{w['host']}:{w['pid']}" for w in where]
+    assert not any(p.local for p in mesh.processes)
+    with pytest.raises(ValueError, match="known by \\(host, pid\\)"):
+        mesh.pids
+    assert mesh.hosts == [0, 1]
+    # Host B runs 2 of the 3 processes it offers: a mesh of 2 more there is refused before it starts.
+    with pytest.raises(HostsError, match=r"hosts.procs_per_host=3: mesh 'solo' needs 2 process\(es\) on host 1"):
+        await HostProbe.options(procs=2, mesh_name="solo").as_actor()
+    await HostProbe.shutdown(pair)
+    assert not mesh.failed and not job.fatal_failures
+
+
+async def test_a_tensor_goes_through_torchstore_each_way_between_hosts(hosts, job):
+    await job.start_weight_store()
+    pair = await HostProbe.options(procs=1, hosts=2, mesh_name="pair").as_actor()
+    on_a, on_b = pair.slice(hosts=0), pair.slice(hosts=1)
+    sent = torch.arange(1024, dtype=torch.float32)
+    await on_a.put.call_one("a_to_b", sent)
+    got = await on_b.get.call_one("a_to_b")
+    assert got["host"] == hosts.hosts[1].name and torch.equal(got["value"], sent)
+    await on_b.put.call_one("b_to_a", sent * 2)
+    got = await on_a.get.call_one("b_to_a")
+    assert got["host"] == hosts.hosts[0].name and torch.equal(got["value"], sent * 2)
+    await HostProbe.shutdown(pair)
+
+
+async def test_a_remote_process_is_watched_by_its_host_and_its_output_stays_there(hosts, job):
+    solo = await HostProbe.options(procs=1, mesh_name="solo").as_actor()
+    mesh = mesh_of(solo)
+    (proc,) = mesh.processes
+    assert (proc.host, proc.local, mesh.hosts) == (hosts.hosts[1].name, False, [1])
+    await solo.say.call_one("a line from host B")
+    log = hosts.hosts[1].folder / "logs" / mesh.log_files[0].split("/logs/", 1)[1]
+    assert mesh.log_files[0].startswith(str(hosts.hosts[1].log_dir))
+    await _until(lambda: log.exists() and "a line from host B" in log.read_text(), 10, "the line in the host's log")
+    # Its pid is a pid of host B's table only: the controller's reads nothing for it.
+    assert f"{mesh.name}[0]" not in job.memory_rss()
+    assert (await job.remote_memory_rss())[f"{mesh.name}[0]"] > 10_000_000
+    await asyncio.sleep(2)  # a few watcher polls: a live remote process is not reported
+    assert not mesh.failed and not job.fatal_failures
+    # Killed on its host: reported within seconds, by Monarch's supervision or by the host's watch agent
+    # (which reads host B's process table and names the process by host and pid).
+    hosts.hosts[1].run(f"kill -9 {proc.pid}")
+    await _until(lambda: job.fatal_failures, 15, "the remote death reported")
+    (failure,) = job.fatal_failures
+    assert failure.mesh_name == mesh.name and mesh.failed
+    assert f"process {proc} of mesh {mesh.name!r} exited" in failure.message or "Killed(sig=9)" in failure.message
+    job.fatal_failures.clear()
+    await job.stop_proc_mesh(mesh)
+
+
+def _job_processes(host) -> list:
+    """The job's processes on `host` (Monarch's procs: every actor's process), not the allocation's host process."""
+    return [p for p in host.processes() if "bootstrap_main" in " ".join(p.cmdline())]
+
+
+async def test_shutdown_leaves_no_job_process_and_no_shared_memory_on_any_host(hosts, job):
+    assert all(_job_processes(host) for host in hosts.hosts)  # the store on A, the watch agents on A and B
+    await provisioner.shutdown()
+    for host in hosts.hosts:
+        await _until(lambda: not _job_processes(host), 40, f"no job process left on {host.name}")
+        assert host.shared_memory() == []
+        assert host.init_pid() is not None  # the host's agent stays up for the next job
