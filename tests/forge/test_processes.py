@@ -39,3 +39,43 @@ def test_mesh_processes_and_their_children_are_found_and_the_host_agent_spared_o
     finally:
         processes.kill(processes.monarch_children())
         host.wait(timeout=10)
+
+
+# -- processes of other hosts: known by (host, pid), never looked up in this host's table ----------------------
+
+
+def _mesh_on_another_host(pid: int):
+    from forge.provisioner import ProvisionedMesh
+
+    # A pid that exists here (this very process) but belongs to another host's table.
+    return ProvisionedMesh("remote-0", procs=None, agents=None, gpus=[],
+                           processes=[processes.ProcessId("hostB", pid, local=False)], hosts=[1])
+
+
+def test_a_remote_process_is_named_by_host_and_pid_and_has_no_local_pid():
+    import os
+
+    import pytest
+
+    mesh = _mesh_on_another_host(os.getpid())
+    assert str(mesh.processes[0]) == f"hostB:{os.getpid()}"
+    assert processes.local_pids(mesh.processes) == []
+    with pytest.raises(ValueError, match=r"runs on other hosts \(hostB:\d+\).*\(host, pid\)"):
+        mesh.pids
+
+
+async def test_the_controller_neither_reads_nor_reports_a_remote_pid_from_its_own_table():
+    import asyncio
+    import os
+
+    from forge.provisioner import Provisioner
+
+    provisioner = Provisioner()
+    alive_here = _mesh_on_another_host(os.getpid())  # would read this process's memory
+    gone_here = _mesh_on_another_host(2**22 - 7)  # no such pid here: a local check would call it dead
+    provisioner.meshes = {"remote-0": alive_here, "remote-1": gone_here}
+    assert set(provisioner.memory_rss()) == {"controller"}
+    watcher = asyncio.ensure_future(provisioner._watch_processes(poll_s=0.05))
+    await asyncio.sleep(0.5)
+    watcher.cancel()
+    assert not provisioner.fatal_failures and not gone_here.failed
