@@ -123,6 +123,7 @@ class Provisioner:
         self._store_mesh: ProvisionedMesh | None = None
         self._host_watch: dict[int, ProvisionedMesh] = {}  # host index -> its watch mesh (other hosts only)
         self._silent_polls: dict[int, int] = {}
+        self._watch_lock = asyncio.Lock()
         weight_store.job_id()  # this controller's pid names the job's shared-memory segments
         weight_store.remove_dead_jobs_segments()
         # A script that ends without `shutdown()` must not leave its weights in shared memory.
@@ -267,11 +268,12 @@ class Provisioner:
 
     async def _watch_host(self, index: int) -> None:
         """A 1-process mesh on host `index` whose agent answers for that host's processes (once per host)."""
-        if index in self._host_watch or self.hosts is None:
-            return
-        name = f"host{index}-watch"
-        self._host_watch[index] = await self._spawn(name, 1, False, None, None, [index])
-        self.meshes.pop(name, None)  # watched by the watcher through its own answers, not counted as a role
+        async with self._watch_lock:  # replicas spawned together on one host share its watch mesh
+            if index in self._host_watch or self.hosts is None:
+                return
+            name = f"host{index}-watch"
+            self._host_watch[index] = await self._spawn(name, 1, False, None, None, [index])
+            self.meshes.pop(name, None)  # watched through its own answers, not counted as a role
 
     async def _watch_processes(self, poll_s: float = 0.5) -> None:
         """Report a mesh whose process has exited within a second. Monarch notices a dead process only when
@@ -309,6 +311,8 @@ class Provisioner:
         watch = self._host_watch.get(host)
         if watch is None:
             return []
+        if watch.failed:
+            return list(procs)
         try:
             dead = await asyncio.wait_for(watch.agents.dead_among.call_one([p.pid for p in procs]), timeout=1.0)
             self._silent_polls[host] = 0

@@ -98,7 +98,7 @@ def test_the_scheduler_route_builds_monarchs_torchx_initializer():
 
 @pytest.fixture(scope="module")
 async def job(hosts):
-    provisioner.configure_hosts(_config(hosts, procs_per_host=3, roles={"pair": [0, 1], "solo": [1]}))
+    provisioner.configure_hosts(_config(hosts, procs_per_host=3, roles={"pair": [0, 1], "solo": [1], "svc": [0, 1]}))
     yield provisioner.get_provisioner()
     await provisioner.shutdown()
 
@@ -160,6 +160,23 @@ async def test_a_remote_process_is_watched_by_its_host_and_its_output_stays_ther
     assert f"process {proc} of mesh {mesh.name!r} exited" in failure.message or "Killed(sig=9)" in failure.message
     job.fatal_failures.clear()
     await job.stop_proc_mesh(mesh)
+
+
+async def test_a_replica_killed_on_host_b_is_restarted_on_host_b_and_serves_again(hosts, job):
+    svc = await HostProbe.options(num_replicas=2, mesh_name="svc").as_service()
+    try:
+        assert [r.mesh.hosts for r in svc.replicas] == [[0], [1]]
+        victim = svc.replicas[1].mesh.processes[0]
+        assert victim.host == hosts.hosts[1].name
+        hosts.hosts[1].run(f"kill -9 {victim.pid}")
+        await _until(lambda: svc.replicas[1].restarts == 1 and svc.replicas[1].healthy, 120, "replica 1 restarted")
+        restarted = svc.replicas[1].mesh
+        assert restarted.hosts == [1] and restarted.processes[0] != victim
+        answers = {(await svc.where.route())["host"] for _ in range(4)}
+        assert answers == {hosts.hosts[0].name, hosts.hosts[1].name}
+        assert not job.fatal_failures
+    finally:
+        await svc.stop()
 
 
 def _job_processes(host) -> list:
