@@ -33,7 +33,7 @@ class RolloutConfig:
     max_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
-    concurrency: int = 4  # rollout loops running at once (each: one prompt group at a time)
+    concurrency: int = 4  # prompt groups generating at once (the replay buffer may allow fewer)
     normalize_advantages: bool = True  # divide by the group's std (False for Dr. GRPO)
     drop_zero_variance_groups: bool = False  # DAPO's dynamic sampling
 
