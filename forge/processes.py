@@ -25,8 +25,8 @@ class ProcessId:
     pid: int
     local: bool
 
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}"
+    def __str__(self) -> str:  # messages: a process of the controller's host is named by its pid as before
+        return str(self.pid) if self.local else f"{self.host}:{self.pid}"
 
 
 def local_pids(ids: list[ProcessId]) -> list[int]:
