@@ -61,6 +61,7 @@ class ProvisionedMesh:
     on_failure: Callable[[MeshFailure], None] | None = None
     stopped: bool = False
     failed: bool = False  # a process of this mesh is gone: reported once, never sent messages again
+    reported: bool = False  # a failure of this mesh was reported (by Monarch or the watcher)
     actors: list[Any] = field(default_factory=list)  # actors here that define `teardown`: called before the stop
     hosts: list[int] = field(default_factory=list)  # indices in the `hosts` config; [] on this host only
     log_files: list[str] = field(default_factory=list)  # by rank: where a remote process's output goes
@@ -302,6 +303,8 @@ class Provisioner:
 
     def _report_gone(self, mesh: ProvisionedMesh, gone: list[ProcessId]) -> None:
         mesh.failed = True
+        if mesh.reported:  # Monarch's supervision said it first
+            return
         self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited "
                            f"(killed or crashed; its actors are lost)")
 
@@ -327,6 +330,8 @@ class Provisioner:
 
     def _report(self, mesh: ProvisionedMesh | None, message: str) -> None:
         event = MeshFailure(mesh.name if mesh else "unknown", message)
+        if mesh is not None:
+            mesh.reported = True
         if mesh is not None and mesh.on_failure is not None:
             mesh.on_failure(event)
             return

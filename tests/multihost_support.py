@@ -293,6 +293,19 @@ class HostProbe(ForgeActor):
         return {"host": socket.gethostname(), "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
 
     @endpoint
+    def rank_sum(self) -> float:
+        """Joins the mesh's process group from the environment the provisioner set, and all-reduces RANK."""
+        import torch
+        import torch.distributed as dist
+
+        from forge.distributed import init_from_environment
+
+        rank, _ = init_from_environment("cpu")
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total)
+        return float(total)
+
+    @endpoint
     async def say(self, text: str) -> None:
         print(text, flush=True)
 
