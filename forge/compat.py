@@ -239,7 +239,9 @@ def raise_if_failed(value: Any) -> Any:
     """Turn an endpoint's reported exception back into one (the values of a whole mesh too)."""
     if isinstance(value, RaisedInEndpoint):
         raise value.exception()
-    if hasattr(value, "values") and callable(value.values) and not isinstance(value, dict):
+    from monarch.actor import ValueMesh  # a mesh's replies (a tensor's `.values` is not that)
+
+    if isinstance(value, ValueMesh):
         for item in value.values():
             if isinstance(item, RaisedInEndpoint):
                 raise item.exception()

@@ -40,6 +40,10 @@ class EchoActor(ForgeActor):
         return self.tag, os.getpid(), value
 
     @endpoint
+    async def identity(self, value: object) -> object:
+        return value
+
+    @endpoint
     async def info(self) -> dict:
         return {"pid": os.getpid(), "calls": self.calls, "setup_done": self.setup_done, "env": dict(os.environ)}
 

@@ -53,5 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(to_yaml(cfg), flush=True)
     from apps.grpo.main import run  # torch, Monarch, TorchTitan
+    from forge.provisioner import configure_hosts
 
+    try:
+        configure_hosts(cfg.hosts)  # before anything starts Monarch: reachable agents, the tcp transport
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return run(cfg, resume)

@@ -20,6 +20,7 @@ from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
 from actors.weight_canary import CanaryConfig
+from forge.hosts import HostsConfig
 from forge.loss_rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
 from forge.tasks import load_callable
@@ -118,6 +119,7 @@ class GRPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # weight-sync check (actors/weight_canary.py)
+    hosts: HostsConfig = field(default_factory=HostsConfig)  # several hosts (forge/hosts.py); empty: this one
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -147,6 +149,7 @@ class GRPOConfig:
                 f"trainer.temperature={self.trainer.temperature}: must equal rollout.temperature="
                 f"{self.rollout.temperature} (log-probs are compared at the sampling temperature)"
             )
+        self.hosts.validate("hosts")  # its agents' reachability is checked when the job starts (apps/grpo/cli.py)
         check_advantage_normalization(self.trainer.loss, self.rollout.normalize_advantages, loss_field="trainer.loss",
                                       normalize_field="rollout.normalize_advantages")
         if self.trainer.max_steps < self.steps:

@@ -27,6 +27,19 @@ async def test_two_process_actor_gets_distributed_environment_and_setup():
         await ForgeActor.shutdown(actor)
 
 
+async def test_an_endpoint_may_return_a_bare_tensor():
+    """A reply is checked for reported failures; a tensor's own `.values` must not be taken for a mesh's."""
+    import torch
+
+    actor = await EchoActor.options(mesh_name="tensor").as_actor()
+    try:
+        assert torch.equal(await actor.identity.call_one(torch.arange(3.0)), torch.arange(3.0))
+        (only,) = (await actor.identity.call(torch.ones(2))).values()
+        assert torch.equal(only, torch.ones(2))
+    finally:
+        await ForgeActor.shutdown(actor)
+
+
 async def test_metrics_recorded_in_actors_are_reduced_by_the_controller():
     actor = await EchoActor.options(procs=2, mesh_name="metrics").as_actor()
     try:

@@ -68,6 +68,7 @@ def test_yaml_and_override_errors_answer_before_the_heavy_imports(args, message)
     ("task.reward=no_such_module:score", "cannot import module 'no_such_module'"),
     ("generator.engine=vllm ++generator.engine_args.max_model_length=256",
      "config error: generator.engine_args: unknown vLLM engine argument(s) ['max_model_length']"),
+    ("hosts.addresses=[hostA]", "config error: hosts.addresses[0]='hostA': must be an IP address"),
     ("trainer.tensor_parallel_degree=3", "config error: resources.trainer_procs=1: world_size=1: must be a multiple of "
                                          "tensor_parallel_degree=3"),  # the model's layout, checked last
 ])
