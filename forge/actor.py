@@ -43,6 +43,7 @@ class Placement:
     num_replicas: int = 1
     mesh_name: str | None = None
     routing: str = "round_robin"  # services only: "round_robin" or "least_loaded"
+    gpus_per_proc: int = 1  # with_gpus: GPUs each process sees (a tensor-parallel vLLM engine in one process)
 
     def __post_init__(self) -> None:
         if self.procs < 1:
@@ -51,6 +52,8 @@ class Placement:
             raise ValueError(f"num_replicas={self.num_replicas}: must be >= 1")
         if self.hosts is not None and self.hosts < 1:
             raise ValueError(f"hosts={self.hosts}: must be >= 1 (or None for this host)")
+        if self.gpus_per_proc < 1:
+            raise ValueError(f"gpus_per_proc={self.gpus_per_proc}: must be >= 1")
         if self.routing not in ("round_robin", "least_loaded"):
             raise ValueError(f"routing={self.routing!r}: must be 'round_robin' or 'least_loaded'")
 
@@ -95,9 +98,10 @@ class ForgeActor(Actor):
         num_replicas: int = 1,
         mesh_name: str | None = None,
         routing: str = "round_robin",
+        gpus_per_proc: int = 1,
     ) -> type[T]:
         """A copy of this class with its placement set; spawn it with `as_actor` or `as_service`."""
-        placement = Placement(procs, hosts, with_gpus, num_replicas, mesh_name, routing)
+        placement = Placement(procs, hosts, with_gpus, num_replicas, mesh_name, routing, gpus_per_proc)
         # Same module and qualname: spawned processes unpickle the original class; the placement
         # only matters here in the controller.
         return type(cls.__name__, (cls,), {"placement": placement, "__qualname__": cls.__qualname__, "__module__": cls.__module__})
@@ -119,6 +123,7 @@ class ForgeActor(Actor):
             cls.placement.procs,
             hosts=cls.placement.hosts,
             with_gpus=cls.placement.with_gpus,
+            gpus_per_proc=cls.placement.gpus_per_proc,
             mesh_name=cls.placement.mesh_name or cls.__name__.lower(),
         )
         return await cls._spawn_on(mesh, args, kwargs)

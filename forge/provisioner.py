@@ -166,6 +166,7 @@ class Provisioner:
         *,
         hosts: int | None = None,
         with_gpus: bool = False,
+        gpus_per_proc: int = 1,
         mesh_name: str | None = None,
         env: dict[str, str] | None = None,
         on_failure: Callable[[MeshFailure], None] | None = None,
@@ -188,16 +189,18 @@ class Provisioner:
                 )
             if hosts > len(self.host_mesh.region.slice()):
                 raise ValueError(f"hosts={hosts}: the configured host mesh has {len(self.host_mesh.region.slice())} hosts")
-        if with_gpus and procs > len(self._free_gpus):
+        if with_gpus and procs * gpus_per_proc > len(self._free_gpus):
             raise ValueError(
-                f"mesh {mesh_name or 'anon'!r} asks for {procs} GPUs (with_gpus=True, procs={procs}) but only "
-                f"{len(self._free_gpus)} of {len(self.gpus)} GPUs on this host are free: {self._free_gpus}"
+                f"mesh {mesh_name or 'anon'!r} asks for {procs * gpus_per_proc} GPUs (with_gpus=True, procs={procs}, "
+                f"gpus_per_proc={gpus_per_proc}) but only {len(self._free_gpus)} of {len(self.gpus)} GPUs on this "
+                f"host are free: {self._free_gpus}"
             )
         name = f"{mesh_name or 'mesh'}-{next(self._names)}"
         async with self.busy(f"spawning mesh {name!r}"):
             # Shielded: a caller that is cancelled (a service stopping a restart) does not abort Monarch's
             # spawn half-way; the mesh is registered anyway, and shutdown stops it.
-            mesh = await asyncio.shield(self._spawn(name, procs, with_gpus, env, on_failure, placement))
+            mesh = await asyncio.shield(self._spawn(name, procs, gpus_per_proc if with_gpus else 0, env, on_failure,
+                                                    placement))
             if not mesh.local:
                 for index in placement:
                     await asyncio.shield(self._watch_host(index))
@@ -223,11 +226,10 @@ class Provisioner:
             self.hosts.check_capacity(used, host, procs, f"mesh {role!r}")
         return chosen
 
-    async def _spawn(self, name: str, procs: int, with_gpus: bool, env: dict[str, str] | None,
+    async def _spawn(self, name: str, procs: int, gpus_per_proc: int, env: dict[str, str] | None,
                      on_failure: Callable[[MeshFailure], None] | None, placement: list[int]) -> ProvisionedMesh:
-        gpus: list[int] = []
-        if with_gpus:
-            gpus, self._free_gpus = self._free_gpus[:procs], self._free_gpus[procs:]
+        gpus = self._free_gpus[: procs * gpus_per_proc]
+        self._free_gpus = self._free_gpus[procs * gpus_per_proc :]
         if placement:
             host = self.host_mesh.slice(hosts=slice(placement[0], placement[-1] + 1))
         else:
@@ -248,9 +250,12 @@ class Provisioner:
                 "FORGE_JOB_ID": weight_store.job_id(),
                 **(env or {}),
             }
-            # Ranks run host by host, `procs` on each. Each process sees only its own GPU, always as cuda:0.
+            # Ranks run host by host, `procs` on each. Each process sees only its own GPUs, from cuda:0 on.
+            def visible(local_rank: int) -> str:
+                return ",".join(map(str, gpus[local_rank * gpus_per_proc : (local_rank + 1) * gpus_per_proc]))
+
             per_rank = [{"RANK": str(rank), "LOCAL_RANK": str(rank % procs), "LOCAL_WORLD_SIZE": str(procs),
-                         "CUDA_VISIBLE_DEVICES": str(gpus[rank % procs]) if gpus else ""} for rank in range(len(found))]
+                         "CUDA_VISIBLE_DEVICES": visible(rank % procs)} for rank in range(len(found))]
             await agents.set_environment.call(shared, per_rank)
         except BaseException:
             self._free_gpus = sorted(self._free_gpus + gpus)

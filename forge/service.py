@@ -98,6 +98,7 @@ class Service:
             self.placement.procs,
             hosts=self.placement.hosts,
             with_gpus=self.placement.with_gpus,
+            gpus_per_proc=self.placement.gpus_per_proc,
             mesh_name=f"{self.name}-r{index}",
             role=self.name,  # with a `hosts` config: replicas take the role's hosts in turn
             replica=index,

@@ -121,6 +121,11 @@ class GRPOConfig:
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # weight-sync check (actors/weight_canary.py)
     hosts: HostsConfig = field(default_factory=HostsConfig)  # several hosts (forge/hosts.py); empty: this one
 
+    @property
+    def generator_gpus_per_proc(self) -> int:
+        """GPUs each generator process gets: a tensor-parallel vLLM engine's size, else one."""
+        return self.generator.engine_args.get("tensor_parallel_size", 1) if self.generator.engine == "vllm" else 1
+
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: must be >= 1")
@@ -200,17 +205,20 @@ def check_model_layout(cfg: GRPOConfig) -> None:
 
 
 def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:
-    # One vLLM engine per replica process, and forge gives each process one GPU (resources.with_gpus): a
-    # replica of several processes would be several independent engines, and a tensor-parallel engine would
-    # find one GPU. Multi-GPU replicas need placement work that has not been built or run on a GPU yet.
+    # One vLLM engine per replica, in one process; a tensor-parallel engine gets tensor_parallel_size GPUs in
+    # that process (forge.provisioner's gpus_per_proc) and starts its own workers on them.
     if cfg.resources.generator_procs != 1:
         raise ValueError(f"resources.generator_procs={cfg.resources.generator_procs}: must be 1 with "
-                         "generator.engine='vllm' (one engine per replica); scale with resources.generator_replicas")
+                         "generator.engine='vllm' (one engine per replica; its GPUs come from "
+                         "generator.engine_args.tensor_parallel_size); scale with resources.generator_replicas")
     tp = cfg.generator.engine_args.get("tensor_parallel_size", 1)
-    if tp != 1:
-        raise ValueError(f"generator.engine_args.tensor_parallel_size={tp}: must be 1: each generator process is "
-                         "given one GPU, so a vLLM replica cannot span several yet; scale with "
-                         "resources.generator_replicas")
+    if tp != 1 and not cfg.resources.with_gpus:
+        raise ValueError(f"generator.engine_args.tensor_parallel_size={tp}: needs resources.with_gpus=true (the "
+                         "replica's process is given that many GPUs)")
+    heads = hf_config.get("num_attention_heads")
+    if heads and heads % tp:
+        raise ValueError(f"generator.engine_args.tensor_parallel_size={tp}: must divide config.json "
+                         f"num_attention_heads={heads} (vLLM shards whole heads)")
     max_model_len = cfg.generator.engine_args.get("max_model_len")
     positions = hf_config.get("max_position_embeddings")
     if max_model_len is not None and positions is not None and max_model_len > positions:

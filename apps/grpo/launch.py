@@ -76,7 +76,7 @@ async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
             trainer_cfg, weight_namespace=WEIGHTS),
         ReplayBufferActor.options(mesh_name="replay_buffer").as_actor(cfg.replay_buffer),
         Generator.options(num_replicas=r.generator_replicas, procs=r.generator_procs, with_gpus=r.with_gpus,
-                          mesh_name="generator").as_service(replace(cfg.generator, model=model_path,
+                          gpus_per_proc=cfg.generator_gpus_per_proc, mesh_name="generator").as_service(replace(cfg.generator, model=model_path,
                                                                     weight_namespace=WEIGHTS)),
     ]
     if cfg.reference.enabled:

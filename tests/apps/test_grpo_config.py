@@ -72,9 +72,12 @@ LAYOUT_REFUSALS = [
     (QWEN3_8B, "trainer.tensor_parallel_degree=2", r"resources.trainer_procs=3: world_size=3: must be a multiple of "
                                                    r"tensor_parallel_degree=2"),
     (QWEN3_8B, "resources.generator_procs=2",
-     r"resources.generator_procs=2: must be 1 with generator.engine='vllm' \(one engine per replica\)"),
-    (QWEN3_8B, "+generator.engine_args.tensor_parallel_size=2",
-     r"generator.engine_args.tensor_parallel_size=2: must be 1: each generator process is given one GPU"),
+     r"resources.generator_procs=2: must be 1 with generator.engine='vllm' \(one engine per replica; its GPUs come "
+     r"from generator.engine_args.tensor_parallel_size\)"),
+    (QWEN3_8B, "+generator.engine_args.tensor_parallel_size=3",
+     r"generator.engine_args.tensor_parallel_size=3: must divide config.json num_attention_heads=32"),
+    (QWEN3_8B, "+generator.engine_args.tensor_parallel_size=2 resources.with_gpus=false",
+     r"generator.engine_args.tensor_parallel_size=2: needs resources.with_gpus=true"),
     (QWEN3_8B, "generator.engine_args.max_model_len=50000",
      r"generator.engine_args.max_model_len=50000: must be <= the model's max_position_embeddings=40960"),
     (QWEN3_1_7B, "rollout.max_tokens=2048",
@@ -87,7 +90,7 @@ LAYOUT_REFUSALS = [
 @pytest.mark.parametrize("path,override,message", LAYOUT_REFUSALS, ids=[f"{p.stem}:{o}" for p, o, _ in LAYOUT_REFUSALS])
 def test_layout_is_checked_against_the_models_config_json(path, override, message, real_models):
     with pytest.raises(ConfigError, match=message):
-        load_with_real_model(path, real_models, override)
+        load_with_real_model(path, real_models, *override.split())
 
 
 def test_layouts_the_model_allows_are_accepted(real_models):
@@ -172,6 +175,13 @@ def test_gsm8k_job_asks_in_the_models_chat_template_and_stops_at_its_end_of_turn
 def test_gpu_layouts_need_their_gpus(real_models):
     cfg = validate(load_config(QWEN3_8B, [f"model={real_models['Qwen/Qwen3-8B']}"]), GRPOConfig)
     with pytest.raises(ConfigError, match=r"the layout needs 8 GPUs .* but 0 are visible"):
+        check_resources(cfg)
+    # A tensor-parallel vLLM replica: one process with tensor_parallel_size GPUs (forge.provisioner gpus_per_proc).
+    cfg = load_with_real_model(QWEN3_8B, real_models, "resources.generator_replicas=4",
+                               "+generator.engine_args.tensor_parallel_size=2")
+    assert cfg.generator_gpus_per_proc == 2
+    with pytest.raises(ConfigError, match=r"needs 12 GPUs \(generator_replicas=4 x generator_procs=1 x "
+                                          r"tensor_parallel_size=2 \+ trainer_procs=3 \+ reference_procs=1\)"):
         check_resources(cfg)
 
 

@@ -71,6 +71,22 @@ async def test_asking_for_more_gpus_than_exist_fails_before_spawning():
     assert set(p.pid for p in psutil.Process().children(recursive=True)) <= before
 
 
+async def test_each_process_sees_its_own_set_of_gpus():
+    """What a tensor-parallel vLLM replica needs: one process, several GPUs (ids set up, not used, on CPU)."""
+    provisioner = Provisioner(gpus=[0, 1, 2, 3, 4])
+    try:
+        mesh = await provisioner.get_proc_mesh(2, with_gpus=True, gpus_per_proc=2, mesh_name="tp")
+        echo = mesh.procs.spawn("echo", EchoActor)
+        envs = sorted((i["env"] for i in (await echo.info.call()).values()), key=lambda e: e["RANK"])
+        assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
+        assert mesh.gpus == [0, 1, 2, 3] and provisioner._free_gpus == [4]
+        with pytest.raises(ValueError, match=r"asks for 2 GPUs \(with_gpus=True, procs=1, gpus_per_proc=2\) but only 1"):
+            await provisioner.get_proc_mesh(1, with_gpus=True, gpus_per_proc=2, mesh_name="tp2")
+    finally:
+        await provisioner.shutdown()
+    assert provisioner._free_gpus == [0, 1, 2, 3, 4]  # given back
+
+
 async def test_multi_host_request_without_host_mesh_is_refused():
     with pytest.raises(ValueError, match=r"hosts=2: more than one host needs a Monarch host mesh"):
         await Provisioner(gpus=[]).get_proc_mesh(1, hosts=2)
