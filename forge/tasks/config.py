@@ -38,12 +38,9 @@ class TaskConfig:
                              "(or a reasoning-gym dataset with source: reasoning_gym)")
         if self.options and self.source != "reasoning_gym":
             raise ValueError(f"options={self.options!r}: only reasoning_gym tasks take options")
-        if self.size < 1:
-            raise ValueError(f"size={self.size}: must be >= 1")
-        if self.num_digits < 1:
-            raise ValueError(f"num_digits={self.num_digits}: must be >= 1")
-        if self.held_out < 1:
-            raise ValueError(f"held_out={self.held_out}: must be >= 1")
+        for name in ("size", "num_digits", "held_out"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.reward is not None and ":" not in self.reward:
             raise ValueError(f"reward={self.reward!r}: must be 'package.module:function'")
         if self.reward_timeout_s <= 0:
