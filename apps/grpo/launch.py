@@ -87,7 +87,7 @@ async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
                                              mesh_name="reference").as_actor(ref_cfg))
     trainer, buffer, generators, *reference = await asyncio.gather(*spawns)
     for mesh in provisioner.meshes.values():  # which process is which, for ps/top/py-spy and fault reports
-        print(f"provisioned mesh {mesh.name}: {len(mesh.processes)} procs (pids {', '.join(map(str, mesh.processes))})"
+        print(f"provisioned mesh {mesh.name}: {len(mesh.processes)} procs (pids [{', '.join(map(str, mesh.processes))}])"
               f"{f', gpus {mesh.gpus}' if mesh.gpus else ''}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
