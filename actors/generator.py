@@ -87,9 +87,8 @@ class Generator(ForgeActor):
     async def score(self, prompt_ids: list[int], token_ids: list[int], policy_version: int) -> tuple[list[float], int]:
         """Teacher-forced log-probs of `token_ids` after `prompt_ids` (temperature 1, full vocabulary) with exactly
         `policy_version` loaded, and the version scored: the weight-sync canary's generator side."""
-        if self.engine.policy_version != policy_version:
-            await self._load(policy_version, stage=False)
-        return await asyncio.to_thread(self.engine.score, prompt_ids, token_ids)
+        await self._ensure_version(policy_version)  # a version already prefetched (staged) is not fetched again
+        return await asyncio.to_thread(self.engine.score, prompt_ids, token_ids)  # applies staged weights first
 
     @endpoint
     async def policy_version(self) -> int:

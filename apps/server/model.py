@@ -1,4 +1,4 @@
-"""The served model: `tiny` resolved to forge's built checkpoint, warm-started the way apps.grpo does it.
+"""The served model: forge's tiny checkpoint warm-started the way apps.grpo does it, and its tokenizer's facts.
 
 Shared by the training service and the online-RL gateway.
 """
