@@ -8,6 +8,12 @@ Kept sets. With top-k / top-p the behaviour policy is the truncated, renormalise
 token then carries the ids of the tokens its sampling step kept (`kept_token_ids`: int32, one row per token,
 padded with -1; at most `forge.sampling.MAX_KEPT_TOKENS` per row) and the trainer renormalises over exactly
 those (`actors.logprobs.token_logprobs`). A row of only -1 means the full vocabulary; None means that everywhere.
+
+Multi-turn episodes. An episode of several turns keeps the exact token sequence the model saw and produced:
+`prompt_ids` is the first prompt, `completion_ids` everything after it (the model's tokens and, between its turns,
+the environment's observation tokens, appended by id). `completion_mask` is 1 on the model's tokens and 0 on the
+environment's; those carry log-prob 0 and policy version -1, and `TrainBatch.response_mask` is 0 there, so every
+loss scores the model's tokens only.
 """
 
 from __future__ import annotations
@@ -55,10 +61,13 @@ class Episode:
     ref_logprobs: list[float] | None = None
     # [len(completion_ids), K] int32, -1 padded (see Completion); left out of `==` like there.
     kept_token_ids: torch.Tensor | None = field(default=None, compare=False)
+    # Multi-turn: 1 where completion_ids[i] is the model's, 0 where the environment's; None: all the model's.
+    completion_mask: list[int] | None = None
 
     @property
     def oldest_policy_version(self) -> int:
-        return min(self.policy_versions) if self.policy_versions else -1
+        """The oldest version among the model's tokens (environment tokens carry -1 and no version)."""
+        return min((v for v in self.policy_versions if v >= 0), default=-1)
 
     @classmethod
     def from_completion(
@@ -124,10 +133,16 @@ class TrainBatch:
         kept = _kept_token_ids(episodes, length - 1)
         for row, e in enumerate(episodes):
             p, c = len(e.prompt_ids), len(e.completion_ids)
+            for name in ("behaviour_logprobs", "policy_versions", "completion_mask"):
+                values = getattr(e, name)
+                if values is not None and len(values) != c:
+                    raise ValueError(f"Episode {e.episode_id}: {name} has {len(values)} entries; must have one per "
+                                     f"completion token ({c})")
             input_ids[row, : p + c] = torch.tensor(e.prompt_ids + e.completion_ids, dtype=torch.long)
             # Target token p+i (the i-th generated one) is predicted at position p+i-1.
             span = slice(p - 1, p - 1 + c)
-            response_mask[row, span] = 1.0
+            response_mask[row, span] = 1.0 if e.completion_mask is None else torch.tensor(e.completion_mask,
+                                                                                         dtype=torch.float32)
             behaviour[row, span] = torch.tensor(e.behaviour_logprobs, dtype=torch.float32)
             versions[row, span] = torch.tensor(e.policy_versions, dtype=torch.long)
             if ref is not None:

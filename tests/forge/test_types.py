@@ -63,3 +63,24 @@ def test_a_target_outside_its_kept_set_is_an_error():
         token_logprobs(torch.zeros(2, 1, 8), torch.tensor([[4], [4]]), 1.0, kept)
     with pytest.raises(ValueError, match=r"kept_token_ids: shape \(2, 2\); must be \[\*targets.shape, K\]"):
         token_logprobs(torch.zeros(2, 1, 8), torch.tensor([[4], [4]]), 1.0, kept[:, 0])
+
+
+def test_a_multi_turn_episode_trains_on_the_model_tokens_only():
+    # prompt [1, 2] | model [3, 4] | environment [5, 6] | model [7]: positions predict the next token.
+    episode = Episode(episode_id=1, group_id=0, prompt_ids=[1, 2], completion_ids=[3, 4, 5, 6, 7],
+                      behaviour_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3], policy_versions=[4, 5, -1, -1, 5],
+                      reward=1.0, completion_mask=[1, 1, 0, 0, 1])
+    batch = TrainBatch.from_episodes([episode], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    assert batch.response_mask.tolist() == [[0, 1, 1, 0, 0, 1]]
+    assert batch.behaviour_logprobs[0].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0, -0.3])
+    assert batch.policy_versions.tolist() == [[-1, 4, 5, -1, -1, 5]]
+    assert episode.oldest_policy_version == 4  # the environment's -1 is no version
+
+
+def test_a_completion_mask_of_the_wrong_length_is_refused():
+    episode = Episode(episode_id=3, group_id=0, prompt_ids=[1], completion_ids=[2, 3], behaviour_logprobs=[0.0, 0.0],
+                      policy_versions=[0, 0], reward=0.0, completion_mask=[1])
+    with pytest.raises(ValueError, match=r"Episode 3: completion_mask has 1 entries; must have one per completion "
+                                         r"token \(2\)"):
+        TrainBatch.from_episodes([episode], pad_id=0)
