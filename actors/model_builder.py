@@ -23,6 +23,8 @@ from torchtitan.protocols import BaseModelArgs, BaseStateDictAdapter
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.utils import set_default_dtype
 
+from actors import lora as lora_layers
+from actors.lora_config import LoRAConfig
 from actors.model_config import is_int
 from actors.model_layout import check_hf_config, check_parallel_layout
 
@@ -101,14 +103,21 @@ def build_model(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     init_checkpoint: str | None = None,
+    lora: LoRAConfig | None = None,
+    lora_seed: int = 0,
 ) -> tuple[nn.Module, BaseModelArgs, BaseStateDictAdapter]:
     """The family's torchtitan model for a checkpoint: built on meta, parallelized (FSDP2, TP) when there is
-    more than one rank, materialized on `device`, and loaded from the HF safetensors (or `init_checkpoint`)."""
+    more than one rank, materialized on `device`, and loaded from the HF safetensors (or `init_checkpoint`).
+    With `lora`, peft's LoRA layers wrap the targeted linear layers first (so FSDP shards the adapters with
+    their blocks); the base is loaded as above and frozen, the adapters start at peft's initialization."""
     hf_config = json.loads((model_path / "config.json").read_text())
     model_args = model_args_from_hf(family, hf_config)
     spec = get_train_spec(family)
+    adapter = spec.state_dict_adapter(model_args, None)
     with torch.device("meta"), set_default_dtype(param_dtype):
         model = spec.model_cls(model_args)
+        if lora is not None:
+            lora_layers.inject(model, lora, lora_layers.titan_targets(lora, adapter))
     tied = getattr(model_args, "enable_weight_tying", False)
     check_parallel_layout(hf_config, parallel_dims.world_size, parallel_dims.tp)
     if parallel_dims.world_size > 1 and not dist.is_initialized():
@@ -127,8 +136,10 @@ def build_model(
             model.output.weight = model.tok_embeddings.weight
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # only to materialize buffers; the weights are loaded next
-    adapter = spec.state_dict_adapter(model_args, None)
-    model_state = get_model_state_dict(model)
+    # The base weights under the names of the model without adapters (what checkpoints and the adapter use).
+    live = get_model_state_dict(model)
+    model_names = {lora_layers.base_key(k): k for k in live if not lora_layers.is_adapter_key(k)}
+    model_state = {base: live[name] for base, name in model_names.items()}
     # One rank reads alone even when the process has a process group (for other work) of several ranks.
     no_dist = parallel_dims.world_size == 1
     if init_checkpoint is not None:  # torchtitan's layout: the model's keys at the top level
@@ -139,5 +150,8 @@ def build_model(
         dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(str(model_path)), no_dist=no_dist)
         model_state = adapter.from_hf(hf_state)
     # dcp.load wrote into the parameters unless the adapter made copies (llama3 permutes q and k): copy back.
-    set_model_state_dict(model, model_state, options=StateDictOptions(strict=False))
+    set_model_state_dict(model, {model_names[k]: v for k, v in model_state.items()},
+                         options=StateDictOptions(strict=False))
+    if lora is not None:
+        lora_layers.init_adapters(model, lora_seed)
     return model, model_args, adapter

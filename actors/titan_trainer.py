@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as titan_dist
 from torchtitan.protocols.train_spec import get_train_spec
 
-from actors import checkpoint
+from actors import checkpoint, lora
 from actors.logprobs import check_input_ids, score_rows, token_entropy, token_logprobs
 from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import TrainerConfig
@@ -87,9 +87,10 @@ class TitanTrainer:
         self._set_optimizer_config(job)
         self.model, self.model_args, self.adapter = build_model(
             self.model_path, config.family, device=self.device, param_dtype=torch.float32,
-            parallel_dims=self.parallel_dims, job_config=job, init_checkpoint=config.init_checkpoint)
+            parallel_dims=self.parallel_dims, job_config=job, init_checkpoint=config.init_checkpoint, lora=config.lora)
         self.model.train()
         spec = get_train_spec(config.family)
+        # torchtitan's optimizers take the parameters that require grad: with LoRA, the adapters alone.
         self.optimizers = spec.build_optimizers_fn([self.model], job.optimizer, self.parallel_dims)
         self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job.lr_scheduler, job.training.steps)
         self.train_state = TrainState()
@@ -264,8 +265,13 @@ class TitanTrainer:
     def hf_state_dict_shards(self) -> dict[str, torch.Tensor]:
         """The live parameters in HF names without a copy: DTensors (this rank's shard and its placement)
         under FSDP/TP, plain tensors on one rank. Cheap for qwen3, whose names map one to one; llama3's
-        adapter permutes q and k, which redistributes those DTensors (a collective)."""
+        adapter permutes q and k, which redistributes those DTensors (a collective).
+
+        With LoRA, what a version publishes: the adapter alone in peft's HF names, B multiplied by alpha / rank
+        (a copy of B), so an engine merges `W + B @ A` knowing nothing of the LoRA config."""
         state = get_model_state_dict(self.model)
+        if self.config.lora is not None:
+            return lora.to_peft_names(lora.adapter_state(state), self.adapter, scaling=self.config.lora.scaling)
         if getattr(self.model_args, "enable_weight_tying", False):
             state.pop("output.weight")  # shares the embedding's storage; HF checkpoints leave lm_head out too
         return self.adapter.to_hf(state)
@@ -273,18 +279,23 @@ class TitanTrainer:
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A snapshot of the full weights in HF names, cast to `dtype` (shard by shard, before gathering) when
         given, on rank 0; the other ranks get an empty dict. Under FSDP/TP a collective: call it on every rank."""
-        full = {}
-        for name, shard in self.hf_state_dict_shards().items():
-            tensor = gather_to_rank0(shard.detach().to(dtype or shard.dtype, copy=True))
-            if tensor is not None:
-                full[name] = tensor
-        return full
+        return _gathered(self.hf_state_dict_shards(), dtype)
 
     def export_hf(self, path: str | os.PathLike) -> str:
         """Write a HF checkpoint folder that transformers loads: config.json and tokenizer files from the
-        source checkpoint, model.safetensors in the source's dtype. Call on every rank; rank 0 writes."""
-        state = self.hf_state_dict(checkpoint.source_dtype(self.model_path))
-        return checkpoint.export_hf(state, self.model_path, Path(path), rank=self.rank, world_size=self.world_size)
+        source checkpoint, model.safetensors in the source's dtype. With LoRA, a peft adapter folder instead
+        (adapter_config.json, adapter_model.safetensors) that `PeftModel.from_pretrained(base, path)` loads.
+        Call on every rank; rank 0 writes."""
+        dtype = checkpoint.source_dtype(self.model_path)
+        if self.config.lora is None:
+            state = self.hf_state_dict(dtype)
+            return checkpoint.export_hf(state, self.model_path, Path(path), rank=self.rank, world_size=self.world_size)
+        adapter = _gathered(lora.to_peft_names(lora.adapter_state(get_model_state_dict(self.model)), self.adapter), dtype)
+        if self.rank == 0:
+            lora.export_peft(adapter, self.config.lora, str(self.model_path), Path(path))
+        if self.world_size > 1:
+            torch.distributed.barrier()
+        return str(path)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -292,7 +303,11 @@ class TitanTrainer:
         # torchtitan's CheckpointManager layout: model keys at the top level, then the stateful parts.
         # Fresh each time: FSDP re-allocates unevenly sharded parameters at its first forward pass, so a
         # state dict taken earlier (torchtitan's ModelWrapper caches one) can hold stale shards.
-        return {**get_model_state_dict(self.model), "optimizer": self.optimizers,
+        # With LoRA the base is the frozen source checkpoint: only the adapters are saved.
+        model = get_model_state_dict(self.model)
+        if self.config.lora is not None:
+            model = lora.adapter_state(model)
+        return {**model, "optimizer": self.optimizers,
                 "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
 
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> str:
@@ -311,4 +326,15 @@ class TitanTrainer:
         Raises FileNotFoundError for an incomplete folder and RuntimeError for a corrupt one."""
         states = self._checkpoint_states()
         checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
-        set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS})
+        set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS},
+                             options=StateDictOptions(strict=self.config.lora is None))
+
+
+def _gathered(shards: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Full tensors on rank 0 (cast shard by shard to `dtype` first, when given); {} on the other ranks."""
+    full = {}
+    for name, shard in shards.items():
+        tensor = gather_to_rank0(shard.detach().to(dtype or shard.dtype, copy=True))
+        if tensor is not None:
+            full[name] = tensor
+    return full

@@ -6,6 +6,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.lora_config import LoRAConfig, check_lora_for_model, local_hf_config
 from actors.model_config import ModelConfig, is_int, is_number, require_field
 from forge.loss_rules import HYPERPARAM_RULES, LOSS_NAMES, SUPPLIED_BY_TRAINER, check_hyperparams, check_loss_name, \
     loss_hyperparams
@@ -36,6 +37,8 @@ class TrainerConfig(ModelConfig):
     torch_threads: int = 0  # CPU threads per trainer process on device=cpu (0 = torch's default, one per core)
     # The dtype published weights are cast to: the generator's (apps set it from generator.dtype). None: `dtype`.
     publish_dtype: str | None = None
+    # Train low-rank adapters on a frozen base (None: full fine-tuning); publishes and exports the adapter only.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,6 +70,13 @@ class TrainerConfig(ModelConfig):
         self.publish_dtype = self.publish_dtype or self.dtype
         require_field(self, "loss_params", isinstance(self.loss_params, dict), "a dict of the loss's hyperparameters")
         _check_loss(self.loss, self.loss_params)
+        if isinstance(self.lora, dict):
+            self.lora = LoRAConfig(**self.lora)
+        require_field(self, "lora", self.lora is None or isinstance(self.lora, LoRAConfig),
+                      "None or {rank, alpha, dropout, target_modules}")
+        if self.lora is not None:
+            check_lora_for_model(self.lora, self.family, local_hf_config(self.model_path), field_prefix="TrainerConfig.lora",
+                                 tensor_parallel_degree=self.tensor_parallel_degree)
 
 
 def _check_loss(loss: Any, loss_params: dict[str, Any]) -> None:

@@ -12,6 +12,11 @@ steps"): the sequences in flight continue with the new weights on top of a KV ca
 wrote. That mix is deliberate (PipelineRL-style in-flight updates) and visible: every token records the
 policy version whose weights produced it (`Completion.policy_versions`), so the trainer can reject or
 importance-correct exactly. No single forward pass ever mixes two versions' weights.
+
+LoRA versions. A LoRA trainer publishes only its adapter (`actors/engines/lora_weights.py`). The engine keeps
+the base weights of the adapted layers the first time one arrives and sets each to `base + B @ A` at the swap,
+a new tensor computed from the kept base: version after version, the weights are always one merge away from
+the base, never an accumulation of merges. A full-weight version replaces the base.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from actors.engines import lora_weights
 from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.types import Completion, SamplingParams
 
@@ -61,6 +67,7 @@ class HFEngine:
         self._generator = torch.Generator(self.device).manual_seed(seed)
 
         self._targets = self.model.state_dict(keep_vars=True)
+        self._lora_base: dict[str, torch.Tensor] = {}  # adapted layers' base weights, kept from the first adapter
         _, self._required = hf_weight_specs(self.model)  # tied weights: either of their names loads them
 
         self._version = 0
@@ -98,6 +105,10 @@ class HFEngine:
                 self._weights_lock.release()
 
     def _validate(self, state_dict: dict[str, torch.Tensor], version: int, caller: str) -> None:
+        if lora_weights.is_adapter(state_dict):
+            lora_weights.check_adapter(state_dict, version, self.parameter_specs(), f"HFEngine.{caller}",
+                                       current_version=self._version)
+            return
         check_state_dict(state_dict, version, self.parameter_specs(), self._required, f"HFEngine.{caller}",
                          current_version=self._version)
 
@@ -105,6 +116,10 @@ class HFEngine:
         """Caller holds the weights lock. Tensors that already have the parameter's dtype, device and layout
         are taken over by pointer (the engine owns them from now on): the swap then costs microseconds, not
         a copy of the whole model under the lock. Others are copied."""
+        if lora_weights.is_adapter(state_dict):
+            self._merge_adapter(state_dict, version)
+            return
+        self._lora_base.clear()  # full weights: the new base
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 target = self._targets[name]
@@ -112,6 +127,17 @@ class HFEngine:
                     target.data = tensor
                 else:
                     target.copy_(tensor)
+        self._version = version
+
+    def _merge_adapter(self, adapter: dict[str, torch.Tensor], version: int) -> None:
+        """Caller holds the weights lock. Every adapted layer becomes base + B @ A (a pointer swap to a new
+        tensor); a layer adapted before but not in this version returns to its base."""
+        pairs = lora_weights.adapter_pairs(adapter)
+        with torch.no_grad():
+            for name in pairs.keys() - self._lora_base.keys():
+                self._lora_base[name] = self._targets[name].detach().clone()
+            for name, base in self._lora_base.items():
+                self._targets[name].data = lora_weights.merged(base, *pairs[name]) if name in pairs else base.clone()
         self._version = version
 
     def _apply_staged(self) -> None:

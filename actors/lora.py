@@ -1,0 +1,111 @@
+"""LoRA on the trainer's torchtitan model, with peft's layers, and the adapter in Hugging Face / peft names.
+
+    targets = titan_targets(lora, state_dict_adapter)     # ["attention.wq", ...]: HF names mapped by the adapter
+    inject(model, lora, targets)                          # on the meta model, before FSDP: peft's LoRA layers
+    ...                                                   # load the base, then init_adapters(model, seed)
+    adapter_hf = to_peft_names(adapter_state(model), state_dict_adapter)   # {"model.layers.0...q_proj.lora_A.weight"}
+
+peft wraps each targeted linear layer in place: its weight moves to `<module>.base_layer.weight` and the
+adapter is `<module>.lora_A.default.weight` [rank, in] and `<module>.lora_B.default.weight` [out, rank];
+only those require grad. The Hugging Face <-> torchtitan name mapping is torchtitan's state-dict adapter
+(the one the full-weight export uses), applied to the adapted module's base weight name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import inject_adapter_in_model
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torchtitan.protocols import BaseStateDictAdapter
+
+from actors.lora_config import LoRAConfig
+
+ADAPTER_NAME = "default"  # peft's name for a model's only adapter
+PEFT_PREFIX = "base_model.model."  # what a PeftModel around a transformers model adds to its module names
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?:" + ADAPTER_NAME + r"\.)?weight$")
+
+
+def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
+    """The torchtitan module suffixes (e.g. "attention.wq") of the HF modules `lora.target_modules` names."""
+    targets = []
+    for name in lora.target_modules:
+        # One "{}" (the layer): a dense layer's module, not a mixture-of-experts' per-expert one.
+        matches = {titan for hf, titan in adapter.from_hf_map.items()
+                   if titan is not None and hf.endswith(f".{name}.weight") and hf.count("{}") == 1}
+        if len(matches) != 1:
+            raise ValueError(f"LoRA target {name!r}: torchtitan's state-dict adapter maps it to {sorted(matches)}; "
+                             "expected exactly one decoder-layer module")
+        targets.append(matches.pop().removeprefix("layers.{}.").removesuffix(".weight"))
+    return targets
+
+
+def peft_config(lora: LoRAConfig, target_modules: list[str], *, base_model: str | None = None) -> PeftLoraConfig:
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules,
+                          base_model_name_or_path=base_model)
+
+
+def inject(model: nn.Module, lora: LoRAConfig, targets: list[str]) -> None:
+    """Wrap the targeted linear layers in peft's LoRA layers; freeze everything but the adapters."""
+    inject_adapter_in_model(peft_config(lora, targets), model, adapter_name=ADAPTER_NAME)
+    for name, param in model.named_parameters():
+        param.requires_grad_(_LORA_KEY.match(name) is not None)
+
+
+def base_key(name: str) -> str:
+    """A model state-dict key as the model without adapters names it (peft moves weights under base_layer)."""
+    return name.replace(".base_layer.", ".")
+
+
+def is_adapter_key(name: str) -> bool:
+    return _LORA_KEY.match(name) is not None
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """peft's default initialization (A: nn.Linear's Kaiming-uniform, B: zero, so training starts at the base
+    model), drawn as full tensors from one seeded generator: every rank and every world size gets the same
+    adapters, then each keeps its shard."""
+    gen = torch.Generator().manual_seed(seed)
+    full = {}
+    for name, param in model.named_parameters():
+        match = _LORA_KEY.match(name)
+        if match is None:
+            continue
+        value = torch.zeros(param.shape, dtype=param.dtype)
+        if match["part"] == "lora_A":
+            nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
+        full[name] = value
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter entries of a model state dict (torchtitan names)."""
+    return {name: tensor for name, tensor in state.items() if is_adapter_key(name)}
+
+
+def to_peft_names(adapter: dict[str, torch.Tensor], state_dict_adapter: BaseStateDictAdapter,
+                  *, scaling: float = 1.0) -> dict[str, torch.Tensor]:
+    """torchtitan adapter entries -> `<hf module>.lora_A.weight` / `.lora_B.weight` (peft's saved names, without
+    PEFT_PREFIX). `scaling` multiplies B (a new tensor): published adapters carry alpha / rank inside B."""
+    out = {}
+    for name, tensor in adapter.items():
+        match = _LORA_KEY.match(name)
+        (hf_weight,) = state_dict_adapter.to_hf({f"{match['module']}.weight": tensor}).keys()
+        value = tensor * scaling if match["part"] == "lora_B" and scaling != 1.0 else tensor
+        out[f"{hf_weight.removesuffix('.weight')}.{match['part']}.weight"] = value
+    return out
+
+
+def export_peft(adapter_hf: dict[str, torch.Tensor], lora: LoRAConfig, base_model: str, path: Path) -> None:
+    """Write `path` as peft writes an adapter: adapter_config.json and adapter_model.safetensors."""
+    path.mkdir(parents=True, exist_ok=True)
+    peft_config(lora, list(lora.target_modules), base_model=base_model).save_pretrained(str(path))
+    save_file({PEFT_PREFIX + k: v.contiguous().cpu() for k, v in adapter_hf.items()},
+              str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
