@@ -49,16 +49,39 @@ def warm_start(
     max_tokens: int,
     log: Callable[[str], None] = log_now,
 ) -> tuple[Path, float]:
-    """Train on `train_problems(n)` until greedy accuracy on `eval_problems` reaches the target.
+    """Train on `train_problems(n)` (prompt -> answer + EOS) until greedy accuracy on `eval_problems` reaches the
+    target. Returns the saved checkpoint directory and the accuracy reached (see `train_until_accurate`)."""
+    return train_until_accurate(
+        model_dir, out_dir, cache_key={"eval": [tuple(p) for p in eval_problems[:20]]},
+        batch=lambda tokenizer, n: _teacher_forcing_batch(tokenizer, train_problems(n), tokenizer.eos_token_id),
+        accuracy=lambda model, tokenizer: greedy_accuracy(model, tokenizer, eval_problems, reward, max_tokens),
+        config=config, seed=seed, log=log, what=f"greedy accuracy on {len(eval_problems)} prompts")
+
+
+def train_until_accurate(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    cache_key: dict,
+    batch: Callable[[object, int], tuple[torch.Tensor, torch.Tensor]],
+    accuracy: Callable[[object, object], float],
+    config: WarmStartConfig,
+    seed: int,
+    log: Callable[[str], None] = log_now,
+    what: str = "greedy accuracy",
+) -> tuple[Path, float]:
+    """Supervised steps on `batch(tokenizer, config.batch_size)` (input ids, labels with -100 where nothing is
+    learned) until `accuracy(model, tokenizer)` reaches the target.
 
     Returns the saved checkpoint directory and the accuracy reached. A checkpoint made earlier with the
-    same inputs is reused. `log` gets what is happening as it happens: where the result is cached, then one
-    progress line per evaluation (a plain-text bar towards the target accuracy, elapsed and estimated time).
+    same model, seed, settings and `cache_key` is reused. `log` gets what is happening as it happens: where the
+    result is cached, then one progress line per evaluation (a plain-text bar towards the target accuracy, elapsed
+    and estimated time).
     """
     out_dir = Path(out_dir)
     key = hashlib.sha256(
-        json.dumps({"model": str(Path(model_dir).resolve()), "seed": seed, "config": asdict(config),
-                    "eval": [tuple(p) for p in eval_problems[:20]]}, sort_keys=True).encode()
+        json.dumps({"model": str(Path(model_dir).resolve()), "seed": seed, "config": asdict(config), **cache_key},
+                   sort_keys=True).encode()
     ).hexdigest()[:12]
     target = (out_dir / f"warm-{key}").resolve()
     if (target / "warm_start.json").exists():
@@ -69,22 +92,19 @@ def warm_start(
     log(f"warm start: none cached for this model, seed and settings; training one (cached in {target} for "
         f"later starts)")
     earlier = _earlier_durations(out_dir)
-    log(f"warm start: supervised steps of {config.batch_size} examples until greedy accuracy on "
-        f"{len(eval_problems)} prompts reaches {config.target_accuracy:.0%}, checked every {config.eval_every} steps "
-        f"(at most {config.max_steps} steps); "
+    log(f"warm start: supervised steps of {config.batch_size} examples until {what} reaches "
+        f"{config.target_accuracy:.0%}, checked every {config.eval_every} steps (at most {config.max_steps} steps); "
         + (f"earlier warm starts in {out_dir} took {min(earlier):.0f}-{max(earlier):.0f}s" if earlier
            else "a time estimate follows each check"))
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    eos = tokenizer.eos_token_id
     progress = Progress(config.target_accuracy, config.max_steps)
-    accuracy, step = 0.0, 0
+    reached, step = 0.0, 0
     for step in range(1, config.max_steps + 1):
         model.train()
-        problems = train_problems(config.batch_size)
-        input_ids, labels = _teacher_forcing_batch(tokenizer, problems, eos)
+        input_ids, labels = batch(tokenizer, config.batch_size)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -92,9 +112,9 @@ def warm_start(
         if step % config.eval_every == 0:
             model.eval()
             with torch.no_grad():
-                accuracy = greedy_accuracy(model, tokenizer, eval_problems, reward, max_tokens)
-            log(f"warm start {progress.line(step, accuracy)} | loss {loss.item():.3f}")
-            if accuracy >= config.target_accuracy:
+                reached = accuracy(model, tokenizer)
+            log(f"warm start {progress.line(step, reached)} | loss {loss.item():.3f}")
+            if reached >= config.target_accuracy:
                 break
     tmp = out_dir / f".warm-{key}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -103,13 +123,13 @@ def warm_start(
     for extra in ("generation_config.json",):
         if (Path(model_dir) / extra).exists() and not (tmp / extra).exists():
             shutil.copy(Path(model_dir) / extra, tmp / extra)
-    (tmp / "warm_start.json").write_text(json.dumps({"accuracy": accuracy, "steps": step,
+    (tmp / "warm_start.json").write_text(json.dumps({"accuracy": reached, "steps": step,
                                                      "seconds": round(progress.elapsed(), 1)}))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    log(f"warm start: {step} steps in {progress.elapsed():.0f}s, greedy accuracy {accuracy:.1%}; saved {target} "
+    log(f"warm start: {step} steps in {progress.elapsed():.0f}s, greedy accuracy {reached:.1%}; saved {target} "
         "(reused on later starts)")
-    return target, accuracy
+    return target, reached
 
 
 def _earlier_durations(out_dir: Path) -> list[float]:
@@ -163,8 +183,12 @@ def _teacher_forcing_batch(tokenizer, problems: list[Problem], eos: int) -> tupl
         answer = tokenizer.encode(p.answer) + [eos]
         rows.append(prompt + answer)
         label_rows.append([-100] * len(prompt) + answer)
+    return padded_batch(rows, label_rows, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+
+
+def padded_batch(rows: list[list[int]], label_rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and labels (-100 on the padding)."""
     length = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     input_ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
     labels = torch.tensor([r + [-100] * (length - len(r)) for r in label_rows])
     return input_ids, labels

@@ -13,13 +13,19 @@ __all__ = ["ArithmeticTask", "Problem", "TaskConfig", "load_callable", "make_tas
 
 def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
     """The task a config names. Every task has `sample_prompts(n, rng)`, `held_out()`, `reward(text, answer)`
-    and `stop_token_ids`; those that ask in a chat template read `model`'s tokenizer."""
+    and `stop_token_ids`; those that ask in a chat template read `model`'s tokenizer. A multi-turn task also has
+    `environment()`: a new environment (forge.environments) per episode."""
     if config.source == "forge" and config.name == "arithmetic":
         return ArithmeticTask(seed=seed, num_digits=config.num_digits, held_out=config.held_out,
                               reverse_answer=config.reverse_answer)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    if config.source == "forge" and config.name == "lookup":
+        from forge.tasks.lookup import LookupTask
+
+        return LookupTask(seed=seed, held_out=config.held_out, tokenizer=tokenizer, num_digits=config.num_digits,
+                          reverse_answer=config.reverse_answer)
     if config.source == "reasoning_gym":
         from forge.tasks.reasoning_gym import ReasoningGymTask
 

@@ -5,18 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FORGE_TASKS = ("arithmetic", "gsm8k")
+FORGE_TASKS = ("arithmetic", "gsm8k", "lookup")
 
 
 @dataclass
 class TaskConfig:
-    # "forge": a task of forge's own (`name`: arithmetic or gsm8k); "reasoning_gym": any reasoning-gym
-    # dataset by its name, with `options` passed to it and its own scorer as the reward.
+    # "forge": a task of forge's own (`name`: arithmetic, gsm8k, or lookup: multi-turn, forge/tasks/lookup.py);
+    # "reasoning_gym": any reasoning-gym dataset by its name, with `options` passed to it and its own scorer as the
+    # reward.
     source: Literal["forge", "reasoning_gym"] = "forge"
     name: str = "arithmetic"
     options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the dataset's config fields
     size: int = 10_000  # reasoning_gym: training problems generated (held-out ones come from another seed)
-    # arithmetic: the built-in task (problems generated from `seed`)
+    # arithmetic and lookup: built-in tasks (problems generated from `seed`)
     num_digits: int = 2
     reverse_answer: bool = False  # write answers least-significant digit first (learned much faster)
     held_out: int = 500

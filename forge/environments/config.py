@@ -1,0 +1,23 @@
+"""A multi-turn job's `environment` section: episode limits and isolation (plain Python: no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EnvironmentConfig:
+    max_turns: int = 4  # model turns per episode
+    max_total_tokens: int = 256  # prompt + model + environment tokens
+    step_timeout_s: float = 10.0  # per reset / step call of an environment
+    truncated_reward: float | None = 0.0  # a truncated episode's reward; None: what its environment gave so far
+    # Run the environments in their own actor process (forge.environments.actor): a crash or a blocking call
+    # there costs its episodes (counted in env/failures), never the job.
+    isolated: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.step_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s={self.step_timeout_s}: must be > 0")

@@ -1,0 +1,32 @@
+"""The environment protocol: what a multi-turn task implements (a tool is one too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+Observation = str | list[int]  # text (encoded once, by the rollout's tokenizer) or token ids (appended as they are)
+
+
+@dataclass
+class StepResult:
+    observation: Observation  # what the model reads next (ignored when done)
+    reward: float = 0.0  # the episode's reward is the sum of its steps' rewards
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's environment. The rollout calls `reset` once, then `step` with each model turn's text until
+    `done` or a limit (forge.environments.rollout.EpisodeLimits). Both are coroutines run under the step timeout:
+    an environment that blocks its thread cannot be timed out in-process; isolate it in an actor
+    (forge.environments.actor) so a hang or a crash costs its episodes only."""
+
+    async def reset(self, task: Any) -> Observation:
+        """Start an episode of `task` (one of the task's problems); returns the first prompt."""
+        ...
+
+    async def step(self, action: str) -> StepResult:
+        """The model's turn (its text, up to and including its stop token's text)."""
+        ...

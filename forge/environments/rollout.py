@@ -1,0 +1,132 @@
+"""Play a group of episodes against a generator, token in / token out.
+
+Each turn's prompt is the previous turn's exact token ids with the environment's observation appended by id
+(text observations are encoded on their own, once): nothing the model produced is ever decoded and re-encoded,
+so the trainer scores exactly the tokens the generator sampled. The group's active episodes go to the generator
+together, one call per turn, so a group of G episodes costs what one G-sample request did.
+
+An episode ends when its environment says done, when the model ends a turn with an end token (EOS: after the
+environment has scored that turn), at `max_turns` model turns or `max_total_tokens` tokens (truncated: reward
+`truncated_reward`), or when its environment fails (raises, or exceeds `step_timeout_s`: reward 0, counted in
+`env/failures`, each kind of failure printed once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import traceback
+from dataclasses import replace
+from typing import Any, Awaitable, Callable, Sequence
+
+from forge.environments.config import EnvironmentConfig
+from forge.environments.protocol import Environment, Observation, StepResult
+from forge.environments.trajectory import Trajectory
+from forge.metrics import record_metric
+from forge.types import Completion, SamplingParams
+
+# (prompts as token ids, params with n=1) -> one completion per prompt
+Generate = Callable[[list[list[int]], SamplingParams], Awaitable[list[Completion]]]
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment's reset failed: the episode has no prompt, so its group cannot be played."""
+
+
+async def run_episodes(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
+                       params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
+                       end_token_ids: Sequence[int] = ()) -> list[Trajectory]:
+    """One trajectory per environment, the i-th playing `tasks[i]` (a GRPO group: the same problem G times), all
+    played at once; `params.max_tokens` bounds each model turn."""
+    if len(tasks) != len(environments):
+        raise ValueError(f"run_episodes: {len(environments)} environments but {len(tasks)} tasks; one task each")
+    prompts = await asyncio.gather(*(_call(env.reset(task), limits, "reset") for env, task in zip(environments, tasks)))
+    for prompt in prompts:
+        if isinstance(prompt, BaseException):
+            raise EnvironmentFailure(f"an environment's reset failed: {prompt!r}") from prompt
+    trajectories = [Trajectory(prompt_ids=_ids(prompt, encode)) for prompt in prompts]
+    while active := [i for i, t in enumerate(trajectories) if t.end == "running"]:
+        completions = await _model_turns(generate, [trajectories[i] for i in active], params, limits)
+        stepping = []
+        for i, completion in zip(active, completions):
+            t = trajectories[i]
+            if completion is None:
+                t.end = "max_total_tokens"
+                continue
+            t.add_model_turn(completion)
+            if completion.finish_reason == "length" and len(t.ids) >= limits.max_total_tokens:
+                t.end = "max_total_tokens"
+            else:
+                stepping.append(i)
+        results = await asyncio.gather(*(_call(environments[i].step(trajectories[i].actions[-1]),
+                                               limits, "step") for i in stepping)) if stepping else []
+        for i, result in zip(stepping, results):
+            _advance(trajectories[i], result, limits, encode, end_token_ids)
+    _count(trajectories, limits)
+    return trajectories
+
+
+async def _model_turns(generate: Generate, trajectories: list[Trajectory], params: SamplingParams,
+                       limits: EnvironmentConfig) -> list[Completion | None]:
+    """The next model turn of each trajectory (None: no token budget left), one generate call per distinct budget."""
+    budgets = [min(params.max_tokens, limits.max_total_tokens - len(t.ids)) for t in trajectories]
+    out: list[Completion | None] = [None] * len(trajectories)
+    calls = {}
+    for budget in sorted({b for b in budgets if b > 0}):
+        rows = [i for i, b in enumerate(budgets) if b == budget]
+        calls[budget] = (rows, generate([trajectories[i].ids for i in rows], replace(params, n=1, max_tokens=budget)))
+    for rows, completions in zip([r for r, _ in calls.values()], await asyncio.gather(*(c for _, c in calls.values()))):
+        for i, completion in zip(rows, completions):
+            out[i] = completion
+    return out
+
+
+def _advance(t: Trajectory, result: StepResult | BaseException, limits: EnvironmentConfig,
+             encode: Callable[[str], list[int]], end_token_ids: Sequence[int]) -> None:
+    if isinstance(result, BaseException):
+        t.end, t.error = "environment_error", f"{type(result).__name__}: {result}"
+        return
+    t.reward += float(result.reward)
+    if result.done or (t.completion_ids and t.completion_ids[-1] in end_token_ids):
+        t.end = "done"
+    elif len(t.turns) >= limits.max_turns:
+        t.end = "max_turns"
+    else:
+        observation = _ids(result.observation, encode)
+        if len(t.ids) + len(observation) >= limits.max_total_tokens:
+            t.end = "max_total_tokens"  # no room left for a model token after it
+        else:
+            t.add_observation(observation)
+
+
+_reported: set[str] = set()
+
+
+async def _call(coroutine: Awaitable[Any], limits: EnvironmentConfig, what: str) -> Any:
+    """The environment call's result, or the exception it raised or timed out with (printed once per kind)."""
+    try:
+        return await asyncio.wait_for(coroutine, limits.step_timeout_s)
+    except Exception as e:
+        if isinstance(e, asyncio.TimeoutError):
+            e = TimeoutError(f"environment {what} took longer than step_timeout_s={limits.step_timeout_s}")
+        kind = f"{what}: {type(e).__name__}"
+        if kind not in _reported:
+            _reported.add(kind)
+            print(f"environment {what} failed (shown once per kind; counted in env/failures):\n"
+                  + "".join(traceback.format_exception(e)), file=sys.stderr, flush=True)
+        record_metric("env/failures", 1, "sum")
+        return e
+
+
+def _ids(observation: Observation, encode: Callable[[str], list[int]]) -> list[int]:
+    return encode(observation) if isinstance(observation, str) else list(observation)
+
+
+def _count(trajectories: list[Trajectory], limits: EnvironmentConfig) -> None:
+    for t in trajectories:
+        if t.end == "environment_error":
+            t.reward = 0.0
+        elif t.truncated and limits.truncated_reward is not None:
+            t.reward = limits.truncated_reward
+    record_metric("env/truncated", sum(t.truncated for t in trajectories), "sum")
+    record_metric("env/model_turns", sum(len(t.turns) for t in trajectories) / len(trajectories))
