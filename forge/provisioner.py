@@ -10,6 +10,8 @@ Several hosts: `configure_hosts(HostsConfig)` (before anything else starts Monar
 place each mesh on the hosts its role has in the config (forge.hosts). Every process is then known by its
 host and pid (`ProcessId`); the liveness, memory and killing of another host's processes go through a
 small watch mesh on that host, never through this host's process table.
+`start_weight_store()` also starts one weight relay per host (forge/weight_relay.py), and every process
+of such a job runs its weight store in relayed mode (FORGE_WEIGHT_RELAY).
 
 Failures: Monarch's default reaction to a dead process is to exit the controller. The provisioner
 replaces that hook: a failure on a mesh that a service owns goes to the service (which re-routes and
@@ -122,6 +124,7 @@ class Provisioner:
         self._weight_store_started = False
         self._watcher: asyncio.Task | None = None
         self._store_mesh: ProvisionedMesh | None = None
+        self.relays: list[Any] = []  # one WeightRelay per host of a multi-host job (forge/weight_relay.py)
         self._host_watch: dict[int, ProvisionedMesh] = {}  # host index -> its watch mesh (other hosts only)
         self._silent_polls: dict[int, int] = {}
         self._watch_lock = asyncio.Lock()
@@ -159,6 +162,19 @@ class Provisioner:
             self._store_mesh = await self.get_proc_mesh(1, mesh_name="weight_store")
             await compat.import_torchstore().initialize(mesh=self._store_mesh.procs)
             self._weight_store_started = True
+            if self.hosts is not None:  # each version crosses to a host once, whatever reads it there
+                await asyncio.gather(*(self._start_relay(index) for index in range(self.hosts.count)))
+
+    async def _start_relay(self, index: int) -> None:
+        """Host `index`'s weight relay (forge/weight_relay.py), in a 1-process mesh of its own on that host."""
+        from forge.weight_relay import WeightRelay
+
+        name = f"weight_relay{index}-{next(self._names)}"
+        async with self.busy(f"spawning mesh {name!r}"):
+            mesh = await asyncio.shield(self._spawn(name, 1, 0, None, None, [index]))
+            await asyncio.shield(self._watch_host(index))
+        self.refuse_if_closing(f"spawning mesh {name!r}")
+        self.relays.append(await WeightRelay._spawn_on(mesh, (), {}))
 
     async def get_proc_mesh(
         self,
@@ -248,6 +264,7 @@ class Provisioner:
                 "MASTER_PORT": str(master["free_port"]),
                 "WORLD_SIZE": str(len(found)),
                 "FORGE_JOB_ID": weight_store.job_id(),
+                **({weight_store.RELAY_VARIABLE: "1"} if self.hosts is not None else {}),
                 **(env or {}),
             }
             # Ranks run host by host, `procs` on each. Each process sees only its own GPUs, from cuda:0 on.
@@ -310,8 +327,12 @@ class Provisioner:
         mesh.failed = True
         if mesh.reported:  # Monarch's supervision said it first
             return
-        self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited "
-                           f"(killed or crashed; its actors are lost)")
+        lost = [f"host {i} ({self.hosts.describe(i)})" for i in mesh.hosts
+                if self.hosts is not None and i in self._host_watch and self._host_watch[i].failed]
+        why = f"{' and '.join(lost)} stopped answering (its agent or the machine is gone)" if lost else \
+            "killed or crashed"
+        self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited ({why}; its actors "
+                           "are lost)")
 
     async def _dead_on_host(self, host: int, procs: list[ProcessId]) -> list[ProcessId]:
         """Which of `procs` (all on host `host`) have exited, as that host's watch agent sees it. A host whose

@@ -20,6 +20,12 @@ paths:
 With transport="auto" a version goes through shared memory, and readers on another host fall back to
 torchstore when the publisher also put it there (`cross_host=True`).
 
+Several hosts (FORGE_WEIGHT_RELAY=1, set by the provisioner in every process of a multi-host job): the publisher
+writes its own host's segment and puts the version into torchstore once; one relay per host
+(forge/weight_relay.py) copies it from there into its host's /dev/shm and advertises it under that host's keys.
+Readers then see their host's newest version (`latest_version`), read it from their host's shared memory, and
+record how many versions their host is behind the newest published one (metric `weights/host_versions_behind`).
+
 Every tensor's checksums (a hash per 32 MB, forge/shm_weights.py) are taken once at publish and kept in the manifest; `fetch` checks
 what it read against them on either path and raises WeightChecksumError, naming the tensor and the version,
 instead of returning weights that differ from what was published.
@@ -44,6 +50,7 @@ import torch.distributed as dist
 
 from forge import compat, shm_weights
 from forge.distributed import group_rank, group_size
+from forge.metrics import record_metric
 from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and the job_* helpers are re-exported)
     SHM_DIR,
     Manifest,
@@ -68,6 +75,13 @@ from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and
 ts = compat.import_torchstore()
 
 Transport = Literal["auto", "shm", "torchstore"]
+RELAY_VARIABLE = "FORGE_WEIGHT_RELAY"  # "1" in every process of a multi-host job (the provisioner sets it)
+RELAY_NAMESPACES_KEY = "forge-weight-relay/namespaces"  # the namespaces published in this job, for the relays
+
+
+def relayed() -> bool:
+    """Whether this process is part of a multi-host job, whose hosts each have a weight relay."""
+    return os.environ.get(RELAY_VARIABLE) == "1"
 
 
 class WeightStore:
@@ -78,18 +92,28 @@ class WeightStore:
             raise ValueError(f"namespace={namespace!r}: use letters, digits, '_', '.', '-'")
         self.namespace = namespace
         self.transport = transport
-        self.cross_host = cross_host
+        self.relayed = relayed()
+        self.cross_host = cross_host or self.relayed  # the relays copy versions from torchstore
         self.host = socket.gethostname()
+        self._registered = False
 
     # --- keys ---------------------------------------------------------------------------------------
     def _manifest_key(self, version: int) -> str:
         return f"{self.namespace}/manifest/{version}"
 
-    def _tensors_key(self, version: int) -> str:
+    def tensors_key(self, version: int) -> str:
         return f"{self.namespace}/tensors/{version}"
 
     def _latest_key(self) -> str:
         return f"{self.namespace}/latest"
+
+    def host_latest_key(self, host: str) -> str:
+        """The newest version in `host`'s shared memory (relayed jobs)."""
+        return f"{self.namespace}/hosts/{host}/latest"
+
+    def host_manifest_key(self, host: str, version: int) -> str:
+        """The manifest of `version`'s copy in `host`'s shared memory (written by that host's relay)."""
+        return f"{self.namespace}/hosts/{host}/manifest/{version}"
 
     def segment_name(self, version: int) -> str:
         return f"forge-{job_id()}-{self.namespace}-v{version}"
@@ -125,7 +149,7 @@ class WeightStore:
                 full, sums = written
                 entries[name] = dataclasses.replace(entries[name], checksums=sums)
                 if use_ts:
-                    put_keys.append(f"{self._tensors_key(version)}/{name}")
+                    put_keys.append(f"{self.tensors_key(version)}/{name}")
                     await ts.put(put_keys[-1], full)
             if segment is not None:
                 await asyncio.to_thread(segment.commit)
@@ -141,10 +165,24 @@ class WeightStore:
                             algorithm)
         await ts.put(self._manifest_key(version), manifest)
         # `latest` only moves forward, and only after the bytes are in place.
-        latest = await self.latest_version()
+        latest = await self.published_version()
         if latest is None or version > latest:
             await ts.put(self._latest_key(), version)
+            if self.relayed:  # this host's readers have it in shared memory already
+                await ts.put(self.host_latest_key(self.host), version)
+        if self.relayed:
+            await self._register_namespace()
         return manifest
+
+    async def _register_namespace(self) -> None:
+        """Tell the relays to follow this namespace (checked on every publish: a lost concurrent update heals)."""
+        if self._registered:
+            return
+        names = await ts.get(RELAY_NAMESPACES_KEY) if await ts.exists(RELAY_NAMESPACES_KEY) else []
+        if self.namespace not in names:
+            await ts.put(RELAY_NAMESPACES_KEY, [*names, self.namespace])
+        else:
+            self._registered = True
 
     def _open_segment(self, version: int, size: int, group: dist.ProcessGroup | None) -> SegmentWriter | None:
         """Rank 0's segment for `version` (None on the other ranks), once /dev/shm has room for it. A refusal
@@ -164,11 +202,23 @@ class WeightStore:
         return segment
 
     # --- reading ------------------------------------------------------------------------------------
-    async def latest_version(self) -> int | None:
+    async def published_version(self) -> int | None:
         """The newest published version, or None before the first publish."""
         if not await ts.exists(self._latest_key()):
             return None
         return await ts.get(self._latest_key())
+
+    async def latest_version(self) -> int | None:
+        """The newest version this process can read: the newest published one; in a relayed job, the newest in
+        this host's shared memory (None before the host's relay copied one), and how far behind the newest
+        published one that is is recorded (a host whose relay falls behind serves what it has, never silently)."""
+        published = await self.published_version()
+        if not self.relayed or published is None:
+            return published
+        key = self.host_latest_key(self.host)
+        on_host = await ts.get(key) if await ts.exists(key) else None
+        record_metric("weights/host_versions_behind", published - (-1 if on_host is None else on_host), "max")
+        return on_host
 
     async def versions(self) -> list[int]:
         prefix = f"{self.namespace}/manifest/"
@@ -187,7 +237,13 @@ class WeightStore:
         """Version `version` as {name: tensor}: copied into `into`'s tensors when given (names and shapes must
         match), else fresh tensors. Every tensor is checked against the checksums taken when it was published:
         WeightChecksumError (naming the tensor and the version) rather than weights that differ from them."""
-        manifest = await self.manifest(version)
+        # This host's relayed copy first: it stays readable until the relay replaces it, even when the trainer
+        # has already deleted the version (a host that is behind serves what it has).
+        relayed_copy = self.host_manifest_key(self.host, version)
+        if self.relayed and await ts.exists(relayed_copy):
+            manifest = await ts.get(relayed_copy)
+        else:
+            manifest = await self.manifest(version)
         if into is not None:
             check_compatible(manifest, {n: (tuple(t.shape), t.dtype) for n, t in into.items()})
         if manifest.segment is not None and manifest.host == self.host:
@@ -198,7 +254,9 @@ class WeightStore:
                     f"policy version {version} was deleted while being fetched; available versions: {await self.versions()}"
                 ) from None
         if manifest.in_torchstore:
-            key = self._tensors_key(version)
+            if self.relayed:  # a version this host's relay has not copied: each reader crosses the link
+                record_metric("weights/fetches_past_relay", 1, "sum")
+            key = self.tensors_key(version)
             fetched = {}
             for name, entry in manifest.entries.items():
                 fetched[name] = await ts.get(f"{key}/{name}", inplace_tensor=None if into is None else into[name])
@@ -221,7 +279,7 @@ class WeightStore:
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(segment, self._spare_path())
         if manifest.in_torchstore:
-            for key in await _keys_with_prefix(self._tensors_key(version) + "/"):
+            for key in await _keys_with_prefix(self.tensors_key(version) + "/"):
                 await ts.delete(key)
 
     async def delete_older_than(self, version: int) -> list[int]:

@@ -321,3 +321,73 @@ class HostProbe(ForgeActor):
 
         # In a dict: a bare tensor has a `values` method, which `compat.raise_if_failed` takes for a ValueMesh.
         return {"value": await compat.import_torchstore().get(key), "host": socket.gethostname()}
+
+    @endpoint
+    async def publish(self, namespace: str, version: int, numel: int) -> None:
+        """Publish a 2-tensor state dict whose values say its version, and delete every older version."""
+        import torch
+
+        from forge.weight_store import WeightStore
+
+        store = WeightStore(namespace)
+        await store.publish({"w": torch.full((numel,), float(version)), "b": torch.arange(7.0) + version}, version)
+        await store.delete_older_than(version)
+
+    @endpoint
+    async def read_newest(self, namespace: str) -> dict:
+        """The newest version readable here, what its tensors hold, and this process's weight metrics."""
+        import asyncio
+
+        from forge import metrics
+        from forge.weight_store import WeightStore, WeightVersionError
+
+        store = WeightStore(namespace)
+        for attempt in range(20):
+            version = await store.latest_version()
+            try:
+                weights = await store.fetch(version) if version is not None else {}
+                break
+            except WeightVersionError:  # replaced by a newer version meanwhile: a generator retries too
+                if attempt == 19:
+                    raise
+                await asyncio.sleep(0.05)
+        drained = metrics.drain_local()
+        return {"host": socket.gethostname(), "version": version,
+                "values": {name: sorted(set(t.tolist())) for name, t in weights.items() if name == "w"},
+                "b": weights["b"].tolist() if weights else None,
+                "metrics": {name: (p.count, p.total, p.high) for name, p in drained.items()}}
+
+
+class TrainStepProbe(ForgeActor):
+    """One FSDP training step of a tiny model on a fixed batch, in whatever mesh it is spawned on."""
+
+    @endpoint
+    def step(self, model_path: str) -> dict:
+        """Joins the mesh's process group from the provisioner's environment and takes one step; returns the
+        metrics, and the full weights after the step on rank 0."""
+        import torch
+
+        from actors.titan_trainer import TitanTrainer
+        from actors.trainer_config import TrainerConfig
+        from forge.distributed import init_from_environment
+        from forge.types import TrainBatch
+
+        torch.set_num_threads(1)
+        rank, world_size = init_from_environment("cpu")
+        # Adam's eps well above float rounding of near-zero gradients (a different summation order).
+        config = TrainerConfig(model_path=model_path, lr=1e-3, eps=1e-6, loss="dapo", micro_batch_size=2)
+        trainer = TitanTrainer(config, rank=rank, world_size=world_size)
+        generator = torch.Generator().manual_seed(3)
+        rows, length = 4, 10
+        response_mask = torch.zeros(rows, length - 1)
+        for row in range(rows):
+            response_mask[row, 3 : length - 1 - row] = 1  # responses of different lengths
+        batch = TrainBatch(input_ids=torch.randint(3, 90, (rows, length), generator=generator),
+                           response_mask=response_mask,
+                           behaviour_logprobs=torch.full((rows, length - 1), -4.0),
+                           policy_versions=torch.where(response_mask > 0, 0, -1).long(),
+                           advantages=torch.linspace(1.0, -1.0, rows), rewards=torch.linspace(1.0, 0.0, rows))
+        metrics = trainer.train_step(batch)
+        weights = trainer.hf_state_dict()  # a collective: the full weights on rank 0
+        return {"rank": rank, "world_size": world_size, "host": socket.gethostname(), "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"], "weights": weights if rank == 0 else None}

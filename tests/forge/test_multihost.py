@@ -5,12 +5,24 @@ processes known by (host, pid), remote output in a file on its host, and nothing
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multihost_support import HostProbe, SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
+from tests.multihost_support import (
+    HostProbe,
+    SimulatedHosts,
+    TrainStepProbe,
+    namespaces_unavailable,
+    relaunch_as_controller_host,
+)
 
 from forge import provisioner
 from forge.actor import mesh_of
@@ -98,7 +110,7 @@ def test_the_scheduler_route_builds_monarchs_torchx_initializer():
 
 @pytest.fixture(scope="module")
 async def job(hosts):
-    provisioner.configure_hosts(_config(hosts, procs_per_host=3, roles={"pair": [0, 1], "solo": [1], "svc": [0, 1]}))
+    provisioner.configure_hosts(_config(hosts, procs_per_host=4, roles={"pair": [0, 1], "solo": [1], "svc": [0, 1], "pub": [0], "readers": [1]}))
     yield provisioner.get_provisioner()
     await provisioner.shutdown()
 
@@ -118,9 +130,9 @@ async def test_a_mesh_across_two_hosts_has_ranks_and_rendezvous_right_on_every_h
     with pytest.raises(ValueError, match="known by \\(host, pid\\)"):
         mesh.pids
     assert mesh.hosts == [0, 1]
-    # Host B runs 2 of the 3 processes it offers: a mesh of 2 more there is refused before it starts.
-    with pytest.raises(HostsError, match=r"hosts.procs_per_host=3: mesh 'solo' needs 2 process\(es\) on host 1"):
-        await HostProbe.options(procs=2, mesh_name="solo").as_actor()
+    # Host B runs 2 of the 4 processes it offers: a mesh of 3 more there is refused before it starts.
+    with pytest.raises(HostsError, match=r"hosts.procs_per_host=4: mesh 'solo' needs 3 process\(es\) on host 1"):
+        await HostProbe.options(procs=3, mesh_name="solo").as_actor()
     await HostProbe.shutdown(pair)
     assert not mesh.failed and not job.fatal_failures
 
@@ -181,6 +193,68 @@ async def test_a_replica_killed_on_host_b_is_restarted_on_host_b_and_serves_agai
         await svc.stop()
 
 
+async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers_read_it_from_shared_memory(
+        hosts, job):
+    await job.start_weight_store()
+    assert sorted([(await relay.status.call_one())["host"] for relay in job.relays]) == [h.name for h in hosts.hosts]
+    publisher = await HostProbe.options(procs=1, mesh_name="pub").as_actor()
+    readers = await HostProbe.options(procs=2, mesh_name="readers").as_actor()
+    numel = 1 << 20  # 4 MB
+    relay_b = next(r for r in job.relays if mesh_of(r).hosts == [1])
+    try:
+        assert {r["version"] for r in (await readers.read_newest.call("relayed")).values()} == {None}
+        seen: list[int] = []
+        for version in (1, 2, 3):
+            await publisher.publish.call_one("relayed", version, numel)
+            deadline = time.monotonic() + 30
+            while True:
+                answers = list((await readers.read_newest.call("relayed")).values())
+                seen += [a["version"] for a in answers if a["version"] is not None]
+                if all(a["version"] == version for a in answers):
+                    break
+                assert time.monotonic() < deadline, f"host B's readers never saw version {version}: {answers}"
+                await asyncio.sleep(0.2)
+            for answer in answers:
+                assert answer["host"] == hosts.hosts[1].name
+                assert answer["values"] == {"w": [float(version)]} and answer["b"] == [i + version for i in range(7)]
+                # Read from host B's shared memory, never from torchstore by the reader itself.
+                assert "weights/fetches_past_relay" not in answer["metrics"]
+        assert seen == sorted(seen)  # a host's readers never go back to an older version
+        assert (await relay_b.status.call_one())["relayed"] == {"relayed": 3}
+        # Host B holds the relay's copy of the newest version; the copies of versions the trainer deleted are
+        # gone (one kept as the spare the next copy is written into).
+        await _until(lambda: sorted(n for n in hosts.hosts[1].shared_memory() if "-relayed-" in n) ==
+                     sorted(f"forge-{provisioner.weight_store.job_id()}-relayed-{s}" for s in ("spare", "v3")),
+                     10, "host B's shared memory holding v3 and the spare only")
+        # Once to host B per version (host A's relay copies nothing: the publisher wrote A's segment).
+        copied = sum(group["relay/bytes"].total for group in await job.collect_metrics() if "relay/bytes" in group)
+        assert copied == 3 * (4 * numel + 4 * 7)
+    finally:
+        await HostProbe.shutdown(publisher)
+        await HostProbe.shutdown(readers)
+
+
+async def test_a_two_host_fsdp_step_equals_the_one_host_two_process_step(hosts, job):
+    from forge.tiny_model import build_tiny_checkpoint
+
+    model = str(build_tiny_checkpoint(hosts.folder / "tiny", seed=0))
+    across = await TrainStepProbe.options(procs=1, hosts=2, mesh_name="pair").as_actor()  # a rank on A, one on B
+    one_host = await TrainStepProbe.options(procs=2, mesh_name="solo").as_actor()  # both ranks on B
+    try:
+        two_hosts_step, one_host_step = await asyncio.gather(across.step.call(model), one_host.step.call(model))
+    finally:
+        await TrainStepProbe.shutdown(across)
+        await TrainStepProbe.shutdown(one_host)
+    two, one = (sorted(s.values(), key=lambda r: r["rank"]) for s in (two_hosts_step, one_host_step))
+    assert [(r["host"], r["world_size"]) for r in two] == [(hosts.hosts[0].name, 2), (hosts.hosts[1].name, 2)]
+    assert [(r["host"], r["world_size"]) for r in one] == [(hosts.hosts[1].name, 2)] * 2
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], abs=1e-6)
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-5)
+    assert two[0]["weights"].keys() == one[0]["weights"].keys()
+    for name, tensor in one[0]["weights"].items():
+        torch.testing.assert_close(two[0]["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
 def _job_processes(host) -> list:
     """The job's processes on `host` (Monarch's procs: every actor's process), not the allocation's host process."""
     return [p for p in host.processes() if "bootstrap_main" in " ".join(p.cmdline())]
@@ -193,3 +267,97 @@ async def test_shutdown_leaves_no_job_process_and_no_shared_memory_on_any_host(h
         await _until(lambda: not _job_processes(host), 40, f"no job process left on {host.name}")
         assert host.shared_memory() == []
         assert host.init_pid() is not None  # the host's agent stays up for the next job
+
+
+# -- apps.grpo across two hosts (each run its own controller process, on this test's controller host) --------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _grpo(hosts: SimulatedHosts, run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """apps.grpo with its own `hosts` section: the trainer on host A, the generator on host B."""
+    command = [sys.executable, "-m", "apps.grpo", "--config", "configs/grpo_tiny.yaml", f"run_dir={run_dir}",
+               "warm_start.enabled=false", "eval.at_start=false", "eval.num_prompts=32", "checkpoint.final=false",
+               "rollout.concurrency=2", "replay_buffer.batch_size=32", "trainer.micro_batch_size=32",
+               f"hosts.addresses=[{','.join(hosts.addresses)}]", f"hosts.port={hosts.port}",
+               "hosts.roles={trainer: [0], generator: [1]}", *overrides]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(command, cwd=ROOT, stdout=(run_dir / "stdout.log").open("w"),
+                            stderr=(run_dir / "stderr.log").open("w"), start_new_session=True)
+
+
+def _wait_for_steps(app: subprocess.Popen, run_dir: Path, steps: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert app.poll() is None, f"apps.grpo exited with {app.returncode}:\n{(run_dir / 'stderr.log').read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"apps.grpo did not reach step {steps} in {timeout} s"
+        time.sleep(0.5)
+
+
+def _nothing_left(hosts: SimulatedHosts) -> bool:
+    return all(not _job_processes(host) and host.shared_memory() == [] for host in hosts.hosts)
+
+
+def test_grpo_with_the_trainer_on_host_a_and_the_generator_on_host_b_finishes_and_accounts_for_every_episode(
+        hosts, tmp_path):
+    run_dir = tmp_path / "grpo"
+    app = _grpo(hosts, run_dir, "steps=3")
+    try:
+        assert app.wait(timeout=400) == 0, (run_dir / "stderr.log").read_text()[-3000:]
+    finally:
+        if app.poll() is None:
+            os.killpg(app.pid, signal.SIGKILL)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["policy_version"]) for r in rows] == [1, 2, 3]
+    assert sum(r.get("generator/weight_swaps", 0) for r in rows) >= 1  # host B's generator took relayed versions
+    assert sum(r.get("relay/bytes", 0) for r in rows) > 0
+    # Only the app's two explicit `update_weights(newest)` calls (at start, before the final eval) may outrun
+    # host B's relay and fetch from torchstore; every version the generator follows comes through the relay.
+    assert sum(r.get("weights/fetches_past_relay", 0) for r in rows) <= 2
+    e = json.loads((run_dir / "summary.json").read_text())["episodes"]
+    assert e["generated"] > 0 and e["trained"] > 0
+    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
+        e["dropped_zero_variance"]
+    deadline = time.monotonic() + 60
+    while not _nothing_left(hosts):
+        assert time.monotonic() < deadline, "job processes or shared memory left on a host after the run"
+        time.sleep(1)
+
+
+def test_a_sigkilled_controller_leaves_nothing_on_any_host_within_60_s(hosts, tmp_path):
+    run_dir = tmp_path / "killed"
+    app = _grpo(hosts, run_dir, "steps=1000")
+    try:
+        _wait_for_steps(app, run_dir, 1, timeout=300)
+        assert any(host.shared_memory() for host in hosts.hosts)  # the versions, on A and relayed to B
+        os.kill(app.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        app.wait(timeout=10)
+        while not _nothing_left(hosts):
+            assert time.monotonic() - killed < 60, (
+                f"left after 60 s: {[(h.name, [p.pid for p in _job_processes(h)], h.shared_memory()) for h in hosts.hosts]}")
+            time.sleep(1)
+    finally:
+        if app.poll() is None:
+            os.killpg(app.pid, signal.SIGKILL)
+
+
+def test_a_host_whose_agent_dies_mid_run_fails_the_job_within_30_s_naming_the_host(hosts, tmp_path):
+    run_dir = tmp_path / "lost"
+    app = _grpo(hosts, run_dir, "steps=1000")
+    try:
+        _wait_for_steps(app, run_dir, 1, timeout=300)
+        lost = hosts.hosts[1]
+        lost.kill_agent()  # host B's agent and every process on it, as when the machine goes
+        killed = time.monotonic()
+        stderr = run_dir / "stderr.log"
+        while "FATAL" not in stderr.read_text():
+            assert time.monotonic() - killed < 30, f"the job did not fail within 30 s:\n{stderr.read_text()[-3000:]}"
+            time.sleep(0.5)
+        assert app.wait(timeout=120) != 0
+        fatal = stderr.read_text().split("FATAL", 1)[1]
+        assert lost.name in fatal or lost.address in fatal, fatal[:2000]
+    finally:
+        if app.poll() is None:
+            os.killpg(app.pid, signal.SIGKILL)

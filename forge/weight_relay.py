@@ -1,0 +1,173 @@
+"""One weight relay per host of a multi-host job: each policy version crosses the link to a host once, not
+once per generator on it.
+
+The trainer publishes a version once (forge/weight_store.py: its own host's shared memory, and torchstore).
+The relay on every other host notices the new version, pulls its tensors from torchstore (RDMA where torchstore
+has it, actor messages on CPU), writes them into its host's /dev/shm segment (forge/shm_weights.py) and then
+advertises that copy under its host's keys; that host's generators read it there like on the trainer's host.
+
+Versions only move forward: a relay that falls behind skips to the newest published version (counted in
+`relay/versions_skipped`), and until it has copied one its host's readers keep the version they have
+(`weights/host_versions_behind`, recorded by every reader). The relay deletes its host's copies of versions the
+trainer deleted, keeping its newest. A watchdog process (`_WATCHDOG`) removes the job's segments on this host
+once the relay process is gone, also when it was SIGKILLed (its host's allocator kills it when the controller
+dies): a killed process cannot clean up after itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from forge import compat
+from forge.actor import ForgeActor, endpoint
+from forge.metrics import record_metric
+from forge.shm_weights import SHM_DIR, Manifest, SharedMemoryError, create_segment, job_id
+from forge.weight_store import RELAY_NAMESPACES_KEY, WeightStore, WeightVersionError
+
+logger = logging.getLogger(__name__)
+
+ts = compat.import_torchstore()
+
+_CONCURRENT_GETS = 4  # tensors in flight from torchstore at once: overlaps the link with the shm writes
+
+# Runs detached (double fork, own session, so no process-tree kill takes it along): waits for the relay process
+# to be gone, then removes the job's shared-memory segments on this host.
+_WATCHDOG = """
+import glob, os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+pid, pattern = int(sys.argv[1]), sys.argv[2]
+while True:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.5)
+for path in glob.glob(pattern):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+"""
+
+
+class WeightRelay(ForgeActor):
+    """Copies every namespace's new versions from torchstore into this host's shared memory."""
+
+    def __init__(self, poll_s: float = 0.05) -> None:
+        self.poll_s = poll_s
+        self.host = socket.gethostname()
+        self.stores: dict[str, WeightStore] = {}
+        self.relayed: dict[str, int] = {}  # namespace -> newest version readable on this host
+        self.copies: dict[str, dict[int, str]] = {}  # namespace -> version -> segment this relay wrote
+        self._task: asyncio.Task | None = None
+        self._reported: set[str] = set()
+
+    @endpoint
+    async def setup(self) -> None:
+        started = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(SHM_DIR / f"forge-{job_id()}-*")],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started.wait(timeout=10)  # the first fork exits at once; the watchdog lives on, detached
+        self._task = asyncio.ensure_future(self._follow())
+
+    @endpoint
+    async def teardown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    @endpoint
+    async def status(self) -> dict:
+        """Where this relay runs and the newest version of each namespace readable on its host."""
+        return {"host": self.host, "pid": os.getpid(), "relayed": dict(self.relayed)}
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                for namespace in await self._namespaces():
+                    await self._relay_newest(namespace)
+            except Exception as error:  # counted every time, logged once per kind (a loop must not flood logs)
+                record_metric("relay/failures", 1, "sum")
+                kind = f"{type(error).__name__}: {str(error)[:200]}"
+                if kind not in self._reported:
+                    self._reported.add(kind)
+                    logger.exception("weight relay on %s: a copy failed (shown once; counted in relay/failures)",
+                                     self.host)
+            await asyncio.sleep(self.poll_s)
+
+    async def _namespaces(self) -> list[str]:
+        return await ts.get(RELAY_NAMESPACES_KEY) if await ts.exists(RELAY_NAMESPACES_KEY) else []
+
+    async def _relay_newest(self, namespace: str) -> None:
+        store = self.stores.setdefault(namespace, WeightStore(namespace))
+        newest, have = await store.published_version(), self.relayed.get(namespace, -1)
+        if newest is None or newest <= have:
+            return
+        try:
+            manifest = await store.manifest(newest)
+        except WeightVersionError:
+            return  # deleted meanwhile: a newer one exists
+        if manifest.host != self.host:
+            started = time.perf_counter()
+            try:
+                segment = await self._copy(store, manifest)
+            except (KeyError, WeightVersionError):  # the trainer deleted it mid-copy: take the next one
+                record_metric("relay/abandoned_copies", 1, "sum")
+                return
+            relayed_copy = dataclasses.replace(manifest, host=self.host, segment=segment)
+            await ts.put(store.host_manifest_key(self.host, newest), relayed_copy)
+            await ts.put(store.host_latest_key(self.host), newest)
+            self.copies.setdefault(namespace, {})[newest] = segment
+            record_metric("relay/copy_s", time.perf_counter() - started, "mean")
+            record_metric("relay/bytes", manifest.nbytes, "sum")
+        if have >= 0 and newest > have + 1:
+            record_metric("relay/versions_skipped", newest - have - 1, "sum")
+        self.relayed[namespace] = newest
+        await self._delete_copies_the_trainer_deleted(store, keep=newest)
+
+    async def _copy(self, store: WeightStore, manifest: Manifest) -> str:
+        """Every tensor of `manifest` from torchstore into a new segment of this host; returns its name."""
+        size = max((e.offset + e.nbytes for e in manifest.entries.values()), default=0)
+        name = store.segment_name(manifest.version)
+        try:
+            writer = await asyncio.to_thread(create_segment, SHM_DIR / name, size, manifest.version, store._spare_path())
+        except SharedMemoryError as e:
+            raise SharedMemoryError(f"weight relay on {self.host}: {e}") from None
+        prefix = store.tensors_key(manifest.version)
+        gets = asyncio.Semaphore(_CONCURRENT_GETS)
+
+        async def copy_one(tensor_name: str) -> None:
+            async with gets:
+                tensor = await ts.get(f"{prefix}/{tensor_name}")
+                await asyncio.to_thread(writer.write, tensor.contiguous(), manifest.entries[tensor_name].offset)
+
+        try:
+            await asyncio.gather(*(copy_one(n) for n in manifest.entries))
+            await asyncio.to_thread(writer.commit)
+        except BaseException:
+            writer.abort()
+            raise
+        return name
+
+    async def _delete_copies_the_trainer_deleted(self, store: WeightStore, keep: int) -> None:
+        copies = self.copies.get(store.namespace, {})
+        live = set(await store.versions())
+        for version in [v for v in copies if v != keep and v not in live]:
+            segment = copies.pop(version)
+            await ts.delete(store.host_manifest_key(self.host, version))
+            spare = store._spare_path()
+            if spare.exists():
+                (SHM_DIR / segment).unlink(missing_ok=True)
+            else:  # kept (under another name) for the next copy to write into, as the publisher does
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(SHM_DIR / segment, spare)
