@@ -97,6 +97,18 @@ def train_until_accurate(
         + (f"earlier warm starts in {out_dir} took {min(earlier):.0f}-{max(earlier):.0f}s" if earlier
            else "a time estimate follows each check"))
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    # One thread: a warm start's matrices are small, and on a busy host a second thread mostly waits for the first
+    # (measured on the shared 2-core machine: several times slower with 2).
+    torch.set_num_threads(1)
+    try:
+        return _train(model_dir, out_dir, key, target, batch, accuracy, config, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model_dir, out_dir: Path, key: str, target: Path, batch, accuracy, config: WarmStartConfig,
+           log: Callable[[str], None]) -> tuple[Path, float]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)

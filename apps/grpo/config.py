@@ -20,6 +20,7 @@ from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
 from actors.weight_canary import CanaryConfig
+from forge.environments.config import EnvironmentConfig
 from forge.hosts import HostsConfig
 from forge.loss_rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
@@ -112,6 +113,7 @@ class GRPOConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn tasks' episode limits
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     reference: ReferenceSection = field(default_factory=ReferenceSection)

@@ -25,8 +25,9 @@ import torch
 from actors.weight_canary import check_weight_sync
 from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
-from apps.grpo.launch import make_task, reward_function, start_actors, warm_started_model
-from apps.grpo.rewards import RewardScorer
+from apps.grpo.launch import make_task, reward_function, start_actors
+from apps.grpo.rewards import RewardHangError, RewardScorer
+from apps.grpo.rollouts import make_rollout, warm_started_model
 from apps.grpo.summary import EpisodeCounters, RunSummary
 from forge import weight_store
 from forge.actor import rank0
@@ -71,6 +72,7 @@ class GRPOJob:
         cfg, wall_start = self.cfg, time.perf_counter()
         model_path, self.summary.warm_start_accuracy = await asyncio.to_thread(warm_started_model, cfg, self.task)
         self.actors = await start_actors(cfg, model_path)
+        self.rollout = await make_rollout(cfg, self.task, self.actors, self.rewards)  # single-turn or multi-turn episodes
         if self.resume:
             await self.restore()
         self.version = rank0(await self.actors.trainer.publish_weights.call())
@@ -151,17 +153,15 @@ class GRPOJob:
     async def scored_group(self, params: SamplingParams, version: int) -> list[Episode] | None:
         """The group's episodes with rewards and advantages; None when generation failed or the group was dropped."""
         (problem,) = self.task.sample_prompts(1, self.rng)
-        try:
-            completions = await self.actors.generators.generate.route(problem.prompt, params,
-                                                                      min_policy_version=version)
-        except NoHealthyReplicaError:
+        try:  # completions, or multi-turn trajectories (apps/grpo/rollouts.py), and their rewards
+            completions, rewards = await self.rollout.group(problem, params, version)
+        except (NoHealthyReplicaError, RewardHangError):
             raise
         except Exception as e:  # a per-request engine error (e.g. a prompt over the window) fails this group only
             self.counters.generation_failures += 1
             record_metric("rollout/generation_failures", 1, "sum")
             print(f"generation failed for prompt {problem.prompt[:60]!r}: {e}", file=sys.stderr)
             return None
-        rewards = await self.rewards.score([c.text for c in completions], problem.answer)
         self.rewards_this_step.extend(rewards)
         advantages, zero_variance = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
                                                      normalize_std=self.cfg.rollout.normalize_advantages)
@@ -171,7 +171,7 @@ class GRPOJob:
             record_metric("rollout/zero_variance_dropped", len(completions), "sum")
             return None
         group_id = self.rng.getrandbits(62)
-        episodes = [Episode.from_completion(c, episode_id=group_id * 64 + i, group_id=group_id, reward=r,
+        episodes = [self.rollout.to_episode(c, episode_id=group_id * 64 + i, group_id=group_id, reward=r,
                                             advantage=float(a))
                     for i, (c, r, a) in enumerate(zip(completions, rewards, advantages))]
         if self.actors.reference is not None:
@@ -260,19 +260,13 @@ class GRPOJob:
 
     # --- evaluation and checkpoints ---------------------------------------------------------------------
     async def evaluate(self, label: str) -> float:
-        generators = self.actors.generators
         await self.actors.trainer.wait_published.call()  # the trainer publishes each version in the background
-        await generators.update_weights.fanout(self.version)  # evaluate the newest policy, not a lagging one
+        await self.actors.generators.update_weights.fanout(self.version)  # the newest policy, not a lagging one
         problems = self.task.held_out()[: self.cfg.eval.num_prompts]
         params = SamplingParams(n=1, max_tokens=self.cfg.rollout.max_tokens, temperature=0.0,
                                 stop_token_ids=list(self.task.stop_token_ids))
-        chunk = max(1, math.ceil(len(problems) / max(1, len(generators.healthy_replicas()))))
-        parts = [problems[i : i + chunk] for i in range(0, len(problems), chunk)]
-        outputs = await asyncio.gather(*(generators.generate_batch.route([p.prompt for p in part], params)
-                                         for part in parts))
-        completions = [out[0] for part_out in outputs for out in part_out]
-        scored = await asyncio.gather(*(self.rewards.score([c.text], p.answer) for c, p in zip(completions, problems)))
-        accuracy = sum(score for (score,) in scored) / len(scored)
+        scores = await self.rollout.evaluate(problems, params)
+        accuracy = sum(scores) / len(scores)
         record_metric("eval/accuracy", accuracy)
         print(f"eval ({label}, policy version {self.version}): held-out greedy accuracy {accuracy:.1%} "
               f"on {len(problems)} prompts", flush=True)

@@ -42,6 +42,9 @@ class TaskConfig:
         for name in ("size", "num_digits", "held_out"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.reward is not None and (self.source, self.name) == ("forge", "lookup"):
+            raise ValueError(f"reward={self.reward!r}: the lookup task is multi-turn; its environment scores the "
+                             "episodes (forge/tasks/lookup.py), so it takes no reward function")
         if self.reward is not None and ":" not in self.reward:
             raise ValueError(f"reward={self.reward!r}: must be 'package.module:function'")
         if self.reward_timeout_s <= 0:

@@ -1,12 +1,13 @@
 """Lookup-and-add, a multi-turn task that cannot be solved without its environment.
 
-The prompt names a number and a variable whose value is hidden ("12+c="). The model must ask the environment
-for the variable with a tool call ("c?"), read the reply ("34;"), then answer the sum ("64": least-significant
-digit first with `reverse_answer`, as in the arithmetic task) and end with EOS:
+The prompt names a number and a variable whose value, a digit, is hidden ("12+c="). The model must ask the
+environment for the variable with a tool call ("c?"), read the reply ("7;"), then answer the sum ("91":
+least-significant digit first with `reverse_answer`, as in the arithmetic task) and end with EOS:
 
-    12+c= | c? | 34; | 64<eos>        prompt | model turn | environment | model turn
+    12+c= | c? | 7; | 91<eos>         prompt | model turn | environment | model turn
 
-Every problem draws fresh hidden values, so an answer given without asking is right about 1 time in 10**digits.
+Every problem draws fresh hidden values, so an answer given without asking is right 1 time in 10 at best. (Hidden
+values of two digits make the same task; the tiny model's warm start then takes about twice as long.)
 Asking for a variable that is not in the prompt is allowed (the environment answers); only the final answer
 scores. The held-out problems are fixed by `seed`; training problems that coincide with one (same number,
 variable and value) are rejected, so the held-out score measures generalisation.
@@ -22,7 +23,7 @@ from forge.tiny_model import EOS_TOKEN
 
 NAMES = "abcd"  # the variables of every problem
 QUERY = "?"  # ends a tool call: "c?"
-REPLY_END = ";"  # ends the environment's reply: "34;"
+REPLY_END = ";"  # ends the environment's reply: "7;"
 
 
 class LookupProblem(NamedTuple):
@@ -32,7 +33,7 @@ class LookupProblem(NamedTuple):
 
 
 class LookupTask:
-    """Args: seed (fixes the held-out set), held_out (its size), num_digits (operands and values are drawn from
+    """Args: seed (fixes the held-out set), held_out (its size), num_digits (the visible operand is drawn from
     [0, 10**num_digits)), reverse_answer, tokenizer (the model's: the query character must be one token, which
     ends a model turn)."""
 
@@ -56,7 +57,7 @@ class LookupTask:
     def _draw(self, rng: random.Random) -> LookupProblem:
         high = 10**self.num_digits - 1
         a, name = rng.randint(0, high), rng.choice(NAMES)
-        values = tuple(rng.randint(0, high) for _ in NAMES)
+        values = tuple(rng.randint(0, 9) for _ in NAMES)
         total = str(a + values[NAMES.index(name)])
         return LookupProblem(prompt=f"{a}+{name}=", answer=total[::-1] if self.reverse_answer else total,
                              values=values)

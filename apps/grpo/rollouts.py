@@ -1,0 +1,114 @@
+"""How the GRPO job plays a group and evaluates, for a single-turn task and for a multi-turn one.
+
+Both have `group(problem, params, version) -> (samples, rewards)`, `evaluate(problems, params) -> rewards` and
+`to_episode(sample, ...)`. Single-turn: one completion per episode, scored by the task's reward (or the user's).
+Multi-turn (a task with `environment()`): G episodes of one problem, played against the task's environments
+(forge.environments), token in / token out, scored by the environments. A multi-turn group's turns all go to one
+generator replica (a service session), so each turn continues a sequence that replica has just generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from apps.grpo.config import GRPOConfig
+from apps.grpo.launch import warm_started_model as single_turn_warm_start
+from apps.grpo.rewards import RewardScorer
+from forge.environments.actor import EnvironmentHost, RemoteEnvironment
+from forge.environments.rollout import run_episodes
+from forge.environments.trajectory import Trajectory
+from forge.types import Completion, Episode, SamplingParams
+from forge.warm_start_multiturn import warm_start_multiturn
+
+
+def is_multi_turn(task: Any) -> bool:
+    return hasattr(task, "environment")
+
+
+async def _split_across_replicas(generators: Any, problems: list, play) -> list:
+    """`play(part)` for even parts of `problems`, one per healthy replica, concatenated in order."""
+    chunk = max(1, math.ceil(len(problems) / max(1, len(generators.healthy_replicas()))))
+    parts = await asyncio.gather(*(play(problems[i : i + chunk]) for i in range(0, len(problems), chunk)))
+    return [x for part in parts for x in part]
+
+
+class SingleTurn:
+    to_episode = staticmethod(Episode.from_completion)
+
+    def __init__(self, generators: Any, rewards: RewardScorer) -> None:
+        self.generators, self.rewards = generators, rewards
+
+    async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[list[Completion], list[float]]:
+        completions = await self.generators.generate.route(problem.prompt, params, min_policy_version=version)
+        return completions, await self.rewards.score([c.text for c in completions], problem.answer)
+
+    async def evaluate(self, problems: list, params: SamplingParams) -> list[float]:
+        async def play(part: list) -> list[Completion]:
+            return [out[0] for out in await self.generators.generate_batch.route([p.prompt for p in part], params)]
+
+        completions = await _split_across_replicas(self.generators, problems, play)
+        scored = await asyncio.gather(*(self.rewards.score([c.text], p.answer) for c, p in zip(completions, problems)))
+        return [score for (score,) in scored]
+
+
+class MultiTurn:
+    to_episode = staticmethod(Trajectory.to_episode)
+
+    def __init__(self, cfg: GRPOConfig, task: Any, tokenizer: Any, generators: Any, hosts: Any | None) -> None:
+        self.cfg, self.task, self.generators, self.hosts = cfg, task, generators, hosts
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self.end_token_ids = [tokenizer.eos_token_id]
+
+    def environments(self, n: int) -> list:
+        """The group's environments: in this process, or on the environment host (environment.isolated)."""
+        return [RemoteEnvironment(self.hosts) if self.hosts else self.task.environment() for _ in range(n)]
+
+    async def play(self, problems: list, params: SamplingParams, version: int = 0) -> list[Trajectory]:
+        """One episode per problem, all at once, every turn on one replica."""
+
+        async def generate(prompts: list[list[int]], turn_params: SamplingParams) -> list[Completion]:
+            outputs = await self.generators.generate_batch.route(prompts, turn_params, min_policy_version=version)
+            return [out[0] for out in outputs]
+
+        async with self.generators.session(), (self.hosts.session() if self.hosts else contextlib.nullcontext()):
+            return await run_episodes(generate, self.environments(len(problems)), problems, params,
+                                      self.cfg.environment, self.encode, self.end_token_ids)
+
+    async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[list[Trajectory], list[float]]:
+        trajectories = await self.play([problem] * params.n, params, version)
+        return trajectories, [t.reward for t in trajectories]
+
+    async def evaluate(self, problems: list, params: SamplingParams) -> list[float]:
+        return [t.reward for t in await _split_across_replicas(self.generators, problems,
+                                                               lambda part: self.play(part, params))]
+
+
+async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any, rewards: RewardScorer) -> SingleTurn | MultiTurn:
+    """A multi-turn task's rollout starts its environment host first when `environment.isolated`."""
+    if not is_multi_turn(task):
+        return SingleTurn(actors.generators, rewards)
+    hosts = None
+    if cfg.environment.isolated:
+        hosts = await EnvironmentHost.options(num_replicas=1, mesh_name="environments").as_service(task.environment)
+    return MultiTurn(cfg, task, actors.tokenizer, actors.generators, hosts)
+
+
+def warm_started_model(cfg: GRPOConfig, task: Any) -> tuple[str, float | None]:
+    """`cfg.model`, first trained briefly on the task when `warm_start.enabled` (cached by its inputs): a multi-turn
+    task on its correct episodes (forge.warm_start_multiturn), arithmetic on its answers (apps.grpo.launch)."""
+    if not is_multi_turn(task):
+        return single_turn_warm_start(cfg, task)
+    if not cfg.warm_start.enabled:
+        return cfg.model, None
+    eval_problems = task.sample_prompts(cfg.warm_start.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
+    train_rng = random.Random(f"{cfg.seed}-warm-start")
+    path, accuracy = warm_start_multiturn(cfg.model, Path(cfg.model_cache) / "warm_start", task=task,
+                                          train_problems=lambda n: task.sample_prompts(n, train_rng),
+                                          eval_problems=eval_problems, limits=cfg.environment,
+                                          config=cfg.warm_start, seed=cfg.seed, max_tokens=cfg.rollout.max_tokens)
+    return str(path), accuracy

@@ -1,0 +1,62 @@
+"""The trainer scores exactly the tokens the generator produced in a multi-turn episode: its log-probs of the model's
+tokens equal the generator's behaviour log-probs, and the environment's tokens are out of the loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from actors.engines.hf import HFEngine
+from actors.titan_trainer import TitanTrainer
+from actors.trainer_config import TrainerConfig
+from forge.environments.config import EnvironmentConfig
+from forge.environments.protocol import StepResult
+from forge.environments.rollout import run_episodes
+from forge.tiny_model import build_tiny_checkpoint
+from forge.types import SamplingParams, TrainBatch
+
+
+class Tool:
+    """Replies to every turn with a few characters (several tokens), never done: every episode runs max_turns."""
+
+    async def reset(self, task: str) -> str:
+        return task
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(observation=f"<{len(action)}>;")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+async def test_trainer_logprobs_of_a_multi_turn_episode_equal_the_generators(checkpoint):
+    trainer = TitanTrainer(TrainerConfig(model_path=str(checkpoint), temperature=0.8))
+    engine = HFEngine(checkpoint, seed=3)
+    engine.load_weights(trainer.hf_state_dict(), 1)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    async def generate(prompts, params):
+        return [out[0] for out in engine.generate(prompts, params)]
+
+    prompts = ["12+c=", "7+a=", "99+b=", "3+d="]
+    params = SamplingParams(n=1, max_tokens=5, temperature=0.8)
+    trajectories = await run_episodes(generate, [Tool() for _ in prompts], prompts, params,
+                                      EnvironmentConfig(max_turns=3, max_total_tokens=64),
+                                      encode=lambda text: tokenizer.encode(text, add_special_tokens=False))
+    episodes = [t.to_episode(episode_id=i, group_id=0, reward=0.0) for i, t in enumerate(trajectories)]
+    batch = TrainBatch.from_episodes(episodes, pad_id=tokenizer.pad_token_id)
+    mask = batch.response_mask.bool()
+    assert any(len(t.turns) == 3 and 0 in t.mask for t in trajectories)  # several turns, environment tokens between
+    # The batch's rows are the episodes' exact ids: the prompt, then model and environment tokens as generated.
+    for row, t in enumerate(trajectories):
+        assert batch.input_ids[row, : len(t.ids)].tolist() == t.ids
+        assert mask[row].sum() == sum(t.mask) == sum(end - start for start, end in t.turns)
+    scored = trainer.logprobs(batch)
+    assert torch.allclose(scored[mask], batch.behaviour_logprobs[mask], atol=1e-4), \
+        (scored[mask] - batch.behaviour_logprobs[mask]).abs().max()
+    assert (batch.policy_versions[mask] == 1).all() and (batch.policy_versions[~mask] == -1).all()
