@@ -3,6 +3,8 @@ processes, three ways, side by side in one run.
 
     cd <repo> && .venv/bin/python -m bench.weight_sync --size-gb 1.0 --dtypes bf16,fp32 --repeats 3
 
+With `--hosts 2` the publisher and the readers run on two simulated hosts instead (bench/weight_sync_hosts.py).
+
 (a) forge: `WeightStore.publish` (shared memory) in the publisher, `WeightStore.fetch(v, into=...)` in
     both readers.
 (b) torchstore per tensor (TorchForge's path): `ts.put_state_dict` in the publisher,
@@ -363,6 +365,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stall-torchstore", action="store_true", help="also measure the stall of (b)")
     parser.add_argument("--decode-size", type=int, default=128, help="matmul size of one decode step")
     parser.add_argument("--gpu-wait-ms", type=float, default=2.0, help="sleep per decode step (the GPU's share)")
+    parser.add_argument("--hosts", type=int, default=1, choices=(1, 2),
+                        help="2: publisher on simulated host A, readers on host B (bench/weight_sync_hosts.py; root)")
     args = parser.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
     args.swap = [s for s in args.swap.split(",") if s]
@@ -381,6 +385,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.hosts > 1:
+        from bench import weight_sync_hosts
+
+        await weight_sync_hosts.main(args)
+        return
     try:
         await run(args)
     finally:

@@ -1,0 +1,195 @@
+"""Weight sync across hosts: the publisher on simulated host A, 2 generator processes on simulated host B
+(network namespaces, tests/multihost_support.py; root only), three ways side by side in one run.
+
+    cd <repo> && .venv/bin/python -m bench.weight_sync --hosts 2 --size-gb 1.0 --dtypes bf16 --repeats 2
+
+(a) forge's relay: `WeightStore.publish` on A (A's shared memory, and torchstore once); host B's relay copies
+    the version from torchstore into B's shared memory; both readers read it there (`fetch(v, into=...)`).
+(b) plain torchstore: `ts.put_state_dict` on A, `ts.get_state_dict` in each reader on B (each reader pulls
+    the whole state dict across the link).
+(c) the link's limit: one raw TCP stream of the same number of bytes from a process on A to one on B.
+
+publish-to-ready: from the start of the publish until both readers on B hold the version in their own
+pre-allocated tensors (checked by a fingerprint), measured in the controller (the bench's process, on the
+bridge between the hosts). (c) is timed by its receiver, from connect to the last byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.multihost_support import SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
+
+from bench.weight_sync import DTYPES, Publisher, Reader, _delete_torchstore_prefix, state_dict_shapes
+from forge import provisioner
+from forge.actor import endpoint
+from forge.hosts import HostsConfig
+from forge.weight_store import WeightStore
+
+RAW_PORT = 26650  # the raw copy's port on host A (inside its namespace: nothing else listens there)
+
+
+class RelayPublisher(Publisher):
+    @endpoint
+    async def publish_relayed(self, namespace: str, version: int) -> None:
+        store = WeightStore(namespace)  # relayed mode: the provisioner set FORGE_WEIGHT_RELAY in this process
+        await store.publish(self.weights, version)
+        await store.delete_older_than(version)
+
+
+class RelayReader(Reader):
+    @endpoint
+    async def fetch_relayed(self, namespace: str, version: int, timeout_s: float = 300.0) -> None:
+        """Wait until this host has `version` (its relay copied it), then read it into the live weights."""
+        store = WeightStore(namespace)
+        deadline = time.monotonic() + timeout_s
+        while (await store.latest_version() or -1) < version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"version {version} never reached this host's shared memory in {timeout_s} s")
+            await asyncio.sleep(0.01)
+        await store.fetch(version, into=self.live)
+
+
+async def _check(readers: RelayReader, expected: list[float], path: str) -> None:
+    for rank, got in (await readers.fingerprint.call()).items():
+        if got != expected:
+            raise RuntimeError(f"{path}: reader {rank} does not hold the version just published")
+
+
+async def relay_once(publisher: RelayPublisher, readers: RelayReader, namespace: str, version: int) -> float:
+    expected = await publisher.mark.call_one(version)
+    start = time.perf_counter()
+    await asyncio.gather(publisher.publish_relayed.call_one(namespace, version),
+                         readers.fetch_relayed.call(namespace, version))
+    seconds = time.perf_counter() - start
+    await _check(readers, expected, "relay")
+    return seconds
+
+
+async def torchstore_once(publisher: RelayPublisher, readers: RelayReader, key: str, version: int) -> float:
+    expected = await publisher.mark.call_one(version)
+    start = time.perf_counter()
+    await publisher.publish_torchstore.call_one(key)
+    await readers.fetch_torchstore.call(key, None)
+    seconds = time.perf_counter() - start
+    await _check(readers, expected, "torchstore")
+    await _delete_torchstore_prefix(key + "/")
+    return seconds
+
+
+_SENDER = """
+import socket, sys
+nbytes, address, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+data = memoryview(bytearray(min(nbytes, 64 << 20)))
+with socket.create_server((address, port)) as server:
+    print("listening", flush=True)
+    connection, _ = server.accept()
+    with connection:
+        sent = 0
+        while sent < nbytes:
+            sent += connection.send(data[: min(len(data), nbytes - sent)])
+"""
+
+_RECEIVER = """
+import socket, sys, time
+nbytes, address, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+buffer = memoryview(bytearray(nbytes))
+start = time.perf_counter()
+with socket.create_connection((address, port), timeout=120) as connection:
+    got = 0
+    while got < nbytes:
+        n = connection.recv_into(buffer[got:])
+        if n == 0:
+            raise SystemExit(f"the sender stopped after {got} of {nbytes} bytes")
+        got += n
+print(time.perf_counter() - start)
+"""
+
+
+def raw_copy_seconds(hosts: SimulatedHosts, nbytes: int) -> float:
+    """(c): one TCP stream of `nbytes` from host A to host B, timed by the receiver."""
+    a, b = hosts.hosts[0], hosts.hosts[1]
+    sender = subprocess.Popen(["nsenter", "-t", str(a.init_pid()), "-n", "-u", "-m", "-p", "--", sys.executable, "-c",
+                               _SENDER, str(nbytes), a.address, str(RAW_PORT)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sender.stdout is not None and sender.stdout.readline().strip() == "listening"
+        received = subprocess.run(["nsenter", "-t", str(b.init_pid()), "-n", "-u", "-m", "-p", "--", sys.executable,
+                                   "-c", _RECEIVER, str(nbytes), a.address, str(RAW_PORT)],
+                                  capture_output=True, text=True, timeout=300)
+        if received.returncode != 0:
+            raise RuntimeError(f"raw copy: {received.stderr.strip()}")
+        return float(received.stdout.strip())
+    finally:
+        sender.wait(timeout=30)
+
+
+async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
+    provisioner.configure_hosts(HostsConfig(addresses=hosts.addresses, port=hosts.port,
+                                            roles={"publisher": [0], "readers": [1]}))
+    job = provisioner.get_provisioner()
+    await job.start_weight_store()
+    publisher = await RelayPublisher.options(procs=1, mesh_name="publisher").as_actor()
+    readers = await RelayReader.options(procs=2, mesh_name="readers").as_actor()
+    rows, version = [], 0
+    for dtype in args.dtypes:
+        shapes = state_dict_shapes(args.size_gb, DTYPES[dtype])
+        nbytes = await publisher.build.call_one(shapes, dtype)
+        await readers.allocate.call(shapes, dtype)
+        namespace = f"bench-hosts-{dtype}"
+        version += 1
+        await relay_once(publisher, readers, namespace, version)  # warm-up: first touch, connections
+        relay = []
+        for _ in range(args.repeats):
+            version += 1
+            relay.append(await relay_once(publisher, readers, namespace, version))
+        plain = []
+        for _ in range(args.ts_repeats or args.repeats):
+            version += 1
+            plain.append(await torchstore_once(publisher, readers, f"bench-hosts-ts-{dtype}-{version}", version))
+        raw = [raw_copy_seconds(hosts, nbytes) for _ in range(args.repeats)]
+        await publisher.free.call_one()
+        await readers.free.call()
+        rows.append({"dtype": dtype, "gb": nbytes / 1e9, "tensors": len(shapes), "relay": statistics.median(relay),
+                     "torchstore": statistics.median(plain), "raw": statistics.median(raw)})
+        print_row(rows[-1])
+    return rows
+
+
+def print_row(row: dict) -> None:
+    gb = row["gb"]
+    print(f"\n{row['dtype']}: {gb:.3f} GB in {row['tensors']} tensors, publisher on host A, 2 readers on host B; "
+          "publish-to-ready, median")
+    print(f"  {'path':<58}{'seconds':>9}{'GB/s':>8}")
+    for label, key in (("(a) forge: torchstore once, host B's relay, shm readers", "relay"),
+                       ("(b) plain torchstore: put once, get per reader", "torchstore"),
+                       ("(c) raw TCP copy A -> B, same bytes, once (the link)", "raw")):
+        print(f"  {label:<58}{row[key]:>9.3f}{gb / row[key]:>8.2f}")
+    speedup, gap = row["torchstore"] / row["relay"], row["relay"] / row["raw"]
+    print(f"  (b)/(a) = {speedup:.2f}x (goal >= 10: {'met' if speedup >= 10 else 'MISSED'});"
+          f"  (a)/(c) = {gap:.2f}x (goal <= 1.5: {'met' if gap <= 1.5 else 'MISSED'})")
+
+
+async def main(args: argparse.Namespace) -> None:
+    unavailable = namespaces_unavailable()
+    if unavailable is not None:
+        raise SystemExit(f"--hosts {args.hosts}: {unavailable}")
+    relaunch_as_controller_host()  # Monarch must listen on this process's bridge address (forge.compat, 19)
+    # Spawned processes import this module by name: give them the repository on their path.
+    root = str(Path(__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    hosts = SimulatedHosts(count=args.hosts)
+    try:
+        hosts.start()
+        try:
+            await run(args, hosts)
+        finally:
+            await provisioner.shutdown()
+    finally:
+        hosts.close()
