@@ -18,17 +18,15 @@ import re
 from pathlib import Path
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
-from safetensors.torch import save_file
+from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torchtitan.protocols import BaseStateDictAdapter
 
+from actors.engines.lora_weights import write_peft_adapter
 from actors.lora_config import LoRAConfig
 
 ADAPTER_NAME = "default"  # peft's name for a model's only adapter
-PEFT_PREFIX = "base_model.model."  # what a PeftModel around a transformers model adds to its module names
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?:" + ADAPTER_NAME + r"\.)?weight$")
 
 
@@ -46,14 +44,10 @@ def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
     return targets
 
 
-def peft_config(lora: LoRAConfig, target_modules: list[str], *, base_model: str | None = None) -> PeftLoraConfig:
-    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules,
-                          base_model_name_or_path=base_model)
-
-
 def inject(model: nn.Module, lora: LoRAConfig, targets: list[str]) -> None:
     """Wrap the targeted linear layers in peft's LoRA layers; freeze everything but the adapters."""
-    inject_adapter_in_model(peft_config(lora, targets), model, adapter_name=ADAPTER_NAME)
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(_LORA_KEY.match(name) is not None)
 
@@ -105,7 +99,4 @@ def to_peft_names(adapter: dict[str, torch.Tensor], state_dict_adapter: BaseStat
 
 def export_peft(adapter_hf: dict[str, torch.Tensor], lora: LoRAConfig, base_model: str, path: Path) -> None:
     """Write `path` as peft writes an adapter: adapter_config.json and adapter_model.safetensors."""
-    path.mkdir(parents=True, exist_ok=True)
-    peft_config(lora, list(lora.target_modules), base_model=base_model).save_pretrained(str(path))
-    save_file({PEFT_PREFIX + k: v.contiguous().cpu() for k, v in adapter_hf.items()},
-              str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_peft_adapter(adapter_hf, path, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, base_model=base_model)

@@ -5,7 +5,12 @@ number of versions leaves no rounding behind."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
+
+PEFT_PREFIX = "base_model.model."  # what a PeftModel around a transformers model adds to its module names
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
@@ -49,5 +54,27 @@ def check_adapter(state_dict: dict[str, torch.Tensor], version: int,
 
 def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`base + b @ a` as a new tensor in base's dtype and device (the product in float32)."""
-    delta = b.to(base.device, torch.float32) @ a.to(base.device, torch.float32)
-    return (base.float() + delta).to(base.dtype)
+    # One float32 temporary, added into in place (a copy even when base is float32: the kept base never changes).
+    merged32 = base.to(torch.float32, copy=True)
+    merged32.addmm_(b.to(base.device, torch.float32), a.to(base.device, torch.float32))
+    return merged32.to(base.dtype)
+
+
+def target_modules(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """The adapted modules' short names ("q_proj", ...), as peft's target_modules lists them."""
+    return sorted({name.removesuffix(LORA_A).removesuffix(LORA_B).rsplit(".", 1)[-1] for name in state_dict})
+
+
+def write_peft_adapter(adapter: dict[str, torch.Tensor], path: Path, *, rank: int, alpha: float, dropout: float = 0.0,
+                       base_model: str | None = None) -> Path:
+    """Write `path` as peft writes an adapter (adapter_config.json, adapter_model.safetensors) from HF-named
+    adapter tensors: `PeftModel.from_pretrained(base, path)` and vLLM's LoRARequest both read it."""
+    from peft import LoraConfig  # here: the engines import this module, and only an adapter writer needs peft
+
+    path.mkdir(parents=True, exist_ok=True)
+    LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules(adapter),
+               base_model_name_or_path=base_model).save_pretrained(str(path))
+    save_file({PEFT_PREFIX + k: v.contiguous().cpu() for k, v in adapter.items()}, str(path / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    return path
+

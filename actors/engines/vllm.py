@@ -23,12 +23,19 @@ top_k samples from the MAX_KEPT_TOKENS most likely tokens (vLLM's top_k is set t
 vLLM 0.13 on CPU computes Qwen3's q/k RMSNorm wrongly (see `_compilation_config`); the engine works
 around it, so log-probs equal a teacher-forced transformers forward within 1e-4 in float32 (the tests' bound).
 Weights reach vLLM's worker processes as a safetensors file in /dev/shm (vLLM's RPC carries no tensors).
+
+LoRA versions. An adapter-only version (`actors/engines/lora_weights.py`) is written as a peft adapter folder in
+/dev/shm and becomes the LoRA request every later request runs with (vLLM keeps the base weights and applies
+the adapter in its forward: nothing accumulates across versions); the previous version's adapter is removed.
+The engine must be started with `enable_lora=True` and `max_lora_rank` >= the adapter's rank; it then takes
+adapters only (vLLM's LoRA layers wrap the base layers, so its full-weight loader no longer finds them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -40,6 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from actors.engines import lora_weights
 from actors.engines.hf import DTYPES
 from actors.engines.vllm_args import check_engine_args
 from actors.engines.weights import check_state_dict, hf_weight_specs
@@ -85,6 +93,8 @@ class VLLMEngine:
             specs, self._required = hf_weight_specs(AutoModelForCausalLM.from_config(config))
         self._specs = {name: (shape, DTYPES[dtype]) for name, (shape, _) in specs.items()}
         self._version = 0
+        self._max_lora_rank = engine_args.get("max_lora_rank", 16) if engine_args.get("enable_lora") else 0
+        self._lora = None  # the LoRARequest of the current version when it is an adapter
         self._staged: tuple[list[tuple[str, torch.Tensor]], int] | None = None
         self._active = 0  # requests in flight
 
@@ -110,6 +120,8 @@ class VLLMEngine:
         self._thread.join(timeout=10)
 
     async def _shutdown(self) -> None:
+        if self._lora is not None:
+            shutil.rmtree(self._lora.lora_path, ignore_errors=True)
         self._llm.shutdown()
         # Let the output handler finish cancelling before the loop stops (else: "Task was destroyed but it is pending").
         handler = getattr(self._llm, "output_handler", None)
@@ -128,16 +140,30 @@ class VLLMEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Validate, then swap as soon as the requests in flight finish (new ones wait); return once swapped."""
-        check_state_dict(state_dict, version, self._specs, self._required, f"VLLMEngine.load_weights",
-                         current_version=self._version)
+        self._validate(state_dict, version, "VLLMEngine.load_weights")
         self._call(self._stage(list(state_dict.items()), version, wait=True))
 
     def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Validate now; swap when the requests in flight finish (at once if idle). A later stage replaces one
         not yet applied. Returns without waiting for the swap."""
-        check_state_dict(state_dict, version, self._specs, self._required, f"VLLMEngine.stage_weights",
-                         current_version=self._version)
+        self._validate(state_dict, version, "VLLMEngine.stage_weights")
         self._call(self._stage(list(state_dict.items()), version, wait=False))
+
+    def _validate(self, state_dict: dict[str, torch.Tensor], version: int, caller: str) -> None:
+        if not lora_weights.is_adapter(state_dict):
+            if self._max_lora_rank:
+                # vLLM's LoRA layers wrap the base ones, and its weight loader no longer finds them by name.
+                raise ValueError(f"{caller}(version={version}): full weights on an engine started with "
+                                 "enable_lora=true; a LoRA run publishes adapters only (start without enable_lora "
+                                 f"to follow full weights). Weights stay at version {self._version}.")
+            check_state_dict(state_dict, version, self._specs, self._required, caller, current_version=self._version)
+            return
+        lora_weights.check_adapter(state_dict, version, self._specs, caller, current_version=self._version)
+        rank = next(t.shape[0] for n, t in state_dict.items() if n.endswith(lora_weights.LORA_A))
+        if rank > self._max_lora_rank:
+            raise ValueError(f"{caller}(version={version}): a rank-{rank} adapter needs the engine started with "
+                             f"engine_args.enable_lora=true and max_lora_rank >= {rank} (now: "
+                             f"{'max_lora_rank=' + str(self._max_lora_rank) if self._max_lora_rank else 'enable_lora off'})")
 
     async def _stage(self, weights: list[tuple[str, torch.Tensor]], version: int, *, wait: bool) -> None:
         async with self._lock:
@@ -152,6 +178,9 @@ class VLLMEngine:
             return
         (weights, version), self._staged = self._staged, None
         try:
+            if lora_weights.is_adapter(dict(weights)):
+                await self._swap_adapter(dict(weights), version)
+                return
             # vLLM's RPC cannot carry tensors untyped: the workers read them from a file in shared memory.
             with tempfile.NamedTemporaryFile(dir=_SHARED_MEMORY if os.path.isdir(_SHARED_MEMORY) else None,
                                              prefix="forge-vllm-weights-", suffix=".safetensors") as file:
@@ -163,6 +192,28 @@ class VLLMEngine:
         finally:
             self._lock.notify_all()
 
+    async def _swap_adapter(self, adapter: dict[str, torch.Tensor], version: int) -> None:
+        """Caller holds the lock, no request in flight. The adapter as a peft folder, loaded by vLLM as the LoRA
+        request of every request from now on; the previous one is removed (from vLLM and from /dev/shm)."""
+        from vllm.lora.request import LoRARequest
+
+        parent = _SHARED_MEMORY if os.path.isdir(_SHARED_MEMORY) else None
+        folder = Path(tempfile.mkdtemp(prefix=f"forge-vllm-lora-v{version}-", dir=parent))
+        rank = next(t.shape[0] for n, t in adapter.items() if n.endswith(lora_weights.LORA_A))
+        # B already carries alpha / rank (what a LoRA trainer publishes): alpha = rank makes vLLM's scaling 1.
+        await asyncio.to_thread(lora_weights.write_peft_adapter, adapter, folder, rank=rank, alpha=rank)
+        request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version + 1, lora_path=str(folder))
+        try:
+            if not await self._llm.add_lora(request):
+                raise RuntimeError(f"VLLMEngine: vLLM refused the adapter of version {version}")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._lora, self._version = self._lora, request, version
+        if previous is not None:
+            await self._llm.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
     @asynccontextmanager
     async def _weights_in_use(self):
         """Hold the current weights for one request; a staged swap goes first, and waits for this to end."""
@@ -170,9 +221,9 @@ class VLLMEngine:
             await self._swap_if_idle()
             await self._lock.wait_for(lambda: self._staged is None)
             self._active += 1
-            version = self._version
+            version, lora = self._version, self._lora
         try:
-            yield version
+            yield version, lora
         finally:
             async with self._lock:
                 self._active -= 1
@@ -207,10 +258,10 @@ class VLLMEngine:
             stop_token_ids=list(params.stop_token_ids) or None, logprobs=asked,
             # One seed per prompt: identical prompts in one call still get different samples.
             seed=None if params.seed is None else params.seed + index, output_kind=RequestOutputKind.FINAL_ONLY)
-        async with self._weights_in_use() as version:
+        async with self._weights_in_use() as (version, lora):
             output = None
             async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling,
-                                                   uuid.uuid4().hex):
+                                                   uuid.uuid4().hex, lora_request=lora):
                 pass
         group = []
         for sample in sorted(output.outputs, key=lambda sample: sample.index) * (params.n // n):
@@ -232,9 +283,10 @@ class VLLMEngine:
 
         # vLLM's prompt log-probs come from the raw logits (temperature 1, no top-k/top-p), whatever the mode.
         sampling = VLLMSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        async with self._weights_in_use() as version:
+        async with self._weights_in_use() as (version, lora):
             output = None
-            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, uuid.uuid4().hex):
+            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, uuid.uuid4().hex,
+                                                   lora_request=lora):
                 pass
         positions = output.prompt_logprobs[len(ids) - scored :]
         return [step[token].logprob for step, token in zip(positions, ids[len(ids) - scored :])], version

@@ -13,6 +13,17 @@ from typing import Any
 _SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode", "max_logprobs",
                             "worker_extension_cls"})
 
+# vLLM 0.13's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks; a test checks they agree).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_engine_args(rank: int) -> dict[str, Any]:
+    """The engine arguments that let vLLM serve a rank-`rank` adapter per policy version."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"trainer.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 1}
+
 
 @cache
 def engine_arg_names() -> frozenset[str]:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from transformers import AutoTokenizer
 
+from actors.engines.vllm_args import lora_engine_args
 from actors.generator import Generator
 from actors.reference_model import ReferenceActor, ReferenceConfig
 from actors.replay_buffer import ReplayBufferActor
@@ -71,13 +72,15 @@ async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
     print(f"starting actors: trainer x{r.trainer_procs}, generator x{r.generator_replicas} replicas, replay buffer"
           f"{', reference' if cfg.reference.enabled else ''}", flush=True)
     trainer_cfg = replace(cfg.trainer, model_path=model_path, max_steps=max(cfg.trainer.max_steps, cfg.steps))
+    generator_cfg = replace(cfg.generator, model=model_path, weight_namespace=WEIGHTS)
+    if cfg.trainer.lora is not None and cfg.generator.engine == "vllm":  # every version is a LoRA request
+        generator_cfg.engine_args = {**cfg.generator.engine_args, **lora_engine_args(cfg.trainer.lora.rank)}
     spawns = [
         TrainerActor.options(procs=r.trainer_procs, with_gpus=r.with_gpus, mesh_name="trainer").as_actor(
             trainer_cfg, weight_namespace=WEIGHTS),
         ReplayBufferActor.options(mesh_name="replay_buffer").as_actor(cfg.replay_buffer),
         Generator.options(num_replicas=r.generator_replicas, procs=r.generator_procs, with_gpus=r.with_gpus,
-                          gpus_per_proc=cfg.generator_gpus_per_proc, mesh_name="generator").as_service(replace(cfg.generator, model=model_path,
-                                                                    weight_namespace=WEIGHTS)),
+                          gpus_per_proc=cfg.generator_gpus_per_proc, mesh_name="generator").as_service(generator_cfg),
     ]
     if cfg.reference.enabled:
         ref_cfg = ReferenceConfig(model_path=model_path, family=cfg.trainer.family, dtype=cfg.trainer.dtype,
