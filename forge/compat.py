@@ -60,6 +60,11 @@ Nothing here runs at import, except making Monarch importable for the modules th
     hosts' answers on 127.0.0.1 whatever its host name     controller's own address (`remote_alloc_bootstrap_address`,
     resolves to: the hosts' allocators cannot answer       forge.hosts_mesh); can go when a host mesh comes up with
     ("failed to send Allocated message"), nothing starts   the variable unset (tests/forge/test_multihost.py)
+22  6 on another host: a SIGKILLed controller's remote    each host's watch process holds a TCP "lifeline" to the
+    processes live on for minutes (with 2 and 16's long    controller; when it closes, it kills its host process's
+    deadlines), its /dev/shm segments with them            tree (`kill_host_tree_when_closed`, forge.hosts_mesh);
+                                                           can go when tests/forge/test_multihost.py's SIGKILL test
+                                                           passes without it
 """
 
 from __future__ import annotations
@@ -176,16 +181,26 @@ def exit_with_controller(controller_pid: int, poll_s: float = 1.0) -> None:
     def watch() -> None:
         while psutil.pid_exists(controller_pid):
             time.sleep(poll_s)
-        me = psutil.Process()
-        host = me.parent()
-        tree = [host, *host.children(recursive=True)] if host and "bootstrap_main" in " ".join(host.cmdline()) else [me]
-        for proc in tree:
-            if proc.pid != me.pid:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-        os._exit(1)
+        _kill_host_tree_and_exit()
 
     threading.Thread(target=watch, daemon=True, name="exit-with-controller").start()
+
+
+def _kill_host_tree_and_exit() -> None:
+    """Kill this process's host process (Monarch's, for this job on this host), everything it started, and this
+    process."""
+    import psutil
+
+    me = psutil.Process()
+    host = me.parent()
+    # This host's Monarch host process: `bootstrap_main` on the controller's host, `monarch_bootstrap` (started by
+    # the host's process_allocator, which lives on for the next job) on another host.
+    is_host = host is not None and any(m in " ".join(host.cmdline()) for m in ("bootstrap_main", "monarch_bootstrap"))
+    for proc in [host, *host.children(recursive=True)] if is_host else []:
+        if proc.pid != me.pid:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    os._exit(1)
 
 
 # -- 7, 8. endpoint errors and undeliverable replies ----------------------------------------------------------
@@ -330,3 +345,18 @@ def route_output_to_file(path: str) -> None:
         (sys.stdout if fd == 1 else sys.stderr).flush()
         os.dup2(opened, fd)
     os.close(opened)
+
+
+# -- 22. remote processes outliving a SIGKILLed controller ----------------------------------------------------
+
+
+def kill_host_tree_when_closed(lifeline: Any) -> None:
+    """A daemon thread that, once `lifeline` (a connected socket to the controller, which never sends on it)
+    closes, kills this host's processes of the job (6 on another host, where the controller's pid means nothing)."""
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while lifeline.recv(1):
+                pass
+        _kill_host_tree_and_exit()
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-controller-lifeline").start()

@@ -7,8 +7,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import threading
 
 from forge import compat
+from forge.actor import ForgeActor
 from forge.hosts import HostsConfig, HostsError
 
 from monarch._src.actor.allocator import (  # noqa: E402 (after forge.compat)
@@ -73,3 +75,40 @@ def bootstrap_command() -> BootstrapCommand:
     passed = [*compat.JOB_ENVIRONMENT, compat.TRANSPORT_VARIABLE, "LD_LIBRARY_PATH", "PYTHONPATH"]
     env = {**command.env, **{key: os.environ[key] for key in passed if key in os.environ}}
     return BootstrapCommand(command.program, command.arg0, command.args, env)
+
+
+# -- the lifeline (forge.compat, 22) ----------------------------------------------------------------------------
+
+_lifeline: tuple[str, int] | None = None
+_lifeline_connections: list[socket.socket] = []  # held open for the life of this process
+
+
+def lifeline_address() -> tuple[str, int]:
+    """A port on this controller's address that every other host's watch process connects to; the kernel closes
+    those connections when this process ends, however it ends (a SIGKILL included)."""
+    global _lifeline
+    if _lifeline is None:
+        server = socket.create_server((controller_address(), 0))
+
+        def accept() -> None:
+            while True:
+                connection, _ = server.accept()
+                _lifeline_connections.append(connection)
+
+        threading.Thread(target=accept, daemon=True, name="forge-lifeline").start()
+        _lifeline = server.getsockname()[:2]
+    return _lifeline
+
+
+class Lifeline(ForgeActor):
+    """In a host's watch process: once the controller's lifeline closes, this host's processes of the job go."""
+
+    def __init__(self, address: str, port: int) -> None:
+        self.connection = socket.create_connection((address, port), timeout=10)
+        self.connection.settimeout(None)
+        # A controller whose machine vanishes sends no FIN: keepalive notices within ~25 s.
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                self.connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        compat.kill_host_tree_when_closed(self.connection)

@@ -296,6 +296,10 @@ class Provisioner:
                 return
             name = f"host{index}-watch"
             self._host_watch[index] = await self._spawn(name, 1, False, None, None, [index])
+            from forge.hosts_mesh import Lifeline, lifeline_address
+
+            # Nothing of the job outlives a SIGKILLed controller on that host (forge.compat, 22).
+            await Lifeline._spawn_on(self._host_watch[index], lifeline_address(), {})
             self.meshes.pop(name, None)  # watched through its own answers, not counted as a role
 
     async def _watch_processes(self, poll_s: float = 0.5) -> None:
