@@ -1,6 +1,6 @@
 """LoRA on the trainer's torchtitan model, with peft's layers, and the adapter in Hugging Face / peft names.
 
-    targets = titan_targets(lora, state_dict_adapter)     # ["attention.wq", ...]: HF names mapped by the adapter
+    targets = titan_targets(lora, state_dict_adapter)     # ["attention.wq", "output", ...]: via the adapter's names
     inject(model, lora, targets)                          # on the meta model, before FSDP: peft's LoRA layers
     ...                                                   # load the base, then init_adapters(model, seed)
     adapter_hf = to_peft_names(adapter_state(model), state_dict_adapter)   # {"model.layers.0...q_proj.lora_A.weight"}
@@ -34,12 +34,12 @@ def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
     """The torchtitan module suffixes (e.g. "attention.wq") of the HF modules `lora.target_modules` names."""
     targets = []
     for name in lora.target_modules:
-        # One "{}" (the layer): a dense layer's module, not a mixture-of-experts' per-expert one.
+        # At most one "{}" (the layer): a dense layer's module or lm_head, not a mixture-of-experts' per-expert one.
         matches = {titan for hf, titan in adapter.from_hf_map.items()
-                   if titan is not None and hf.endswith(f".{name}.weight") and hf.count("{}") == 1}
+                   if titan is not None and f".{hf}".endswith(f".{name}.weight") and hf.count("{}") <= 1}
         if len(matches) != 1:
             raise ValueError(f"LoRA target {name!r}: torchtitan's state-dict adapter maps it to {sorted(matches)}; "
-                             "expected exactly one decoder-layer module")
+                             "expected exactly one module")
         targets.append(matches.pop().removeprefix("layers.{}.").removesuffix(".weight"))
     return targets
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 from actors.model_config import is_int, is_number, require_field
 
-# The linear layers of each family's decoder blocks, by their Hugging Face module names (the embedding and
-# lm_head are not targets: adapting them changes what a peft export of the base model must hold).
-LORA_TARGETS = {"qwen3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+# The linear layers of each family's decoder blocks and the unembedding (lm_head), by their Hugging Face module names.
+LORA_TARGETS = {"qwen3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")}
 
 
 @dataclass
@@ -51,6 +50,9 @@ def check_lora_for_model(lora: LoRAConfig, family: str, hf_config: dict | None, 
         raise ValueError(f"{field_prefix}.target_modules={lora.target_modules!r}: {unknown} "
                          f"{'is not a module' if len(unknown) == 1 else 'are not modules'} of a {family} model; "
                          f"allowed: {list(allowed)}")
+    if "lm_head" in lora.target_modules and hf_config is not None and hf_config.get("tie_word_embeddings"):
+        raise ValueError(f"{field_prefix}.target_modules={lora.target_modules!r}: 'lm_head' is tied to the input "
+                         "embedding in this model (tie_word_embeddings=true): an adapter on it would change both")
     if tensor_parallel_degree != 1:
         raise ValueError(f"{field_prefix}: LoRA trains with FSDP only; tensor_parallel_degree="
                          f"{tensor_parallel_degree} must be 1")

@@ -26,7 +26,7 @@ from forge.tiny_model import build_tiny_checkpoint
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import _free_port, assert_same_weights, hf_logprobs, make_batch, trainer_config  # noqa: E402
 
-LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +51,18 @@ def named(trainer: TitanTrainer, adapters: bool) -> dict[str, torch.Tensor]:
 def test_only_the_adapters_train_and_hold_optimizer_state(checkpoint: Path) -> None:
     trainer = TitanTrainer(lora_config(checkpoint))
     base_before, adapters_before = named(trainer, False), named(trainer, True)
-    # Three targets in each of 2 layers, A and B each; B starts at zero (the model starts at the base).
-    assert len(adapters_before) == 12 and all(".lora_" in n for n in adapters_before)
+    # Three targets in each of 2 layers and lm_head, A and B each; B starts at zero (the model starts at the base).
+    assert len(adapters_before) == 14 and all(".lora_" in n for n in adapters_before)
     assert all(not t.any() for n, t in adapters_before.items() if ".lora_B." in n)
     for seed in (8, 9):
         trainer.train_step(make_batch(seed))
     assert_same_weights(named(trainer, False), base_before, atol=0)
     changed = [n for n, t in named(trainer, True).items() if not torch.equal(t, adapters_before[n])]
-    assert len(changed) == 12
+    assert len(changed) == 14
     (optimizer,) = trainer.optimizers.optimizers
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in trainer.model.parameters() if p.requires_grad}
-    assert len(optimizer.state) == 12
+    assert len(optimizer.state) == 14
 
 
 def test_untrained_adapters_give_the_base_models_logprobs(checkpoint: Path) -> None:
@@ -78,7 +78,8 @@ def test_peft_export_loads_with_peft_and_gives_the_trainers_logits(checkpoint: P
         trainer.train_step(make_batch(seed))
     path = Path(trainer.export_hf(tmp_path / "adapter"))
     saved = load_file(path / "adapter_model.safetensors")
-    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in saved and len(saved) == 12
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in saved and len(saved) == 14
+    assert "base_model.model.lm_head.lora_B.weight" in saved
     config = json.loads((path / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, sorted(LORA["target_modules"]))
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint), path).eval()
@@ -242,12 +243,18 @@ def test_engine_refuses_an_adapter_that_does_not_fit(checkpoint: Path) -> None:
     ({"target_modules": []}, r"LoRAConfig.target_modules=\[\]: must be a non-empty list"),
     ({"target_modules": ["q_proj", "wq"]},
      r"TrainerConfig.lora.target_modules=\['q_proj', 'wq'\]: \['wq'\] is not a module of a qwen3 model; allowed: "
-     r"\['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'\]"),
+     r"\['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj', 'lm_head'\]"),
     ({"rank": 4096}, r"TrainerConfig.lora.rank=4096: must be <= the model's hidden_size 128"),
 ])
 def test_bad_lora_config_names_the_field_value_and_allowed(checkpoint: Path, lora: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TrainerConfig(model_path=str(checkpoint), lora=lora)
+
+
+def test_lora_on_a_tied_lm_head_is_refused(tmp_path: Path) -> None:
+    tied = build_tiny_checkpoint(tmp_path / "tied", seed=1, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="'lm_head' is tied to the input embedding"):
+        TrainerConfig(model_path=str(tied), lora={"target_modules": ["q_proj", "lm_head"]})
 
 
 def test_lora_is_refused_with_tensor_parallelism_or_llama(checkpoint: Path) -> None:
@@ -261,7 +268,7 @@ def test_every_allowed_target_is_a_linear_layer_of_the_hf_model() -> None:
     # The names peft would target on transformers' Qwen3: what the check allows is what exists.
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert linear == set(LORA_TARGETS["qwen3"])
 
 
