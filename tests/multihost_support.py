@@ -391,3 +391,37 @@ class TrainStepProbe(ForgeActor):
         weights = trainer.hf_state_dict()  # a collective: the full weights on rank 0
         return {"rank": rank, "world_size": world_size, "host": socket.gethostname(), "loss": metrics["loss"],
                 "grad_norm": metrics["grad_norm"], "weights": weights if rank == 0 else None}
+
+
+# -- a small forge job across the simulated hosts, run as its own controller process (the fault tests) --------
+
+
+def small_job(addresses: list[str], port: int) -> int:
+    """`python -m tests.multihost_support ADDRESS,ADDRESS PORT`: a forge job (forge.lifecycle) whose publisher on
+    host 0 publishes version 1 and whose reader on host 1 reads it (relayed into host 1's shared memory); prints
+    a line once both hosts hold it, then runs until it is killed or a failure ends it."""
+    from forge import provisioner
+    from forge.hosts import HostsConfig
+    from forge.lifecycle import run_job
+
+    provisioner.configure_hosts(HostsConfig(addresses=addresses, port=port, roles={"pub": [0], "readers": [1]}))
+
+    async def main() -> None:
+        import asyncio
+
+        await provisioner.get_provisioner().start_weight_store()
+        publisher = await HostProbe.options(procs=1, mesh_name="pub").as_actor()
+        reader = await HostProbe.options(procs=1, mesh_name="readers").as_actor()
+        await publisher.publish.call_one("small", 1, 1024)
+        while (await reader.read_newest.call_one("small"))["version"] != 1:
+            await asyncio.sleep(0.2)
+        print("ready: version 1 on both hosts", flush=True)
+        await asyncio.Event().wait()
+
+    return run_job(main)
+
+
+if __name__ == "__main__":
+    from tests.multihost_support import small_job as job  # actors pickled by their module's real name
+
+    sys.exit(job(sys.argv[1].split(","), int(sys.argv[2])))
