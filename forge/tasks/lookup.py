@@ -10,7 +10,7 @@ Every problem draws fresh hidden values, so an answer given without asking is ri
 values of two digits make the same task; the tiny model's warm start then takes about twice as long.)
 Asking for a variable that is not in the prompt is allowed (the environment answers); only the final answer
 scores. The held-out problems are fixed by `seed`; training problems that coincide with one (same number,
-variable and value) are rejected, so the held-out score measures generalisation.
+value; any variable) are rejected, so the held-out score measures generalisation to sums never trained.
 """
 
 from __future__ import annotations
@@ -46,9 +46,13 @@ class LookupTask:
             raise ValueError(f"task.name='lookup': the model's tokenizer encodes {QUERY!r} as {query}; the task needs "
                              "it to be one token (it ends a tool call)")
         self.stop_token_ids = tuple(query)
+        pairs = 10**num_digits * 10  # (visible number, hidden digit): what decides an answer
+        if not 1 <= held_out <= pairs // 2:
+            raise ValueError(f"task.held_out={held_out}: must be in [1, {pairs // 2}] for the lookup task with "
+                             f"num_digits={num_digits} (half of its {pairs} number-and-value pairs)")
         self.num_digits, self.reverse_answer, self.eos_text = num_digits, reverse_answer, eos_text
         rng = random.Random(seed)
-        held: dict[tuple[str, int], LookupProblem] = {}
+        held: dict[tuple[int, int], LookupProblem] = {}
         while len(held) < held_out:
             problem = self._draw(rng)
             held.setdefault(self._key(problem), problem)
@@ -63,9 +67,10 @@ class LookupTask:
                              values=values)
 
     @staticmethod
-    def _key(problem: LookupProblem) -> tuple[str, int]:
-        """What decides the answer: the prompt and the value of the variable it names."""
-        return problem.prompt, problem.values[NAMES.index(problem.prompt[-2])]
+    def _key(problem: LookupProblem) -> tuple[int, int]:
+        """What decides the answer: the visible number and the value of the variable the prompt names (the name
+        itself does not: a held-out pair is never trained under any name)."""
+        return int(problem.prompt.split("+")[0]), problem.values[NAMES.index(problem.prompt[-2])]
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[LookupProblem]:
         held = {self._key(p) for p in self._held_out}

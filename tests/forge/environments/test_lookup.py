@@ -47,9 +47,12 @@ async def test_the_answer_needs_the_value_the_environment_replies(task):
 
 
 def test_hidden_values_are_fresh_per_problem_and_held_out_problems_never_train(task):
-    held = {(p.prompt, p.values[NAMES.index(p.prompt[-2])]) for p in task.held_out()}
+    def pair(p):  # what decides the answer: the visible number and the hidden value asked for, under any name
+        return p.prompt.split("+")[0], p.values[NAMES.index(p.prompt[-2])]
+
+    held = {pair(p) for p in task.held_out()}
     train = task.sample_prompts(5000, random.Random(1))
-    assert not held & {(p.prompt, p.values[NAMES.index(p.prompt[-2])]) for p in train}
+    assert len(held) == 200 and not held & {pair(p) for p in train}
     by_prompt: dict[str, set[str]] = {}
     for p in train:
         by_prompt.setdefault(p.prompt, set()).add(p.answer)
@@ -89,3 +92,5 @@ def test_the_task_is_made_by_name_and_needs_a_one_token_query(tmp_path: Path, to
 
     with pytest.raises(ValueError, match=r"tokenizer encodes '\?' as \[5, 6\]; the task needs it to be one token"):
         LookupTask(seed=0, held_out=10, tokenizer=TwoTokenQuery())
+    with pytest.raises(ValueError, match=r"task.held_out=501: must be in \[1, 500\] .* num_digits=2"):
+        LookupTask(seed=0, held_out=501, tokenizer=tokenizer)
