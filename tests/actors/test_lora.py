@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from actors.trainer_config import TrainerConfig
 from forge.tiny_model import build_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_trainer import _free_port, assert_same_weights, hf_logprobs, make_batch, trainer_config  # noqa: E402
+from test_trainer import assert_same_weights, hf_logprobs, make_batch, run_ranks, trainer_config  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}
 
@@ -137,22 +136,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
 
 @pytest.fixture(scope="module")
 def fsdp_results(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    # Each rank runs this file as a script (see the bottom), as in test_trainer.py.
-    out_dir, port, world_size = tmp_path_factory.mktemp("fsdp_lora"), _free_port(), 2
-    logs = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(world_size), str(port), str(checkpoint),
-                               str(out_dir)], stdout=log.open("w"), stderr=subprocess.STDOUT)
-             for rank, log in enumerate(logs)]
-    try:
-        for proc in procs:
-            proc.wait(timeout=240)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-    return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+    return run_ranks(__file__, checkpoint, tmp_path_factory.mktemp("fsdp_lora"))  # each rank: the bottom of this file
 
 
 def test_fsdp_two_ranks_give_one_ranks_losses_and_adapters(fsdp_results: list[dict], checkpoint: Path) -> None:

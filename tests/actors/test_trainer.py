@@ -408,13 +408,13 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def fsdp_results(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    # Each rank runs this file as a script (see the bottom): torchmonarch installs a top-level `tests`
-    # package that hides this one, so a spawned process could not unpickle a function defined here.
-    out_dir, port, world_size = tmp_path_factory.mktemp("fsdp"), _free_port(), 2
+def run_ranks(script: str, checkpoint: Path, out_dir: Path, world_size: int = 2) -> list[dict]:
+    """Run `script` as `world_size` processes (argv: rank, world size, port, checkpoint, out_dir) and return what
+    each saved as out_dir/result<rank>.pt. A script, not a function: torchmonarch installs a top-level `tests`
+    package that hides this one, so a spawned process could not unpickle a function defined here."""
+    port = _free_port()
     logs = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(world_size), str(port), str(checkpoint),
+    procs = [subprocess.Popen([sys.executable, script, str(rank), str(world_size), str(port), str(checkpoint),
                                str(out_dir)], stdout=log.open("w"), stderr=subprocess.STDOUT)
              for rank, log in enumerate(logs)]
     try:
@@ -427,6 +427,11 @@ def fsdp_results(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
     return [torch.load(out_dir / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_ranks(__file__, checkpoint, tmp_path_factory.mktemp("fsdp"))  # each rank: the bottom of this file
 
 
 def test_fsdp_two_ranks_match_one_rank(fsdp_results: list[dict], checkpoint: Path) -> None:
