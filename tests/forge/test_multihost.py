@@ -1,6 +1,9 @@
 """Jobs across hosts, on hosts simulated by network namespaces (tests/multihost_support.py): the `hosts`
 section refused before anything starts, a mesh across 2 hosts (ranks, rendezvous, torchstore both ways),
-processes known by (host, pid), remote output in a file on its host, and nothing left on any host."""
+processes known by (host, pid), remote output in a file on its host, each weight version relayed to a host once
+(forge/weight_relay.py), a 2-host FSDP step equal to the 1-host one, apps.grpo with its trainer and generator on
+different hosts, a lost host failing the job by name, and nothing left on any host after shutdown or after the
+controller is SIGKILLed."""
 
 from __future__ import annotations
 
