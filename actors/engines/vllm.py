@@ -49,7 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines import lora_weights
 from actors.engines.hf import DTYPES
-from actors.engines.vllm_args import check_engine_args
+from actors.engines.vllm_args import NO_LM_HEAD, VLLM_NO_LORA_MODULES, check_engine_args
 from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.sampling import MAX_KEPT_TOKENS
 from forge.types import Completion, SamplingParams
@@ -159,6 +159,8 @@ class VLLMEngine:
             check_state_dict(state_dict, version, self._specs, self._required, caller, current_version=self._version)
             return
         lora_weights.check_adapter(state_dict, version, self._specs, caller, current_version=self._version)
+        if any(m in VLLM_NO_LORA_MODULES for m in lora_weights.target_modules(state_dict)):
+            raise ValueError(f"{caller}(version={version}): {NO_LM_HEAD}. Weights stay at version {self._version}.")
         rank = next(t.shape[0] for n, t in state_dict.items() if n.endswith(lora_weights.LORA_A))
         if rank > self._max_lora_rank:
             raise ValueError(f"{caller}(version={version}): a rank-{rank} adapter needs the engine started with "

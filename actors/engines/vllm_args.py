@@ -15,10 +15,16 @@ _SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "lo
 
 # vLLM 0.13's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks; a test checks they agree).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Its LoRA loader refuses an adapter on lm_head for Qwen3 ("expected target modules in {q_proj, ...}").
+VLLM_NO_LORA_MODULES = ("lm_head",)
+NO_LM_HEAD = "vLLM 0.13 has no LoRA on lm_head; use the hf engine or drop it from target_modules"
 
 
-def lora_engine_args(rank: int) -> dict[str, Any]:
-    """The engine arguments that let vLLM serve a rank-`rank` adapter per policy version."""
+def lora_engine_args(rank: int, target_modules: list[str]) -> dict[str, Any]:
+    """The engine arguments that let vLLM serve a rank-`rank` adapter per policy version (before anything spawns:
+    targets vLLM cannot serve are refused)."""
+    if any(m in VLLM_NO_LORA_MODULES for m in target_modules):
+        raise ValueError(f"trainer.lora.target_modules={list(target_modules)!r}: {NO_LM_HEAD}")
     fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fitting:
         raise ValueError(f"trainer.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")

@@ -73,8 +73,9 @@ async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
           f"{', reference' if cfg.reference.enabled else ''}", flush=True)
     trainer_cfg = replace(cfg.trainer, model_path=model_path, max_steps=max(cfg.trainer.max_steps, cfg.steps))
     generator_cfg = replace(cfg.generator, model=model_path, weight_namespace=WEIGHTS)
-    if cfg.trainer.lora is not None and cfg.generator.engine == "vllm":  # every version is a LoRA request
-        generator_cfg.engine_args = {**cfg.generator.engine_args, **lora_engine_args(cfg.trainer.lora.rank)}
+    lora = cfg.trainer.lora
+    if lora is not None and cfg.generator.engine == "vllm":  # every version is a LoRA request
+        generator_cfg.engine_args = {**cfg.generator.engine_args, **lora_engine_args(lora.rank, lora.target_modules)}
     spawns = [
         TrainerActor.options(procs=r.trainer_procs, with_gpus=r.with_gpus, mesh_name="trainer").as_actor(
             trainer_cfg, weight_namespace=WEIGHTS),

@@ -32,16 +32,17 @@ def engine(checkpoint):
     engine.close()
 
 
-def adapter(reference: HFEngine, seed: int, rank: int = 8) -> dict[str, torch.Tensor]:
-    """A large random adapter on q, v and down projections (B already scaled, as a LoRA trainer publishes)."""
+def adapter(reference: HFEngine, seed: int, rank: int = 8, *, lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """A large random adapter on q, v and down projections (and lm_head if asked), B already scaled, as a LoRA
+    trainer publishes."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for layer in range(2):
-        for module in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"):
-            name = f"model.layers.{layer}.{module}"
-            out_dim, in_dim = reference.model.state_dict()[f"{name}.weight"].shape
-            out[f"{name}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) / in_dim ** 0.5
-            out[f"{name}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * 0.2
+    modules = [f"model.layers.{layer}.{m}" for layer in range(2)
+               for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
+    for name in [*modules, "lm_head"] if lm_head else modules:
+        out_dim, in_dim = reference.model.state_dict()[f"{name}.weight"].shape
+        out[f"{name}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) / in_dim ** 0.5
+        out[f"{name}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * 0.2
     return out
 
 
@@ -69,6 +70,13 @@ def test_full_weights_are_refused_once_lora_is_on(engine, checkpoint) -> None:
     assert engine.policy_version == before
 
 
+def test_an_adapter_on_lm_head_is_refused_before_vllm_sees_it(engine, checkpoint) -> None:
+    before = engine.policy_version
+    with pytest.raises(ValueError, match="vLLM 0.13 has no LoRA on lm_head"):
+        engine.load_weights(adapter(HFEngine(checkpoint), 4, lm_head=True), before + 1)
+    assert engine.policy_version == before
+
+
 def test_an_adapter_above_max_lora_rank_is_refused(engine, checkpoint) -> None:
     before = engine.policy_version
     with pytest.raises(ValueError, match=r"rank-16 adapter needs .* max_lora_rank >= 16 \(now: max_lora_rank=8\)"):
@@ -84,6 +92,10 @@ def test_lora_ranks_are_vllms() -> None:
     from actors.engines.vllm_args import VLLM_LORA_RANKS, lora_engine_args
 
     assert VLLM_LORA_RANKS == typing.get_args(MaxLoRARanks)
-    assert lora_engine_args(16)["max_lora_rank"] == 16 and lora_engine_args(9)["max_lora_rank"] == 16
+    assert lora_engine_args(16, ["q_proj"])["max_lora_rank"] == 16
+    assert lora_engine_args(9, ["q_proj"])["max_lora_rank"] == 16
     with pytest.raises(ValueError, match="trainer.lora.rank=600: vLLM serves LoRA ranks up to 512"):
-        lora_engine_args(600)
+        lora_engine_args(600, ["q_proj"])
+    with pytest.raises(ValueError, match=r"trainer.lora.target_modules=\['q_proj', 'lm_head'\]: vLLM 0.13 has no "
+                                         "LoRA on lm_head"):
+        lora_engine_args(8, ["q_proj", "lm_head"])
