@@ -3,7 +3,7 @@
     targets = titan_targets(lora, state_dict_adapter)     # ["attention.wq", "output", ...]: via the adapter's names
     inject(model, lora, targets)                          # on the meta model, before FSDP: peft's LoRA layers
     ...                                                   # load the base, then init_adapters(model, seed)
-    adapter_hf = to_peft_names(adapter_state(model), state_dict_adapter)   # {"model.layers.0...q_proj.lora_A.weight"}
+    adapter_hf = to_peft_names(adapter_state(get_model_state_dict(model)), state_dict_adapter)  # "model.layers.0...q_proj.lora_A.weight"
 
 peft wraps each targeted linear layer in place: its weight moves to `<module>.base_layer.weight` and the
 adapter is `<module>.lora_A.default.weight` [rank, in] and `<module>.lora_B.default.weight` [out, rank];
