@@ -62,9 +62,11 @@ Nothing here runs at import, except making Monarch importable for the modules th
     ("failed to send Allocated message"), nothing starts   the variable unset (tests/forge/test_multihost.py)
 22  6 on another host: a SIGKILLed controller's remote    each host's watch process holds a TCP "lifeline" to the
     processes live on for minutes (with 2 and 16's long    controller; when it closes, it kills its host process's
-    deadlines), its /dev/shm segments with them            tree (`kill_host_tree_when_closed`, forge.hosts_mesh);
-                                                           can go when tests/forge/test_multihost.py's SIGKILL test
-                                                           passes without it
+    deadlines), its /dev/shm segments with them; and on    tree (`kill_host_tree_when_closed`, forge.hosts_mesh);
+    the controller's own host, where no mesh of a multi-   a detached guard process kills the controller's Monarch
+    host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
+    (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
+                                                           test passes without them
 """
 
 from __future__ import annotations
@@ -360,3 +362,40 @@ def kill_host_tree_when_closed(lifeline: Any) -> None:
         _kill_host_tree_and_exit()
 
     threading.Thread(target=watch, daemon=True, name="exit-with-controller-lifeline").start()
+
+
+# Runs detached: notes the controller's Monarch descendants (its processes run a `bootstrap` module or program)
+# every second, kills them once the controller is gone. Its text never names Monarch itself, so that
+# `processes.monarch_children` does not take the guard for one of them.
+_CONTROLLER_GUARD = """
+import os, sys, time
+import psutil
+controller, me, seen = psutil.Process(int(sys.argv[1])), os.getpid(), []
+while controller.is_running() and controller.status() != psutil.STATUS_ZOMBIE:
+    try:
+        seen = [p for p in controller.children(recursive=True)
+                if p.pid != me and any("bootstrap" in part for part in p.cmdline())]
+    except psutil.Error:
+        pass
+    time.sleep(1)
+for proc in seen:
+    try:
+        proc.kill()  # psutil refuses a pid that was reused meanwhile
+    except psutil.Error:
+        pass
+"""
+
+
+def guard_controller_host() -> None:
+    """Start (once) the guard that kills this controller's Monarch processes on its own host after it dies."""
+    global _guard_started
+    if _guard_started:
+        return
+    import subprocess
+
+    subprocess.Popen([sys.executable, "-c", _CONTROLLER_GUARD, str(os.getpid())], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _guard_started = True
+
+
+_guard_started = False

@@ -54,6 +54,7 @@ def check_hosts(hosts: HostsConfig) -> None:
     if hosts.addresses:
         hosts.check_reachable()
     compat.remote_alloc_bootstrap_address(controller_address())
+    compat.guard_controller_host()  # nothing of the job outlives a SIGKILLed controller here either (22)
     try:
         compat.enable_tcp_transport()
     except RuntimeError as e:
