@@ -296,6 +296,11 @@ def _grpo(hosts: SimulatedHosts, run_dir: Path, *overrides: str) -> subprocess.P
                             stderr=(run_dir / "stderr.log").open("w"), start_new_session=True)
 
 
+def _agent_logs(hosts: SimulatedHosts) -> str:
+    return "".join(f"\n--- {h.name} agent (init {h.init_pid()}):\n" + (h.folder / "agent.log").read_text()[-1500:]
+                   for h in hosts.hosts)
+
+
 def _nothing_left(hosts: SimulatedHosts) -> bool:
     return all(not _job_processes(host) and host.shared_memory() == [] for host in hosts.hosts)
 
@@ -305,7 +310,7 @@ def test_grpo_with_the_trainer_on_host_a_and_the_generator_on_host_b_finishes_an
     run_dir = tmp_path / "grpo"
     app = _grpo(hosts, run_dir, "steps=3")
     try:
-        assert app.wait(timeout=400) == 0, (run_dir / "stderr.log").read_text()[-3000:]
+        assert app.wait(timeout=400) == 0, (run_dir / "stderr.log").read_text()[-3000:] + _agent_logs(hosts)
     finally:
         if app.poll() is None:
             os.killpg(app.pid, signal.SIGKILL)
