@@ -160,7 +160,7 @@ class Provisioner:
             # The storage volume runs on a mesh of ours, so its output bypasses Monarch's host like every
             # other process's (ProcAgent) and its death is reported like any other mesh's.
             self._store_mesh = await self.get_proc_mesh(1, mesh_name="weight_store")
-            await compat.import_torchstore().initialize(mesh=self._store_mesh.procs)
+            await compat.initialize_torchstore(self._store_mesh.procs)
             self._weight_store_started = True
             if self.hosts is not None:  # each version crosses to a host once, whatever reads it there
                 await asyncio.gather(*(self._start_relay(index) for index in range(self.hosts.count)))

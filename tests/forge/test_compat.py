@@ -87,3 +87,40 @@ async def test_a_result_set_on_a_cancelled_call_is_not_reported_and_other_errors
     finally:
         loop.set_exception_handler(before)
     assert [type(c.get("exception")).__name__ for c in reported] == ["RuntimeError"]
+
+
+class _Endpoint:
+    def __init__(self, errors: list[Exception]) -> None:
+        self.errors, self.calls = errors, 0
+
+    async def call(self, **kwargs) -> None:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+@pytest.mark.parametrize("first_error, expected_calls, raises", [
+    ("Actor object is missing when executing method init on actor x.", 2, False),  # overtook its constructor
+    ("the controller crashed", 1, True),  # anything else is the job's error, not retried
+])
+async def test_torchstore_init_is_retried_only_when_it_overtook_the_controllers_constructor(
+        monkeypatch, first_error, expected_calls, raises):
+    import torchstore.api
+    from torchstore.storage_volume import StorageVolume
+
+    init = _Endpoint([AssertionError(first_error)])
+
+    async def spawn(**kwargs):
+        return "volumes"
+
+    async def controller(name):
+        return type("Controller", (), {"init": init})()
+
+    monkeypatch.setattr(StorageVolume, "spawn", spawn)
+    monkeypatch.setattr(torchstore.api, "_controller", controller)
+    if raises:
+        with pytest.raises(AssertionError, match=first_error):
+            await compat.initialize_torchstore("mesh", retry_s=0)
+    else:
+        await compat.initialize_torchstore("mesh", retry_s=0)
+    assert init.calls == expected_calls
