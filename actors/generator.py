@@ -28,6 +28,10 @@ from forge.weight_store import WeightStore, WeightVersionError
 logger = logging.getLogger(__name__)
 
 
+# A host's relay copies each version once for all its readers; a big model's copy takes a while on a slow link.
+RELAY_WAIT_S = 300.0
+
+
 @dataclass
 class _Request:
     prompt: str | list[int]
@@ -160,17 +164,27 @@ class Generator(ForgeActor):
         """Return once `version` or newer is loaded or staged (staged weights apply when the batch starts)."""
         if self._held_version >= version:
             return
-        waited = time.perf_counter()
-        for attempt in range(attempts):
-            if self._held_version >= version:
-                break
+        waited, failures = time.perf_counter(), 0
+        while self._held_version < version:
             try:
                 await self._stage_newest(at_least=version)
             except WeightVersionError:  # deleted between listing and fetching (a newer one exists), or not yet listed
-                if attempt == attempts - 1:
+                failures += 1
+                if failures >= attempts and not await self._wait_for_relay(version, waited):
                     raise
                 await asyncio.sleep(retry_s)
         record_metric("generator/version_wait_s", time.perf_counter() - waited, "sum")
+
+    async def _wait_for_relay(self, version: int, since: float) -> bool:
+        """Whether to keep waiting for `version`: in a multi-host job the trainer has published it and this host's
+        relay is copying it (one crossing for all the host's readers) -- until RELAY_WAIT_S, after which this
+        replica fetches it past the relay (forge.weight_store counts that in weights/fetches_past_relay)."""
+        published = await self.store.published_version() if self.store.relayed else None
+        if published is None or published < version:
+            return False
+        if time.perf_counter() - since >= RELAY_WAIT_S:
+            await self._load(published, stage=True)
+        return True
 
     async def _follow_weights(self) -> None:
         while not self._stopping:

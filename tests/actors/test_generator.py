@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.engines.hf import HFEngine
-from actors.generator import Generator
+from actors.generator import Generator, WeightVersionError
 from forge.provisioner import get_provisioner
 from forge.tiny_model import build_tiny_checkpoint
 from forge.types import SamplingParams
@@ -139,3 +139,62 @@ async def test_a_request_waits_for_its_minimum_policy_version(checkpoint):
         assert all(set(c.policy_versions) == {2} for c in out)
     finally:
         await service.stop()
+
+
+class _HostStore:
+    """A relayed job's weight store as one host sees it: the trainer has published `published`; this host's relay
+    has `host_copy`, and copies `published` after `copy_after` more looks."""
+
+    relayed = True
+
+    def __init__(self, published: int, host_copy: int | None, copy_after: int) -> None:
+        self.published, self.host_copy, self.copy_after, self.fetched = published, host_copy, copy_after, []
+
+    async def published_version(self) -> int:
+        return self.published
+
+    async def latest_version(self) -> int | None:
+        self.copy_after -= 1
+        if self.copy_after < 0:
+            self.host_copy = self.published
+        return self.host_copy
+
+    async def fetch(self, version: int) -> dict:
+        self.fetched.append(version)
+        return {}
+
+
+class _StagingEngine:
+    policy_version = 0
+
+    def stage_weights(self, weights: dict, version: int) -> None:
+        self.staged = version
+
+
+def _generator_on(store: _HostStore) -> Generator:
+    generator = Generator(model="unused")
+    generator.store, generator.engine = store, _StagingEngine()
+    generator._fetched_version = 0
+    return generator
+
+
+async def test_a_request_waits_for_its_hosts_relay_past_the_retries_of_a_missing_version():
+    store = _HostStore(published=3, host_copy=None, copy_after=60)  # far more looks than the 20 retries
+    generator = _generator_on(store)
+    await generator._ensure_version(3, retry_s=0)
+    assert store.fetched == [3] and generator.engine.staged == 3  # read once, from the host's copy
+
+
+async def test_a_relay_that_never_copies_is_passed_after_the_bound(monkeypatch):
+    monkeypatch.setattr("actors.generator.RELAY_WAIT_S", 0.0)
+    store = _HostStore(published=3, host_copy=None, copy_after=10**9)
+    generator = _generator_on(store)
+    await generator._ensure_version(3, retry_s=0)
+    assert store.fetched == [3]  # fetched past the relay (the store counts it)
+
+
+async def test_a_version_nobody_published_fails_the_request_after_its_retries():
+    store = _HostStore(published=2, host_copy=2, copy_after=0)
+    generator = _generator_on(store)
+    with pytest.raises(WeightVersionError, match="needs policy version >= 3"):
+        await generator._ensure_version(3, retry_s=0)
