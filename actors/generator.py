@@ -23,13 +23,9 @@ from actors.generator_config import GeneratorConfig  # noqa: F401  (re-exported:
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from forge.types import Completion, SamplingParams
-from forge.weight_store import WeightStore, WeightVersionError
+from forge.weight_store import RELAY_WAIT_S, WeightStore, WeightVersionError
 
 logger = logging.getLogger(__name__)
-
-
-# A host's relay copies each version once for all its readers; a big model's copy takes a while on a slow link.
-RELAY_WAIT_S = 300.0
 
 
 @dataclass
@@ -178,7 +174,8 @@ class Generator(ForgeActor):
     async def _wait_for_relay(self, version: int, since: float) -> bool:
         """Whether to keep waiting for `version`: in a multi-host job the trainer has published it and this host's
         relay is copying it (one crossing for all the host's readers) -- until RELAY_WAIT_S, after which this
-        replica fetches it past the relay (forge.weight_store counts that in weights/fetches_past_relay)."""
+        replica fetches it itself (from torchstore where the version is there, counted in weights/fetches_past_relay;
+        else forge.weight_store waits for the host's copy, bounded)."""
         published = await self.store.published_version() if self.store.relayed else None
         if published is None or published < version:
             return False

@@ -3,8 +3,9 @@
 
     cd <repo> && .venv/bin/python -m bench.weight_sync --hosts 2 --size-gb 1.0 --dtypes bf16 --repeats 2
 
-(a) forge's relay: `WeightStore.publish` on A (A's shared memory, and torchstore once); host B's relay copies
-    the version from torchstore into B's shared memory; both readers read it there (`fetch(v, into=...)`).
+(a) forge's relay: `WeightStore.publish` on A (A's shared memory; torchstore gets the keys and manifest, and the
+    tensors only where it has RDMA); host B's relay copies the version into B's shared memory (streamed from A's
+    relay without RDMA); both readers read it there (`fetch(v, into=...)`).
 (b) plain torchstore: `ts.put_state_dict` on A, `ts.get_state_dict` in each reader on B (each reader pulls
     the whole state dict across the link).
 (c) the link's limit: one raw TCP stream of the same number of bytes from a process on A to one on B.
@@ -180,7 +181,7 @@ def print_row(row: dict) -> None:
     print(f"\n{row['dtype']}: {gb:.3f} GB in {row['tensors']} tensors, publisher on host A, 2 readers on host B; "
           "publish-to-ready, median")
     print(f"  {'path':<58}{'seconds':>9}{'GB/s':>8}{'publish s':>11}")
-    for label, key in (("(a) forge: torchstore once, host B's relay, shm readers", "relay"),
+    for label, key in (("(a) forge: host B's relay, shm readers", "relay"),
                        ("(b) plain torchstore: put once, get per reader", "torchstore"),
                        ("(c) raw TCP copy A -> B, same bytes, once (the link)", "raw")):
         total, published = row[key]

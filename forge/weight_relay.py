@@ -1,10 +1,12 @@
 """One weight relay per host of a multi-host job: each policy version crosses the link to a host once, not
 once per generator on it.
 
-The trainer publishes a version once (forge/weight_store.py: its own host's shared memory, and torchstore).
-The relay on every other host notices the new version, pulls its tensors from torchstore (RDMA where torchstore
-has it, actor messages on CPU), writes them into its host's /dev/shm segment (forge/shm_weights.py) and then
-advertises that copy under its host's keys; that host's generators read it there like on the trainer's host.
+The trainer publishes a version once (forge/weight_store.py: its own host's shared memory; torchstore too where
+torchstore has RDMA). The relay on every other host notices the new version and copies it into its host's /dev/shm
+(forge/shm_weights.py): with RDMA, its tensors from torchstore; without, the publisher host's whole segment, streamed
+by that host's relay (`SegmentServer`: one TCP connection, the kernel's sendfile; torchstore moves bytes in actor
+messages at ~0.05-0.2 GB/s on CPU, a TCP stream at the link's speed). Then it advertises that copy under its host's
+keys; that host's generators read it there like on the trainer's host, checking every tensor's checksum.
 
 Versions only move forward: a relay that falls behind skips to the newest published version (counted in
 `relay/versions_skipped`), and until it has copied one its host's readers keep the version they have
@@ -21,15 +23,19 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 from forge import compat
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.shm_weights import SHM_DIR, Manifest, SharedMemoryError, create_segment, job_id
+from forge.shm_weights import HEADER, SHM_DIR, Manifest, SharedMemoryError, create_segment, job_id
 from forge.weight_store import RELAY_NAMESPACES_KEY, WeightStore, WeightVersionError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +43,77 @@ logger = logging.getLogger(__name__)
 ts = compat.import_torchstore()
 
 _CONCURRENT_GETS = 4  # tensors in flight from torchstore at once: overlaps the link with the shm writes
+SERVERS_KEY = "forge-weight-relay/servers"  # + "/<host>": that host's SegmentServer address
+_STREAM_CHUNK = 8 << 20  # bytes per recv_into and pwrite
+
+
+class SegmentServer:
+    """Serves this host's segments of this job to other hosts' relays: a request is a segment's name and a newline,
+    the answer its size (int64; -1: no such segment) and its bytes, sent by the kernel (sendfile)."""
+
+    def __init__(self, address: str) -> None:
+        self._names = re.compile(rf"forge-{re.escape(job_id())}-[A-Za-z0-9_.-]+-v[0-9]+")
+        self._socket = socket.create_server((address, 0))
+        self.address: tuple[str, int] = self._socket.getsockname()[:2]
+        threading.Thread(target=self._accept, daemon=True, name="segment-server").start()
+
+    def _accept(self) -> None:
+        while True:
+            connection, _ = self._socket.accept()
+            threading.Thread(target=self._send, args=(connection,), daemon=True).start()
+
+    def _send(self, connection: socket.socket) -> None:
+        with connection, contextlib.suppress(OSError):
+            name = connection.makefile("rb").readline(256).decode(errors="replace").strip()
+            try:
+                if not self._names.fullmatch(name):
+                    raise FileNotFoundError(name)
+                segment = open(SHM_DIR / name, "rb")  # noqa: SIM115 (closed below)
+            except FileNotFoundError:
+                connection.sendall(struct.pack("<q", -1))
+                return
+            with segment:
+                connection.sendall(struct.pack("<q", os.fstat(segment.fileno()).st_size))
+                connection.sendfile(segment)
+
+
+def receive_segment(address: tuple[str, int], manifest: Manifest, path: Path, spare: Path | None) -> None:
+    """Copy `manifest`'s segment from the SegmentServer at `address` to `path` (written as `<path>.tmp`, renamed when
+    complete and its header names the version: a segment recycled on its host meanwhile is not kept)."""
+    size = max((e.offset + e.nbytes for e in manifest.entries.values()), default=0)
+    writer = create_segment(path, size, manifest.version, spare)
+    try:
+        with socket.create_connection(address, timeout=60) as connection:
+            connection.sendall(manifest.segment.encode() + b"\n")
+            (total,) = struct.unpack("<q", _receive_exactly(connection, 8))
+            if total < 0 or total < HEADER + size:
+                raise WeightVersionError(f"policy version {manifest.version}: its segment {manifest.segment} is gone "
+                                         f"from host {manifest.host!r}")
+            buffer, done = memoryview(bytearray(_STREAM_CHUNK)), 0
+            while done < total:
+                got = connection.recv_into(buffer, min(_STREAM_CHUNK, total - done))
+                if got == 0:
+                    raise ConnectionError(f"host {manifest.host!r} closed the stream of {manifest.segment} at {done} "
+                                          f"of {total} bytes")
+                os.pwrite(writer.fd, buffer[:got], done)
+                done += got
+        if struct.unpack("<q", os.pread(writer.fd, 8, 0))[0] != manifest.version:
+            raise WeightVersionError(f"policy version {manifest.version}: its segment was recycled on host "
+                                     f"{manifest.host!r} while being copied")
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _receive_exactly(connection: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = connection.recv(count - len(data))
+        if not chunk:
+            raise ConnectionError("the segment server closed the connection")
+        data += chunk
+    return data
 
 # Runs detached (double fork, own session, so no process-tree kill takes it along): waits for the relay process
 # to be gone, then removes the job's shared-memory segments on this host.
@@ -77,6 +154,9 @@ class WeightRelay(ForgeActor):
         started = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(SHM_DIR / f"forge-{job_id()}-*")],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.wait(timeout=10)  # the first fork exits at once; the watchdog lives on, detached
+        # Its host's name resolves to the host's own address (the per-host agent checks it, forge.compat 19).
+        self.server = SegmentServer(socket.gethostbyname(self.host))
+        await ts.put(f"{SERVERS_KEY}/{self.host}", self.server.address)
         self._task = asyncio.ensure_future(self._follow())
 
     @endpoint
@@ -136,9 +216,17 @@ class WeightRelay(ForgeActor):
         await self._delete_copies_the_trainer_deleted(store, keep=newest)
 
     async def _copy(self, store: WeightStore, manifest: Manifest) -> str:
-        """Every tensor of `manifest` from torchstore into a new segment of this host; returns its name."""
-        size = max((e.offset + e.nbytes for e in manifest.entries.values()), default=0)
+        """`manifest`'s version into a new segment of this host, from torchstore where the publisher put it there,
+        else streamed from its host's SegmentServer; returns the segment's name."""
         name = store.segment_name(manifest.version)
+        if not manifest.in_torchstore:
+            address = tuple(await ts.get(f"{SERVERS_KEY}/{manifest.host}"))
+            try:
+                await asyncio.to_thread(receive_segment, address, manifest, SHM_DIR / name, store._spare_path())
+            except SharedMemoryError as e:
+                raise SharedMemoryError(f"weight relay on {self.host}: {e}") from None
+            return name
+        size = max((e.offset + e.nbytes for e in manifest.entries.values()), default=0)
         try:
             writer = await asyncio.to_thread(create_segment, SHM_DIR / name, size, manifest.version, store._spare_path())
         except SharedMemoryError as e:

@@ -21,8 +21,9 @@ With transport="auto" a version goes through shared memory, and readers on anoth
 torchstore when the publisher also put it there (`cross_host=True`).
 
 Several hosts (FORGE_WEIGHT_RELAY=1, set by the provisioner in every process of a multi-host job): the publisher
-writes its own host's segment and puts the version into torchstore once; one relay per host
-(forge/weight_relay.py) copies it from there into its host's /dev/shm and advertises it under that host's keys.
+writes its own host's segment (and, where torchstore has RDMA, puts the version into torchstore once); one relay per
+host (forge/weight_relay.py) copies it into its host's /dev/shm -- streamed from the publisher host's segment over
+TCP, or from torchstore with RDMA -- and advertises it under that host's keys.
 Readers then see their host's newest version (`latest_version`), read it from their host's shared memory, and
 record how many versions their host is behind the newest published one (metric `weights/host_versions_behind`).
 
@@ -77,6 +78,17 @@ ts = compat.import_torchstore()
 Transport = Literal["auto", "shm", "torchstore"]
 RELAY_VARIABLE = "FORGE_WEIGHT_RELAY"  # "1" in every process of a multi-host job (the provisioner sets it)
 RELAY_NAMESPACES_KEY = "forge-weight-relay/namespaces"  # the namespaces published in this job, for the relays
+
+
+# A host's relay copies each version once for all its readers; a big model's copy takes a while on a slow link.
+RELAY_WAIT_S = 300.0
+
+
+def torchstore_has_rdma() -> bool:
+    """Whether torchstore moves tensors by RDMA here (then the relays pull versions from torchstore)."""
+    from torchstore.transport.buffers import rdma_available
+
+    return rdma_available()
 
 
 def relayed() -> bool:
@@ -135,7 +147,10 @@ class WeightStore:
             raise ValueError(f"version={version!r}: must be an int >= 0")
         is_writer = group_rank(group) == 0
         use_shm = self.transport in ("auto", "shm")
-        use_ts = self.transport == "torchstore" or (self.transport == "auto" and self.cross_host)
+        # Across hosts without RDMA, torchstore moves bytes in actor messages (~0.05-0.2 GB/s here): the relays stream
+        # the publisher's segment instead, and torchstore carries only keys and manifests.
+        use_ts = self.transport == "torchstore" or (self.transport == "auto" and self.cross_host
+                                                    and (not self.relayed or torchstore_has_rdma()))
         entries, size = layout(state_dict, dtype)
         algorithm = shm_weights.CHECKSUM
         segment = await asyncio.to_thread(self._open_segment, version, size, group) if use_shm else None
@@ -244,6 +259,8 @@ class WeightStore:
             manifest = await ts.get(relayed_copy)
         else:
             manifest = await self.manifest(version)
+            if self.relayed and manifest.host != self.host and not manifest.in_torchstore:
+                manifest = await self._wait_for_host_copy(version)
         if into is not None:
             check_compatible(manifest, {n: (tuple(t.shape), t.dtype) for n, t in into.items()})
         if manifest.segment is not None and manifest.host == self.host:
@@ -266,6 +283,20 @@ class WeightStore:
             f"policy version {version} was published to shared memory on host {manifest.host!r} only; this process "
             f"is on {self.host!r}. Publish with WeightStore(cross_host=True) (or transport='torchstore') for multi-host jobs."
         )
+
+    async def _wait_for_host_copy(self, version: int, poll_s: float = 0.05) -> Manifest:
+        """This host's relayed copy of `version`, once its relay has written it (the only way the bytes reach this
+        host when torchstore has no RDMA); WeightVersionError after RELAY_WAIT_S or once the version is deleted."""
+        key, waited = self.host_manifest_key(self.host, version), 0.0
+        while waited < RELAY_WAIT_S:
+            if await ts.exists(key):
+                return await ts.get(key)
+            if not await ts.exists(self._manifest_key(version)):
+                break
+            await asyncio.sleep(poll_s)
+            waited += poll_s
+        raise WeightVersionError(f"policy version {version} has not reached host {self.host!r}: its weight relay did not "
+                                 f"copy it within {RELAY_WAIT_S:.0f} s, or the version was deleted meanwhile")
 
     # --- deleting -----------------------------------------------------------------------------------
     async def delete(self, version: int) -> None:

@@ -29,7 +29,7 @@ from tests.multihost_support import (
     relaunch_as_controller_host,
 )
 
-from forge import provisioner
+from forge import compat, provisioner
 from forge.actor import mesh_of
 from forge.hosts import HostsConfig, HostsError
 
@@ -234,6 +234,8 @@ async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers
         # Once to host B per version (host A's relay copies nothing: the publisher wrote A's segment).
         copied = sum(group["relay/bytes"].total for group in await job.collect_metrics() if "relay/bytes" in group)
         assert copied == 3 * (4 * numel + 4 * 7)
+        # Without RDMA no tensor goes through torchstore: host A's relay streamed the segments to host B's.
+        assert not await compat.keys_with_prefix(compat.import_torchstore(), "relayed/tensors/")
     finally:
         await HostProbe.shutdown(publisher)
         await HostProbe.shutdown(readers)
