@@ -253,8 +253,18 @@ class SimulatedHosts:
                                    f"{host.address}:{host.port}:\n{log}")
             time.sleep(0.2)
 
-    def close(self) -> None:
-        """Kill every process of every host, remove namespaces, links and folders (idempotent)."""
+    def restart_agents(self) -> None:
+        """Every host as freshly booted: its processes killed, a new agent, an empty /dev/shm. After a job that failed
+        on a host, Monarch 0.1.2's process_allocator there can refuse every later allocation ("no process has ever
+        been allocated on <address>"), so one failed test would fail every later one."""
+        self._stop_hosts()
+        for host in self.hosts:
+            self._start_agent(host)
+        deadline = time.monotonic() + self.start_timeout_s
+        for host in self.hosts:
+            self._wait_for_agent(host, deadline)
+
+    def _stop_hosts(self) -> None:
         for host in self.hosts:
             host.kill_agent()
             if host.agent_pid is not None:
@@ -267,6 +277,11 @@ class SimulatedHosts:
             for pid in _run("ip", "netns", "pids", host.name, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
+
+    def close(self) -> None:
+        """Kill every process of every host, remove namespaces, links and folders (idempotent)."""
+        self._stop_hosts()
+        for host in self.hosts:
             _run("ip", "netns", "del", host.name, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.folder, ignore_errors=True)

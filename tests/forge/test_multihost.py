@@ -49,6 +49,19 @@ def hosts():
         simulated.close()
 
 
+_failures_seen = [0]
+
+
+@pytest.fixture(autouse=True)
+def _hosts_rebooted_after_a_failure(request):
+    """A test that failed can leave a host's allocator refusing every later job (SimulatedHosts.restart_agents):
+    the next test that uses the hosts gets them fresh, so it passes or fails on its own."""
+    if "hosts" in request.fixturenames and request.session.testsfailed > _failures_seen[0]:
+        _failures_seen[0] = request.session.testsfailed
+        request.getfixturevalue("hosts").restart_agents()
+    yield
+
+
 def _config(hosts: SimulatedHosts, **kwargs) -> HostsConfig:
     return HostsConfig(addresses=hosts.addresses, port=hosts.port, **kwargs)
 
