@@ -301,6 +301,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _grpo(hosts: SimulatedHosts, run_dir: Path, *overrides: str) -> subprocess.Popen:
     """apps.grpo with its own `hosts` section: the trainer on host A, the generator on host B."""
+    hosts.restart_agents()  # see _small_job
     command = [sys.executable, "-m", "apps.grpo", "--config", "configs/grpo_tiny.yaml", f"run_dir={run_dir}",
                "warm_start.enabled=false", "eval.at_start=false", "eval.num_prompts=32", "checkpoint.final=false",
                "rollout.concurrency=2", "replay_buffer.batch_size=32", "trainer.micro_batch_size=32",
@@ -348,6 +349,10 @@ def test_grpo_with_the_trainer_on_host_a_and_the_generator_on_host_b_finishes_an
 
 def _small_job(hosts: SimulatedHosts, folder: Path) -> subprocess.Popen:
     """A forge job of its own (tests.multihost_support.small_job): version 1 published on host A, relayed to B."""
+    # Agents that served no job yet: after this module's in-process job, a host's allocator refused the next
+    # controller now and then ("no process has ever been allocated on <address>"); a job on a real cluster
+    # gets hosts whose agents serve it alone.
+    hosts.restart_agents()
     folder.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "tests.multihost_support", ",".join(hosts.addresses), str(hosts.port)],
                             cwd=ROOT, stdout=(folder / "stdout.log").open("w"), stderr=(folder / "stderr.log").open("w"),
