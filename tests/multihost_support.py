@@ -192,11 +192,7 @@ class SimulatedHosts:
         remove_leftovers()
         try:
             self._make_network()
-            for host in self.hosts:
-                self._start_agent(host)
-            deadline = time.monotonic() + self.start_timeout_s
-            for host in self.hosts:
-                self._wait_for_agent(host, deadline)
+            self._start_agents()
         except BaseException:
             self.close()
             raise
@@ -258,6 +254,9 @@ class SimulatedHosts:
         on a host, Monarch 0.1.2's process_allocator there can refuse every later allocation ("no process has ever
         been allocated on <address>"), so one failed test would fail every later one."""
         self._stop_hosts()
+        self._start_agents()
+
+    def _start_agents(self) -> None:
         for host in self.hosts:
             self._start_agent(host)
         deadline = time.monotonic() + self.start_timeout_s
