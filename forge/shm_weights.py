@@ -83,6 +83,11 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
+    @property
+    def segment_size(self) -> int:
+        """Bytes of tensors in its segment, alignment included (the `size` `layout` returned)."""
+        return max((e.offset + e.nbytes for e in self.entries.values()), default=0)
+
 
 def job_id() -> str:
     """Identifies this job's segments; set by the provisioner for every process it spawns."""

@@ -80,7 +80,7 @@ class SegmentServer:
 def receive_segment(address: tuple[str, int], manifest: Manifest, path: Path, spare: Path | None) -> None:
     """Copy `manifest`'s segment from the SegmentServer at `address` to `path` (written as `<path>.tmp`, renamed when
     complete and its header names the version: a segment recycled on its host meanwhile is not kept)."""
-    size = max((e.offset + e.nbytes for e in manifest.entries.values()), default=0)
+    size = manifest.segment_size
     writer = create_segment(path, size, manifest.version, spare)
     try:
         with socket.create_connection(address, timeout=60) as connection:
@@ -226,9 +226,9 @@ class WeightRelay(ForgeActor):
             except SharedMemoryError as e:
                 raise SharedMemoryError(f"weight relay on {self.host}: {e}") from None
             return name
-        size = max((e.offset + e.nbytes for e in manifest.entries.values()), default=0)
         try:
-            writer = await asyncio.to_thread(create_segment, SHM_DIR / name, size, manifest.version, store._spare_path())
+            writer = await asyncio.to_thread(create_segment, SHM_DIR / name, manifest.segment_size, manifest.version,
+                                             store._spare_path())
         except SharedMemoryError as e:
             raise SharedMemoryError(f"weight relay on {self.host}: {e}") from None
         prefix = store.tensors_key(manifest.version)

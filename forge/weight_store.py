@@ -44,6 +44,7 @@ import dataclasses
 import os
 import re
 import socket
+import time
 from typing import Literal
 
 import torch
@@ -287,14 +288,13 @@ class WeightStore:
     async def _wait_for_host_copy(self, version: int, poll_s: float = 0.05) -> Manifest:
         """This host's relayed copy of `version`, once its relay has written it (the only way the bytes reach this
         host when torchstore has no RDMA); WeightVersionError after RELAY_WAIT_S or once the version is deleted."""
-        key, waited = self.host_manifest_key(self.host, version), 0.0
-        while waited < RELAY_WAIT_S:
+        key, deadline = self.host_manifest_key(self.host, version), time.monotonic() + RELAY_WAIT_S
+        while time.monotonic() < deadline:
             if await ts.exists(key):
                 return await ts.get(key)
             if not await ts.exists(self._manifest_key(version)):
                 break
             await asyncio.sleep(poll_s)
-            waited += poll_s
         raise WeightVersionError(f"policy version {version} has not reached host {self.host!r}: its weight relay did not "
                                  f"copy it within {RELAY_WAIT_S:.0f} s, or the version was deleted meanwhile")
 
