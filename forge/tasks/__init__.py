@@ -18,6 +18,10 @@ def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
     if config.source == "forge" and config.name == "arithmetic":
         return ArithmeticTask(seed=seed, num_digits=config.num_digits, held_out=config.held_out,
                               reverse_answer=config.reverse_answer)
+    if config.source == "openenv":
+        from forge.tasks.openenv import OpenEnvTask
+
+        return OpenEnvTask(config.openenv_spec(), held_out=config.held_out)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -1,0 +1,140 @@
+"""OpenEnv environments through forge's adapter (forge/environments/openenv.py, forge/tasks/openenv.py): an
+environment written against OpenEnv's own classes (openenv_guess.py) plays forge episodes unchanged, token-exact,
+named from a config; apps.grpo trains on it."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from actors.engines.hf import HFEngine
+from forge.environments.config import EnvironmentConfig
+from forge.environments.rollout import run_episodes
+from forge.tasks import TaskConfig, make_task
+from forge.tiny_model import build_tiny_checkpoint
+from forge.types import SamplingParams, TrainBatch
+
+ROOT = Path(__file__).resolve().parents[3]
+GUESS = "tests.forge.environments.openenv_guess:GuessEnvironment"
+TWO_TEXT = "tests.forge.environments.openenv_guess:TwoTextEnvironment"
+
+
+def guess_task(tries: int = 3, held_out: int = 16):
+    return make_task(TaskConfig(source="openenv", name=GUESS, options={"tries": tries}, held_out=held_out),
+                     seed=0, model="unused: an OpenEnv task reads no tokenizer")
+
+
+async def test_text_becomes_the_action_and_the_observation_text_reward_done_come_back():
+    task = guess_task(tries=3)
+    problem = task.held_out()[5]
+    secret = random.Random(problem.seed).randint(0, 9)  # what GuessEnvironment hides for this seed
+    env = task.environment()
+    assert await env.reset(problem) == "guess 0-9:"
+    wrong = str((secret + 1) % 10)
+    miss = await env.step(wrong)
+    assert (miss.observation, miss.reward, miss.done) == ("up;" if int(wrong) < secret else "down;", 0.0, False)
+    assert miss.info == {"solved": False}  # the Observation's metadata
+    hit = await env.step(f"{secret}<|endoftext|>")  # the guess field gets the turn's text as the model wrote it
+    assert (hit.reward, hit.done, hit.info) == (1.0, True, {"solved": True})
+
+
+async def test_action_field_picks_among_several_text_fields():
+    task = make_task(TaskConfig(source="openenv", name=TWO_TEXT, action_field="command"), seed=0, model="unused")
+    env = task.environment()
+    assert await env.reset(task.held_out()[2]) == "seed 2"
+    result = await env.step("go")
+    assert (result.observation, result.reward, result.done) == ("GO", 0.5, True)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"name": "no_such_module_x:Env"}, "task.name='no_such_module_x:Env': cannot import module"),
+    ({"name": "tests.forge.environments.openenv_guess:GuessAction"}, "must name an OpenEnv environment"),
+    ({"name": "tests.forge.environments.openenv_guess"}, "must be 'package.module:function'"),
+    ({"name": TWO_TEXT}, "task.action_field=None: TwoTextAction has 2 str fields (['command', 'note'])"),
+    ({"name": GUESS, "action_field": "answer"}, "task.action_field='answer': GuessAction has no field 'answer'"),
+    ({"name": GUESS, "observation_field": "hint"}, "task.observation_field='hint': GuessObservation has no field"),
+    ({"name": GUESS, "reward": "m:f"}, "reward='m:f': a openenv/"),
+    ({"source": "forge", "name": "arithmetic", "action_field": "guess"}, "only openenv tasks take them"),
+])
+def test_config_errors_name_the_field_before_anything_starts(overrides, message):
+    with pytest.raises(ValueError) as error:
+        TaskConfig(**{"source": "openenv", **overrides})
+    assert message in str(error.value)
+
+
+def test_training_episodes_never_reset_with_a_held_out_seed():
+    task = guess_task(held_out=50)
+    held = {p.seed for p in task.held_out()}
+    train = {p.seed for p in task.sample_prompts(5000, random.Random(1))}
+    assert held == set(range(50)) and len(train) > 4000 and not held & train
+
+
+async def test_episodes_through_a_real_engine_are_token_exact_and_scored_by_the_environment(tmp_path):
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    engine = HFEngine(checkpoint, seed=3)
+
+    async def generate(prompts, params):
+        return [out[0] for out in engine.generate(prompts, params)]
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    task = guess_task(tries=3)
+    problems = task.sample_prompts(8, random.Random(0))
+    trajectories = await run_episodes(generate, [task.environment() for _ in problems], problems,
+                                      SamplingParams(n=1, max_tokens=1, temperature=1.0),
+                                      EnvironmentConfig(max_turns=5, max_total_tokens=64), encode,
+                                      end_token_ids=[tokenizer.eos_token_id])
+    assert any(len(t.turns) > 1 for t in trajectories)  # several turns, the environment's hints between them
+    for t, problem in zip(trajectories, problems):
+        secret = random.Random(problem.seed).randint(0, 9)
+        assert t.prompt_ids == encode("guess 0-9:")
+        # Rebuild the sequence from the model's turns and the environment's rules: the hints went in by id,
+        # the model's tokens as sampled, nothing re-tokenized.
+        expected, mask = [], []
+        for k, (start, end) in enumerate(t.turns):
+            expected += t.completion_ids[start:end]
+            mask += [1] * (end - start)
+            guess = t.actions[k].strip()[:1]
+            if k + 1 < len(t.turns):
+                hint = encode("up;" if guess.isdigit() and int(guess) < secret else "down;")
+                expected += hint
+                mask += [0] * len(hint)
+        assert t.completion_ids == expected and t.mask == mask
+        solved = any(a.strip()[:1] == str(secret) for a in t.actions)
+        assert t.reward == (1.0 if solved else 0.0)
+        assert t.end in ("done", "max_turns")
+    episodes = [t.to_episode(episode_id=i, group_id=0, reward=t.reward) for i, t in enumerate(trajectories)]
+    batch = TrainBatch.from_episodes(episodes, pad_id=tokenizer.pad_token_id)
+    for row, t in enumerate(trajectories):
+        assert batch.input_ids[row, : len(t.ids)].tolist() == t.ids
+        assert batch.response_mask[row].sum() == sum(t.mask)
+    assert (batch.policy_versions[batch.response_mask.bool()] >= 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grpo_trains_on_an_openenv_environment_named_in_the_config(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "apps.grpo", "--config", "configs/multiturn_tiny.yaml", f"run_dir={run_dir}",
+               f"model_cache={tmp_path / 'cache'}", "steps=2", "task.source=openenv", f"task.name={GUESS}",
+               "task.options={tries: 3}", "task.held_out=16", "task.num_digits=1", "warm_start.enabled=false",
+               "eval.num_prompts=16", "rollout.group_size=8", "rollout.max_tokens=1", "rollout.concurrency=4",
+               "replay_buffer.batch_size=32", "trainer.micro_batch_size=32", "trainer.minibatches=1",
+               "checkpoint.interval=0", "checkpoint.final=false", "canary.every=1"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["env/model_turns"] > 1 for r in rows if "env/model_turns" in r)
+    assert all(r["canary/logprob_diff"] < 1e-3 for r in rows)  # the canary scores the OpenEnv problem's label
+    assert "held-out greedy accuracy" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["episodes"]["trained"] == 2 * 32
