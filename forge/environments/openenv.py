@@ -4,6 +4,9 @@ An OpenEnv environment is a gym-style object, `reset(seed=..., episode_id=...) -
 `step(Action) -> Observation`, whose Action and Observation are pydantic models (the observation carries `reward`
 and `done`). `OpenEnvEnvironment` plays one forge episode on one: the model's text becomes the Action's text field,
 the Observation's text field the next observation, its reward and done the StepResult's, its metadata the info.
+The environment is either in this process (an `Environment` subclass) or served (an `EnvClient` subclass, OpenEnv's
+client of an environment server: one WebSocket session per episode, its blocking calls on a worker thread; its
+constructor's options give the server's `base_url`).
 
     spec = OpenEnvSpec.resolve("my_pkg.envs:GuessEnvironment", options={"tries": 3})   # checked before spawn
     env = spec.environment()              # a forge Environment over a fresh GuessEnvironment(tries=3)
@@ -15,6 +18,7 @@ OpenEnv's own (done, reward, metadata); with several, `action_field` / `observat
 
 from __future__ import annotations
 
+import asyncio
 import typing
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -36,7 +40,7 @@ class OpenEnvProblem(NamedTuple):
 class OpenEnvSpec:
     """An OpenEnv environment class (or factory) resolved and checked, with its text fields."""
 
-    factory: Any  # the Environment subclass (or a callable returning an Environment)
+    factory: Any  # the Environment subclass, or the EnvClient subclass of a served one
     options: dict[str, Any] = field(default_factory=dict)  # its constructor's keyword arguments
     action_type: type = object
     action_field: str = ""
@@ -46,19 +50,21 @@ class OpenEnvSpec:
     def resolve(cls, reference: str, *, options: dict[str, Any] | None = None, action_field: str | None = None,
                 observation_field: str | None = None, prefix: str = "task") -> OpenEnvSpec:
         """'package.module:Class' -> the spec; every error names the config field (`prefix`.name, ...) and value."""
+        from openenv.core import EnvClient
         from openenv.core.env_server.interfaces import Environment
 
         from forge.tasks import load_callable
 
         factory = load_callable(reference, field=f"{prefix}.name")
-        if not (isinstance(factory, type) and issubclass(factory, Environment)):
+        if not (isinstance(factory, type) and issubclass(factory, (Environment, EnvClient))):
             raise ValueError(f"{prefix}.name={reference!r}: must name an OpenEnv environment, a subclass of "
-                             f"openenv.core.env_server.interfaces.Environment (got {factory!r})")
+                             "openenv.core.env_server.interfaces.Environment, or the client of a served one, a "
+                             f"subclass of openenv.core.EnvClient (got {factory!r})")
         action_type, observation_type = _declared_types(factory)
         if action_type is None:
             raise ValueError(f"{prefix}.name={reference!r}: cannot tell its Action type; declare it as "
-                             f"`class {factory.__name__}(Environment[MyAction, MyObservation, State])` or annotate "
-                             "step's `action` parameter")
+                             f"`class {factory.__name__}(Environment[MyAction, MyObservation, State])` (or "
+                             "EnvClient[...]) or annotate step's `action` parameter")
         action_field = _text_field(action_type, action_field, f"{prefix}.action_field", base=_base("Action"))
         if observation_type is not None:
             observation_field = _text_field(observation_type, observation_field, f"{prefix}.observation_field",
@@ -75,18 +81,31 @@ class OpenEnvEnvironment:
     """The forge Environment protocol over one OpenEnv environment object (closed when its episode is done)."""
 
     def __init__(self, env: Any, action_type: type, action_field: str, observation_field: str | None) -> None:
+        from openenv.core import EnvClient
+
         self.env, self.action_type, self.action_field = env, action_type, action_field
         self.observation_field = observation_field
+        self.served = isinstance(env, EnvClient)  # an environment server's client: blocking calls
 
     async def reset(self, task: OpenEnvProblem) -> str:
+        if self.served:
+            return self._text((await asyncio.to_thread(self.env.reset, seed=task.seed)).observation)
         return self._text(await self.env.reset_async(seed=task.seed))
 
     async def step(self, action: str) -> StepResult:
-        observation = await self.env.step_async(self.action_type(**{self.action_field: action}))
-        if observation.done:
+        request = self.action_type(**{self.action_field: action})
+        if self.served:  # the client's StepResult carries the reward and done beside the observation
+            result = await asyncio.to_thread(self.env.step, request)
+            observation, reward, done = result.observation, result.reward, result.done
+        else:
+            observation = await self.env.step_async(request)
+            reward, done = observation.reward, observation.done
+        if done and self.served:
+            await asyncio.to_thread(self.env.close)  # ends the episode's session on the server
+        elif done:
             self.env.close()
-        return StepResult(observation=self._text(observation), reward=float(observation.reward or 0.0),
-                          done=bool(observation.done), info=dict(observation.metadata))
+        return StepResult(observation=self._text(observation), reward=float(reward or 0.0), done=bool(done),
+                          info=dict(observation.metadata))
 
     def _text(self, observation: Any) -> str:
         if self.observation_field is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from typing import Any, Optional
 
+from openenv.core import EnvClient
+from openenv.core.client_types import StepResult
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
@@ -24,6 +26,8 @@ class GuessObservation(Observation):
 
 
 class GuessEnvironment(Environment[GuessAction, GuessObservation, State]):
+    SUPPORTS_CONCURRENT_SESSIONS = True  # each instance holds its own episode: a server may run several at once
+
     def __init__(self, tries: int = 3) -> None:
         super().__init__()
         self.tries, self.secret, self._state = tries, 0, State()
@@ -65,3 +69,18 @@ class TwoTextEnvironment(Environment):
     @property
     def state(self) -> State:
         return State()
+
+
+class GuessClient(EnvClient[GuessAction, GuessObservation, State]):
+    """OpenEnv's client of a served GuessEnvironment (`create_app(GuessEnvironment, GuessAction, GuessObservation)`)."""
+
+    def _step_payload(self, action: GuessAction) -> dict[str, Any]:
+        return {"guess": action.guess}
+
+    def _parse_result(self, payload: dict[str, Any]) -> StepResult[GuessObservation]:
+        observation = GuessObservation(**payload.get("observation", {}), done=payload.get("done", False),
+                                       reward=payload.get("reward"))
+        return StepResult(observation=observation, reward=payload.get("reward"), done=payload.get("done", False))
+
+    def _parse_state(self, payload: dict[str, Any]) -> State:
+        return State(**payload)

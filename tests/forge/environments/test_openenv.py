@@ -4,10 +4,13 @@ named from a config; apps.grpo trains on it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from transformers import AutoTokenizer
 from actors.engines.hf import HFEngine
 from forge.environments.config import EnvironmentConfig
 from forge.environments.rollout import run_episodes
+from forge.provisioner import free_port
 from forge.tasks import TaskConfig, make_task
 from forge.tiny_model import build_tiny_checkpoint
 from forge.types import SamplingParams, TrainBatch
@@ -23,6 +27,7 @@ from forge.types import SamplingParams, TrainBatch
 ROOT = Path(__file__).resolve().parents[3]
 GUESS = "tests.forge.environments.openenv_guess:GuessEnvironment"
 TWO_TEXT = "tests.forge.environments.openenv_guess:TwoTextEnvironment"
+CLIENT = "tests.forge.environments.openenv_guess:GuessClient"
 
 
 def guess_task(tries: int = 3, held_out: int = 16):
@@ -50,6 +55,53 @@ async def test_action_field_picks_among_several_text_fields():
     assert await env.reset(task.held_out()[2]) == "seed 2"
     result = await env.step("go")
     assert (result.observation, result.reward, result.done) == ("GO", 0.5, True)
+
+
+@pytest.fixture
+def guess_server():
+    """GuessEnvironment served by OpenEnv's own server (a thread on loopback), stopped after the test."""
+    import uvicorn
+    from openenv.core.env_server.http_server import create_fastapi_app
+
+    from tests.forge.environments.openenv_guess import GuessAction, GuessEnvironment, GuessObservation
+
+    app = create_fastapi_app(lambda: GuessEnvironment(tries=3), GuessAction, GuessObservation, max_concurrent_envs=4)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the OpenEnv server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+async def test_a_served_environment_plays_through_its_openenv_client_like_the_in_process_one(guess_server):
+    served = make_task(TaskConfig(source="openenv", name=CLIENT, options={"base_url": guess_server}), seed=0,
+                       model="unused")
+    local = guess_task(tries=3)
+    problems = served.held_out()[:4]
+
+    async def play(task, problem, guesses):
+        env = task.environment()
+        seen = [await env.reset(problem)]
+        for guess in guesses:
+            result = await env.step(guess)
+            seen.append((result.observation, result.reward, result.done))
+            if result.done:
+                break
+        return seen
+
+    secrets_ = [random.Random(p.seed).randint(0, 9) for p in problems]
+    scripts = [[str((s + 1) % 10), str(s)] if i % 2 else [str((s + k) % 10) for k in (1, 2, 3)]
+               for i, s in enumerate(secrets_)]
+    remote = await asyncio.gather(*(play(served, p, g) for p, g in zip(problems, scripts)))  # 4 sessions at once
+    assert remote == [await play(local, p, g) for p, g in zip(problems, scripts)]
+    assert [r[-1][1:] for r in remote] == [(0.0, True), (1.0, True), (0.0, True), (1.0, True)]
 
 
 @pytest.mark.parametrize("overrides, message", [
