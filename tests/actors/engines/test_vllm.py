@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.logprobs import token_logprobs
+from forge.metrics import drain_local
 from forge.sampling import MAX_KEPT_TOKENS
 from forge.tiny_model import build_tiny_checkpoint
 from forge.types import Episode, SamplingParams, TrainBatch
@@ -125,6 +126,34 @@ def test_a_swap_resets_the_prefix_cache(engine, checkpoint, random_weights):
             _, expected = teacher_forced(model_with(checkpoint, weights), prompt, completion.token_ids, 0.0)
             assert completion.policy_versions == [version] * len(completion.token_ids)
             torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def prefix_cache_metrics() -> tuple[float, float]:
+    """(cached prompt tokens, mean cached share) the engine recorded since the last call."""
+    metrics = drain_local()
+    return metrics["generator/prefix_cached_tokens"].total, metrics["generator/prefix_cached_share"].value()
+
+
+def test_the_next_turn_reuses_the_previous_turns_kv_blocks_until_a_swap(engine, random_weights):
+    """A multi-turn episode's next prompt (prompt + the model's tokens + an observation) is served from the prefix
+    cache: every full KV block of the previous turn, its generated tokens included; after a swap, none."""
+    engine.load_weights(perturbed(random_weights, 40), version=13)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=0)
+    first = engine.tokenizer.encode("turn one of a conversation: 12+34=")  # seen by no other test
+    drain_local()
+    ((turn,),) = engine.generate([first], params)
+    assert prefix_cache_metrics() == (0, 0)
+    # The last sampled token's KV is never computed (nothing attends to it yet): the rest fills whole blocks.
+    computed_blocks = (len(first) + len(turn.token_ids) - 1) // BLOCK
+    assert computed_blocks > len(first) // BLOCK, "the test needs the model's tokens to fill a KV block"
+    second = first + turn.token_ids + engine.tokenizer.encode(" ok; and 5+6=")
+    ((_,),) = engine.generate([second], params)
+    assert prefix_cache_metrics() == (computed_blocks * BLOCK, computed_blocks * BLOCK / len(second))
+
+    engine.load_weights(perturbed(random_weights, 41), version=14)
+    ((after_swap,),) = engine.generate([second], params)
+    assert prefix_cache_metrics() == (0, 0)
+    assert set(after_swap.policy_versions) == {14}
 
 
 def test_swaps_staged_while_generating_keep_one_version_per_completion(engine, checkpoint, random_weights):
