@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,7 +28,14 @@ from actors.engines.lora_weights import write_peft_adapter
 from actors.lora_config import LoRAConfig
 
 ADAPTER_NAME = "default"  # peft's name for a model's only adapter
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?:" + ADAPTER_NAME + r"\.)?weight$")
+
+
+def adapter_key(adapter_name: str = ADAPTER_NAME) -> re.Pattern:
+    """Matches `<module>.lora_A.<adapter_name>.weight` (and the saved form without the adapter's name)."""
+    return re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?:" + re.escape(adapter_name) + r"\.)?weight$")
+
+
+_LORA_KEY = adapter_key()
 
 
 def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
@@ -44,12 +52,16 @@ def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
     return targets
 
 
-def inject(model: nn.Module, lora: LoRAConfig, targets: list[str]) -> None:
-    """Wrap the targeted linear layers in peft's LoRA layers; freeze everything but the adapters."""
+def inject(model: nn.Module, lora: LoRAConfig, targets: list[str], *, adapter_name: str = ADAPTER_NAME) -> None:
+    """Wrap the targeted linear layers in peft's LoRA layers (or add the adapter `adapter_name` to layers that
+    already have one); freeze everything but this adapter."""
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    with warnings.catch_warnings():  # a second named adapter on one model is what the caller asked for
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        inject_adapter_in_model(config, model, adapter_name=adapter_name)
+    key = adapter_key(adapter_name)
     for name, param in model.named_parameters():
-        param.requires_grad_(_LORA_KEY.match(name) is not None)
+        param.requires_grad_(key.match(name) is not None)
 
 
 def base_key(name: str) -> str:
@@ -62,14 +74,15 @@ def is_adapter_key(name: str) -> bool:
 
 
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
+def init_adapters(model: nn.Module, seed: int, *, adapter_name: str = ADAPTER_NAME) -> None:
     """peft's default initialization (A: nn.Linear's Kaiming-uniform, B: zero, so training starts at the base
     model), drawn as full tensors from one seeded generator: every rank and every world size gets the same
     adapters, then each keeps its shard."""
     gen = torch.Generator().manual_seed(seed)
     full = {}
+    key = adapter_key(adapter_name)
     for name, param in model.named_parameters():
-        match = _LORA_KEY.match(name)
+        match = key.match(name)
         if match is None:
             continue
         value = torch.zeros(param.shape, dtype=param.dtype)
@@ -79,9 +92,10 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter entries of a model state dict (torchtitan names)."""
-    return {name: tensor for name, tensor in state.items() if is_adapter_key(name)}
+def adapter_state(state: dict[str, torch.Tensor], *, adapter_name: str = ADAPTER_NAME) -> dict[str, torch.Tensor]:
+    """The entries of adapter `adapter_name` in a model state dict (torchtitan names)."""
+    key = adapter_key(adapter_name)
+    return {name: tensor for name, tensor in state.items() if key.match(name) is not None}
 
 
 def to_peft_names(adapter: dict[str, torch.Tensor], state_dict_adapter: BaseStateDictAdapter,

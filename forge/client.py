@@ -10,6 +10,11 @@
     fwd.result(); opt.result()                                    # or `await fwd` in async code
     training.sync_inference_weights().result()                    # the sampler now serves the new weights
 
+    lora = service.create_lora_training_client(rank=8)             # an adapter over the server's shared base
+    ...                                                           # forward_backward / optim_step as above
+    adapter_sampler = lora.save_weights_and_get_sampling_client("my-adapter-step-10")
+    adapter_sampler.sample("12+34=", fc.SamplingParams(max_tokens=4)).result()   # samples with that adapter
+
 Every method returns an `APIFuture` at once: `.result()` blocks, `await` works in async code. Calls of one
 training client carry increasing `seq_id`s, so the server runs them in the order they were made whatever
 order they arrive in. A large `forward_backward` / `forward` batch is sent in chunks and runs as one batch.
@@ -194,8 +199,21 @@ class ServiceClient:
         """A new session from the served model's weights (blocks while its trainer starts)."""
         return self._create(base_model=base_model, idle_timeout_s=idle_timeout_s, metadata=metadata or {})
 
+    def create_lora_training_client(self, base_model: str | None = None, rank: int = 16, *, alpha: float = 32.0,
+                                    dropout: float = 0.0, target_modules: Sequence[str] | None = None,
+                                    seed: int | None = None, idle_timeout_s: float | None = None,
+                                    metadata: dict | None = None) -> TrainingClient:
+        """A new LoRA session: an adapter of `rank` on `target_modules` (peft's names, e.g. "q_proj"; default:
+        every linear layer of the blocks) over the server's one shared base model, with an optimizer of its own.
+        Its adapter is seen by no other session; `save_weights_for_sampler` publishes it for sampling."""
+        lora = {"rank": rank, "alpha": alpha, "dropout": dropout, "seed": seed,
+                "target_modules": None if target_modules is None else list(target_modules)}
+        return self._create(base_model=base_model, lora={k: v for k, v in lora.items() if v is not None},
+                            idle_timeout_s=idle_timeout_s, metadata=metadata or {})
+
     def create_training_client_from_state(self, checkpoint_id: str, **kwargs: Any) -> TrainingClient:
-        """A new session with the weights of a save_state checkpoint (a fresh optimizer)."""
+        """A new session with the weights of a save_state checkpoint (a fresh optimizer); a LoRA session when the
+        checkpoint is a LoRA session's."""
         return self._create(from_checkpoint=checkpoint_id, with_optimizer=False, **kwargs)
 
     def create_training_client_from_state_with_optimizer(self, checkpoint_id: str, **kwargs: Any) -> TrainingClient:
@@ -211,8 +229,14 @@ class ServiceClient:
         body = {k: v for k, v in body.items() if v is not None}
         return TrainingClient(self._transport, self._transport.request("POST", "/api/v1/create_session", body))
 
-    def create_sampling_client(self) -> SamplingClient:
-        return SamplingClient(self._transport)
+    def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
+        """Sampling with the generators' current policy, or with `model_path`: a LoRA session's
+        save_weights_for_sampler checkpoint (its name or path), i.e. the base with that adapter."""
+        return SamplingClient(self._transport, model_path)
+
+    def get_memory(self) -> APIFuture[Result]:
+        """Resident bytes of the server's processes (controller, generators, trainers) by name."""
+        return self._transport.call("GET", "/api/v1/memory")
 
     def create_rest_client(self) -> RestClient:
         return RestClient(self._transport)
@@ -296,8 +320,14 @@ class TrainingClient:
         return self.load_state(name, with_optimizer=True)
 
     def save_weights_for_sampler(self, name: str) -> APIFuture[Result]:
-        """Export the weights as a Hugging Face checkpoint folder on the server."""
+        """Export the weights as a Hugging Face checkpoint folder on the server (a LoRA session: its adapter as a
+        peft folder, which `create_sampling_client(model_path=name)` samples with)."""
         return self._sequenced("/api/v1/save_weights_for_sampler", {"path": name})
+
+    def save_weights_and_get_sampling_client(self, name: str) -> SamplingClient:
+        """A LoRA session's adapter saved as `name`, and a sampling client with it (blocks until saved)."""
+        saved = self.save_weights_for_sampler(name).result()
+        return SamplingClient(self._transport, saved.checkpoint.checkpoint_id)
 
     def sync_inference_weights(self) -> APIFuture[Result]:
         """Publish the weights to the server's generators as a new policy version (sampling uses them next)."""
@@ -327,25 +357,30 @@ class SampleBatchResult:
 
 
 class SamplingClient:
-    """Generation with the server's generators (the last synced weights; the base model before any sync)."""
+    """Generation with the server's generators (the last synced weights; the base model before any sync), or
+    with a LoRA adapter saved by `save_weights_for_sampler` (`model_path`)."""
 
-    def __init__(self, transport: _Transport) -> None:
+    def __init__(self, transport: _Transport, model_path: str | None = None) -> None:
         self._transport = transport
+        self.model_path = model_path
+
+    def _body(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body if self.model_path is None else {"model_path": self.model_path, **body}
 
     def sample(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                num_samples: int | None = None) -> APIFuture[Result]:
         """`num_samples` (default: `sampling_params.n`) completions of one prompt (text or token ids). Result:
         policy_version, prompt_tokens[0], samples[0][j] with tokens, logprobs, text, finish_reason, policy_versions."""
-        return self._transport.call("POST", "/api/v1/sample", {
+        return self._transport.call("POST", "/api/v1/sample", self._body({
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
-            **_sampling_body(sampling_params, num_samples)})
+            **_sampling_body(sampling_params, num_samples)}))
 
     def sample_many(self, prompts: Sequence[str | Sequence[int]], sampling_params: SamplingParams | None = None,
                     num_samples: int | None = None) -> APIFuture[Result]:
         """Several prompts in one request (one engine batch); samples[i] belongs to prompts[i]."""
-        return self._transport.call("POST", "/api/v1/sample", {
+        return self._transport.call("POST", "/api/v1/sample", self._body({
             "prompts": [p if isinstance(p, str) else list(p) for p in prompts],
-            **_sampling_body(sampling_params, num_samples)})
+            **_sampling_body(sampling_params, num_samples)}))
 
     def sample_batch(self, prompts: Sequence[str | Sequence[int]], sampling_params: SamplingParams | None = None,
                      num_samples: int | None = None, timeout: float | None = None) -> APIFuture[SampleBatchResult]:

@@ -25,6 +25,7 @@ from apps.server.schemas import (
     HeartbeatResponse,
     LoadStateRequest,
     LoadStateResponse,
+    MemoryResponse,
     OptimStepRequest,
     OptimStepResponse,
     SampleRequest,
@@ -40,6 +41,7 @@ from apps.server.schemas import (
     UnloadResponse,
 )
 from apps.server.serving import install_error_handlers
+from forge.provisioner import get_provisioner
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 409, 429, 500, 504)}
 _CHUNKED = {**_ERRORS, 202: {"model": ChunkAccepted, "description": "a chunk stored; the request runs when all arrive"}}
@@ -88,6 +90,10 @@ def build_app(service: TrainingService) -> FastAPI:
     @api.get("/get_server_info", response_model=ServerInfo, tags=["service"])
     async def server_info() -> ServerInfo:
         return service.info()
+
+    @api.get("/memory", response_model=MemoryResponse, tags=["service"])
+    async def memory() -> MemoryResponse:
+        return MemoryResponse(processes=get_provisioner().memory_rss())
 
     # sessions
     @api.post("/create_session", response_model=SessionInfo, tags=["sessions"])

@@ -27,11 +27,13 @@ class CheckpointStore:
                                     "'_', '.', '-'), not ending in .partial")
         return self.root / name
 
-    def record(self, name: str, kind: str, session_id: str, step: int, with_optimizer: bool) -> CheckpointInfo:
+    def record(self, name: str, kind: str, session_id: str, step: int, with_optimizer: bool,
+               lora: dict | None = None) -> CheckpointInfo:
         path = self.path_for(name)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         info = CheckpointInfo(checkpoint_id=name, checkpoint_type=kind, path=str(path), session_id=session_id,
-                              step=step, with_optimizer=with_optimizer, created_at=time.time(), size_bytes=size)
+                              step=step, with_optimizer=with_optimizer, created_at=time.time(), size_bytes=size,
+                              lora=lora)
         (path / RECORD).write_text(info.model_dump_json(indent=1))
         return info
 

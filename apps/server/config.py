@@ -27,7 +27,8 @@ class HTTPConfig:
 
 @dataclass
 class SessionConfig:
-    max_sessions: int = 2  # concurrent training sessions (each owns one trainer actor mesh)
+    max_sessions: int = 2  # concurrent full-model sessions (each owns one trainer actor mesh)
+    max_lora_sessions: int = 8  # concurrent LoRA sessions (adapters on one shared trainer; as many sampler adapters)
     idle_timeout_s: float = 600.0  # a session with no request or heartbeat for this long is unloaded
     max_idle_timeout_s: float = 86400.0  # the most a create_session request may ask for
     sequence_gap_timeout_s: float = 30.0  # how long requests wait for a missing lower seq_id before failing (409)
@@ -37,7 +38,7 @@ class SessionConfig:
     trainer_procs: int = 1  # data-parallel ranks of each session's trainer
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_chunks", "trainer_procs"):
+        for name in ("max_sessions", "max_lora_sessions", "max_chunks", "trainer_procs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("idle_timeout_s", "max_idle_timeout_s", "sequence_gap_timeout_s", "call_timeout_s",

@@ -1,6 +1,7 @@
-"""The training service's state and operations: the generator service, the sessions (one trainer actor
-mesh each), the checkpoint catalogue and the policy version counter. The HTTP layer (app.py) only
-translates requests into these calls.
+"""The training service's state and operations: the generator service, the sessions (a full-model session
+has a trainer actor mesh of its own; every LoRA session is an adapter on the one shared LoRA trainer), the
+checkpoint catalogue and the policy version counter. The HTTP layer (app.py) only translates requests into
+these calls.
 """
 
 from __future__ import annotations
@@ -9,13 +10,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import secrets
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from actors.generator import Generator
+from actors.lora_config import LORA_TARGETS, LoRAConfig, check_lora_for_model, local_hf_config
 from apps.server.batches import build_batch, check_loss, check_loss_inputs, concat_batches
 from apps.server.checkpoints import CheckpointStore
 from apps.server.config import ServerConfig
@@ -31,6 +34,7 @@ from apps.server.schemas import (
     HealthResponse,
     LoadStateRequest,
     LoadStateResponse,
+    LoRASpec,
     LossFnOutput,
     OptimStepRequest,
     OptimStepResponse,
@@ -47,6 +51,7 @@ from apps.server.schemas import (
 )
 from apps.server.sequencer import Sequencer
 from apps.server.sessions import Session
+from apps.server.lora_trainer import LoRATrainerActor
 from apps.server.training_actor import ServerTrainerActor
 from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
@@ -89,7 +94,9 @@ class TrainingService:
         self.checkpoints = CheckpointStore(Path(cfg.run_dir) / "checkpoints")
         self.sessions: dict[str, Session] = {}
         self.ended: dict[str, str] = {}  # session id -> why it is gone
-        self.creating = 0
+        self.creating = {"full": 0, "lora": 0}
+        self.lora_trainer: Any = None  # every LoRA session's adapter, over one base (started by the first)
+        self._lora_start = asyncio.Lock()
         # forge.compat, 14: Monarch 0.1.2's host agent can fail on a message to a proc mesh stopped mid-run,
         # taking every process down. So the trainer actors of unloaded sessions are kept for the next session
         # (reset to the served weights by `_trainer_for`) rather than stopped; meshes are stopped only at
@@ -168,27 +175,90 @@ class TrainingService:
         checkpoint = None
         if request.from_checkpoint is not None:
             checkpoint = self._loadable(request.from_checkpoint, request.with_optimizer, ["from_checkpoint"])
-        if len(self.sessions) + self.creating >= limits.max_sessions:
-            raise ServiceError(429, f"{len(self.sessions) + self.creating} sessions open: the server allows "
-                                    f"max_sessions={limits.max_sessions}; unload one or retry later")
+        lora = self._session_lora(request, checkpoint)
+        kind, limit = ("full", limits.max_sessions) if lora is None else ("lora", limits.max_lora_sessions)
+        open_now = sum(1 for s in self.sessions.values() if (s.lora is None) == (lora is None)) + self.creating[kind]
+        if open_now >= limit:
+            raise ServiceError(429, f"{open_now} {'LoRA' if lora else 'full-model'} sessions open: the server allows "
+                                    f"{'max_lora_sessions' if lora else 'max_sessions'}={limit}; unload one or "
+                                    "retry later")
         session_id = f"s-{secrets.token_hex(6)}"
-        self.creating += 1
+        self.creating[kind] += 1
         try:
-            trainer = await self._trainer_for(session_id)
+            if lora is None:
+                trainer = await self._trainer_for(session_id)
+            else:
+                seed = self.cfg.seed if request.lora is None or request.lora.seed is None else request.lora.seed
+                trainer = await self._adapter_for(session_id, lora, seed)
             session = Session(session_id, self.model_path, trainer, Sequencer(session_id, limits.sequence_gap_timeout_s),
-                              idle, metadata=request.metadata)
+                              idle, metadata=request.metadata, lora=None if lora is None else asdict(lora))
             if checkpoint is not None:
                 try:
                     state = await self._call(session, "load_state", checkpoint.path, request.with_optimizer)
                 except Exception:
-                    self.idle_trainers.append(trainer)
+                    await self._release(session)
                     raise
                 session.step, session.loaded_from = int(state["step"]), checkpoint.checkpoint_id
             self.sessions[session_id] = session
         finally:
-            self.creating -= 1
-        logger.info("session %s created", session_id)
+            self.creating[kind] -= 1
+        logger.info("session %s created%s", session_id, "" if lora is None else f" (LoRA rank {lora.rank})")
         return session.info()
+
+    def _session_lora(self, request: CreateSessionRequest, checkpoint: Any) -> LoRAConfig | None:
+        """The new session's adapter: the request's `lora`, or a LoRA checkpoint's own; checked against the model
+        (a 422 naming the field: lora.rank, lora.target_modules, ...)."""
+        if request.lora is None:
+            return None if checkpoint is None or checkpoint.lora is None else LoRAConfig(**checkpoint.lora)
+        if checkpoint is not None and checkpoint.lora is None:
+            raise field_error(["from_checkpoint"], checkpoint.checkpoint_id,
+                              "is a full-model checkpoint; a LoRA session starts from a LoRA session's save_state")
+        lora = self._lora_config(request.lora)
+        if checkpoint is not None and not same_adapter(asdict(lora), checkpoint.lora):
+            raise field_error(["lora"], request.lora.model_dump(), f"checkpoint {checkpoint.checkpoint_id!r} holds "
+                              f"an adapter {adapter_summary(checkpoint.lora)}; omit lora to take the checkpoint's")
+        return lora
+
+    def _lora_config(self, spec: LoRASpec) -> LoRAConfig:
+        family = self.cfg.trainer.family
+        targets = spec.target_modules or [m for m in LORA_TARGETS.get(family, ()) if m != "lm_head"]
+        try:
+            lora = LoRAConfig(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, target_modules=targets)
+            check_lora_for_model(lora, family, local_hf_config(self.model_path), field_prefix="lora")
+        except ValueError as error:
+            named = re.match(r"(?:lora|LoRAConfig)\.(\w+)=", str(error))  # the field the check names
+            field = named[1] if named else None
+            value = getattr(spec, field, None) if field else spec.model_dump()
+            raise field_error(["lora", field] if field else ["lora"], value, str(error)) from None
+        return lora
+
+    async def _shared_lora_trainer(self) -> Any:
+        """The one trainer of every LoRA session, started by the first one (or by sampling with an adapter saved
+        by an earlier run of the server). Kept until the server stops, like the full sessions' trainers."""
+        limits = self.cfg.sessions
+        async with self._lora_start:
+            if self.lora_trainer is None:
+                trainer_cfg = replace(self.cfg.trainer, model_path=self.model_path, lora=None)
+                spawn = LoRATrainerActor.options(procs=1, mesh_name="lora-trainer").as_actor(
+                    trainer_cfg, sampler_seed=self.cfg.seed, max_sampler_adapters=limits.max_lora_sessions)
+                try:
+                    self.lora_trainer = await asyncio.wait_for(spawn, limits.spawn_timeout_s)
+                except asyncio.TimeoutError:
+                    raise ServiceError(504, f"the LoRA trainer did not start within spawn_timeout_s="
+                                            f"{limits.spawn_timeout_s}s") from None
+        return self.lora_trainer
+
+    async def _adapter_for(self, session_id: str, lora: LoRAConfig, seed: int) -> Any:
+        """The shared LoRA trainer with a new adapter (and optimizer) for this session."""
+        trainer = await self._shared_lora_trainer()
+        timeout = self.cfg.sessions.call_timeout_s
+        try:
+            await asyncio.wait_for(trainer.add_session.call(session_id, asdict(lora), seed), timeout)
+        except asyncio.TimeoutError:
+            raise ServiceError(504, f"adding the adapter took longer than call_timeout_s={timeout}s") from None
+        except EndpointError as e:
+            raise endpoint_failure(e) from None
+        return trainer
 
     async def _trainer_for(self, session_id: str) -> Any:
         """A trainer with the served model's weights: an idle one reset (see COMPAT in __init__), else a new mesh."""
@@ -218,11 +288,25 @@ class TrainingService:
             return
         self.ended[session_id] = reason
         await session.sequencer.close(f"session {session_id!r} was unloaded: {reason}")
-        self.idle_trainers.append(session.trainer)  # reset when the next session takes it
+        await self._release(session)
+
+    async def _release(self, session: Session) -> None:
+        """A full session's trainer is kept, reset when the next session takes it; a LoRA session's adapter and
+        optimizer state are deleted from the shared trainer."""
+        if session.lora is None:
+            self.idle_trainers.append(session.trainer)
+            return
+        try:
+            await asyncio.wait_for(session.trainer.remove_session.call(session.session_id),
+                                   self.cfg.sessions.call_timeout_s)
+        except (asyncio.TimeoutError, EndpointError) as error:
+            logger.warning("removing the adapter of session %s failed: %s", session.session_id, error)
 
     # -- calls into a session's trainer --------------------------------------------------------------
     async def _call(self, session: Session, endpoint: str, *args: Any) -> Any:
         timeout = self.cfg.sessions.call_timeout_s
+        if session.lora is not None:  # the shared LoRA trainer's endpoints name the session's adapter first
+            args = (session.session_id, *args)
         session.busy += 1
         try:
             return rank0(await asyncio.wait_for(getattr(session.trainer, endpoint).call(*args), timeout))
@@ -323,20 +407,24 @@ class TrainingService:
         return await self._sequenced(request, "optim_step", execute)
 
     # -- checkpoints and weights ---------------------------------------------------------------------
-    def _loadable(self, name: str, with_optimizer: bool, loc: list) -> Any:
+    def _loadable(self, name: str, with_optimizer: bool, loc: list, session: Session | None = None) -> Any:
+        """A save_state checkpoint `session` can load (any session: one being created)."""
         info = self.checkpoints.get(name)  # 404 when unknown
         if info.checkpoint_type != "state":
             raise field_error(loc, name, "is a save_weights_for_sampler export; load_state takes save_state checkpoints")
         if with_optimizer and not info.with_optimizer:
             raise field_error(["with_optimizer"], True, f"checkpoint {name!r} was saved without the optimizer; "
                                                         "load it with with_optimizer=false")
+        if session is not None and not same_adapter(session.lora, info.lora):
+            raise field_error(loc, name, f"holds {adapter_summary(info.lora)}; session {session.session_id!r} trains "
+                                         f"{adapter_summary(session.lora)}")
         return info
 
     async def save_state(self, request: SaveStateRequest) -> CheckpointResponse:
         async def execute(session: Session, seq_id: int, parts: list) -> CheckpointResponse:
             out = await self._call(session, "save_state", str(parts[0]), request.with_optimizer)
             info = self.checkpoints.record(request.path, "state", session.session_id, int(out["step"]),
-                                           request.with_optimizer)
+                                           request.with_optimizer, session.lora)
             return CheckpointResponse(model_id=session.session_id, seq_id=seq_id, checkpoint=info)
 
         return await self._sequenced(request, "save_state", execute, lambda: self.checkpoints.path_for(request.path))
@@ -349,13 +437,13 @@ class TrainingService:
             return LoadStateResponse(model_id=session.session_id, seq_id=seq_id, checkpoint_id=info.checkpoint_id,
                                      with_optimizer=request.with_optimizer, step=session.step)
 
-        return await self._sequenced(request, "load_state", execute,
-                                     lambda: self._loadable(request.path, request.with_optimizer, ["path"]))
+        return await self._sequenced(request, "load_state", execute, lambda: self._loadable(
+            request.path, request.with_optimizer, ["path"], self.session(request.model_id)))
 
     async def save_weights_for_sampler(self, request: SaveWeightsRequest) -> CheckpointResponse:
         async def execute(session: Session, seq_id: int, parts: list) -> CheckpointResponse:
             await self._call(session, "export_hf", str(parts[0]))
-            info = self.checkpoints.record(request.path, "sampler", session.session_id, session.step, False)
+            info = self.checkpoints.record(request.path, "sampler", session.session_id, session.step, False, session.lora)
             return CheckpointResponse(model_id=session.session_id, seq_id=seq_id, checkpoint=info)
 
         return await self._sequenced(request, "save_weights_for_sampler", execute,
@@ -377,7 +465,13 @@ class TrainingService:
             return SyncWeightsResponse(model_id=session.session_id, seq_id=seq_id, policy_version=version,
                                        generator_versions=list(versions))
 
-        return await self._sequenced(request, "sync_inference_weights", execute)
+        def check() -> None:
+            if self.session(request.model_id).lora is not None:
+                raise field_error(["model_id"], request.model_id, "is a LoRA session: its adapter is not published to "
+                                  "the shared generators; save_weights_for_sampler(name), then sample with "
+                                  "model_path=<that checkpoint>")
+
+        return await self._sequenced(request, "sync_inference_weights", execute, check)
 
     # -- sampling ------------------------------------------------------------------------------------
     def _prompt_ids(self, request: SampleRequest) -> list[list[int]]:
@@ -396,25 +490,58 @@ class TrainingService:
             prompts.append(ids)
         return prompts
 
+    def _adapter_checkpoint(self, model_path: str) -> Any:
+        """The LoRA sampler checkpoint `model_path` names (its name or its path)."""
+        name = Path(model_path).name
+        known = {c.checkpoint_id: c for c in self.checkpoints.list()}
+        info = known.get(name)
+        if info is None or (name != model_path and Path(model_path).resolve() != Path(info.path)):
+            raise ServiceError(404, [{"loc": ["body", "model_path"], "input": model_path, "type": "not_found",
+                                      "msg": f"no checkpoint {model_path!r}; known: {', '.join(sorted(known)) or 'none'}"}])
+        if info.checkpoint_type != "sampler" or info.lora is None:
+            kind = "a save_state checkpoint" if info.checkpoint_type == "state" else "a full-model export"
+            raise field_error(["model_path"], model_path, f"is {kind}; model_path takes a LoRA session's "
+                                                          "save_weights_for_sampler checkpoint")
+        return info
+
     async def sample(self, request: SampleRequest) -> SampleResponse:
         params = replace(request.sampling_params, n=request.count())
         prompts = self._prompt_ids(request)
+        timeout = self.cfg.sessions.call_timeout_s
+        adapter = None if request.model_path is None else self._adapter_checkpoint(request.model_path)
         try:
-            outputs = await asyncio.wait_for(self.generators.generate_batch.route(prompts, params),
-                                             self.cfg.sessions.call_timeout_s)
+            if adapter is None:
+                outputs = await asyncio.wait_for(self.generators.generate_batch.route(prompts, params), timeout)
+            else:
+                trainer = await self._shared_lora_trainer()
+                outputs = rank0(await asyncio.wait_for(trainer.sample.call(adapter.path, prompts, params), timeout))
         except asyncio.TimeoutError:
-            raise ServiceError(504, f"sampling did not finish within call_timeout_s={self.cfg.sessions.call_timeout_s}s") from None
+            raise ServiceError(504, f"sampling did not finish within call_timeout_s={timeout}s") from None
         except EndpointError as e:
             raise endpoint_failure(e) from None
         except NoHealthyReplicaError as e:
             raise ServiceError(503, str(e)) from None
         versions = [v for out in outputs for c in out for v in c.policy_versions]
         return SampleResponse(
-            policy_version=max(versions) if versions else self.version,
+            policy_version=0 if adapter is not None else max(versions) if versions else self.version,
+            model_path=None if adapter is None else adapter.checkpoint_id,
             prompt_tokens=[out[0].prompt_ids if out else [] for out in outputs],
             samples=[[SampledSequence(tokens=c.token_ids, logprobs=c.logprobs, text=c.text,
                                       finish_reason=c.finish_reason, policy_versions=c.policy_versions) for c in out]
                      for out in outputs])
+
+def same_adapter(a: dict | None, b: dict | None) -> bool:
+    """Whether two sessions' adapters have the same shape and scale (dropout aside): a checkpoint of one loads
+    into the other."""
+    if a is None or b is None:
+        return a is None and b is None
+    return (a["rank"], a["alpha"], sorted(a["target_modules"])) == (b["rank"], b["alpha"], sorted(b["target_modules"]))
+
+
+def adapter_summary(lora: dict | None) -> str:
+    if lora is None:
+        return "full-model weights"
+    return f"a LoRA adapter (rank {lora['rank']}, alpha {lora['alpha']}, target_modules {lora['target_modules']})"
 
 
 def _per_datum(logprobs: Any, lengths: list[int]) -> list[LossFnOutput]:

@@ -38,8 +38,21 @@ class SequencedRequest(SessionRequest):
 
 
 # --- sessions ---------------------------------------------------------------------------------------
+class LoRASpec(_Strict):
+    """A LoRA session's adapter (peft's names for the target modules, e.g. q_proj, v_proj)."""
+
+    rank: int = Field(16, ge=1, description="the adapter's rank; at most the model's hidden size")
+    alpha: float = Field(32.0, gt=0, description="the update is (alpha / rank) * B @ A")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(None, min_length=1, description="the adapted linear layers "
+                                             "(default: every linear layer of the blocks)")
+    seed: int | None = Field(None, description="the adapter's initialization (default: the server's seed)")
+
+
 class CreateSessionRequest(_Strict):
     base_model: str | None = Field(None, description="must name the served model (or be omitted)")
+    lora: LoRASpec | None = Field(None, description="train a LoRA adapter over the server's shared base model "
+                                  "(None: a full-model session with a trainer of its own)")
     from_checkpoint: CheckpointName | None = Field(
         None, validation_alias=AliasChoices("from_checkpoint", "checkpoint_id"),
         description="start from a save_state checkpoint instead of the base weights")
@@ -60,6 +73,7 @@ class SessionInfo(BaseModel):
     step: int
     loaded_from: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    lora: dict[str, Any] | None = Field(None, description="the adapter's rank, alpha, dropout, target_modules")
 
 
 class SessionList(BaseModel):
@@ -214,6 +228,7 @@ class CheckpointInfo(BaseModel):
     with_optimizer: bool
     created_at: float
     size_bytes: int
+    lora: dict[str, Any] | None = Field(None, description="saved by a LoRA session: its adapter's settings")
 
 
 class CheckpointList(BaseModel):
@@ -256,6 +271,8 @@ MAX_SAMPLES = 256  # completions per prompt in one request
 
 
 class SampleRequest(_Strict):
+    model_path: str | None = Field(None, description="a LoRA session's save_weights_for_sampler checkpoint (its name "
+                                   "or path): sample with that adapter; None: the generators' current policy")
     prompt: Prompt | None = Field(None, description="one prompt: text or token ids")
     prompts: list[Prompt] | None = Field(None, min_length=1, max_length=1024, description="several prompts")
     num_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES,
@@ -291,7 +308,8 @@ class SampledSequence(BaseModel):
 
 
 class SampleResponse(BaseModel):
-    policy_version: int
+    policy_version: int = Field(description="the generators' policy version (0 for samples of a LoRA adapter)")
+    model_path: str | None = Field(None, description="the adapter sampled with, when the request named one")
     prompt_tokens: list[list[int]]
     samples: list[list[SampledSequence]] = Field(description="samples[i]: num_samples sequences of prompt i")
 
@@ -316,6 +334,11 @@ class ServerInfo(BaseModel):
     policy_version: int
     loss_fns: list[str]
     warm_start_accuracy: float | None = None
+
+
+class MemoryResponse(BaseModel):
+    processes: dict[str, int] = Field(description="resident bytes of the server process (controller) and of each "
+                                      "actor process, by mesh name and rank")
 
 
 class ErrorResponse(BaseModel):

@@ -1,4 +1,5 @@
-"""A training session: one client's model (a trainer actor mesh), its request order and its idle clock."""
+"""A training session: one client's model (a trainer actor mesh of its own, or for a LoRA session an adapter on
+the shared LoRA trainer), its request order and its idle clock."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from apps.server.sequencer import Sequencer
 class Session:
     session_id: str
     base_model: str
-    trainer: Any  # ServerTrainerActor handle
+    trainer: Any  # its ServerTrainerActor; a LoRA session: the shared LoRATrainerActor
     sequencer: Sequencer
     idle_timeout_s: float
     loaded_from: str | None = None
@@ -23,6 +24,7 @@ class Session:
     last_seen: float = field(default_factory=time.time)
     step: int = 0
     busy: int = 0  # requests in progress: a session working on a long request is not idle
+    lora: dict[str, Any] | None = None  # a LoRA session's adapter settings (LoRAConfig's fields)
 
     def touch(self) -> None:
         self.last_seen = time.time()
@@ -37,4 +39,4 @@ class Session:
         return SessionInfo(session_id=self.session_id, model_id=self.session_id, base_model=self.base_model,
                            created_at=self.created_at, last_seen=self.last_seen, idle_timeout_s=self.idle_timeout_s,
                            next_seq_id=self.sequencer.next_free(), step=self.step,
-                           loaded_from=self.loaded_from, metadata=self.metadata)
+                           loaded_from=self.loaded_from, metadata=self.metadata, lora=self.lora)

@@ -68,7 +68,10 @@ class ServerTrainer(TitanTrainer):
             for group in optimizer.param_groups:
                 group.update(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         clip = self.config.max_grad_norm if max_grad_norm is None else max_grad_norm
-        params = [p for p in self.model.parameters()]
+        # The optimizer's parameters: with LoRA sessions sharing a model, another session's pending gradients
+        # are not this step's (apps/server/lora_trainer.py).
+        params = [p for optimizer in self.optimizers.optimizers for group in optimizer.param_groups
+                  for p in group["params"]]
         grad_norm = titan_dist.clip_grad_norm_(params, clip, foreach=True)
         accumulated, self.accumulated = self.accumulated, 0
         self.optimizers.step()

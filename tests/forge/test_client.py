@@ -54,6 +54,8 @@ class FakeServer:
             if isinstance(body.get("prompt"), str) and body["prompt"] in self.slow_prompts:
                 time.sleep(1.0)
             return httpx.Response(200, json={"policy_version": 3, "samples": [[{"text": "46", "tokens": [1]}]]})
+        if path == "/api/v1/save_weights_for_sampler":
+            return httpx.Response(200, json={"seq_id": body["seq_id"], "checkpoint": {"checkpoint_id": body["path"]}})
         if path == "/api/v1/checkpoints/missing":
             return httpx.Response(404, json={"detail": "checkpoint 'missing' not found; known: none"})
         return httpx.Response(200, json={"path": path, "seq_id": body.get("seq_id")})
@@ -222,3 +224,18 @@ def test_num_samples_and_n_are_one_count(service, fake):
     assert (overridden["num_samples"], overridden["sampling_params"]["n"]) == (5, 5)
     with pytest.raises(ValueError, match="SamplingParams.n=0"):
         sampler.sample("1+1=", num_samples=0)
+
+
+def test_a_lora_client_asks_for_its_adapter_and_samples_with_the_saved_one(service, fake):
+    training = service.create_lora_training_client("tiny", 8, target_modules=["q_proj", "v_proj"])
+    assert fake.bodies("/api/v1/create_session") == [{"base_model": "tiny", "metadata": {}, "lora": {
+        "rank": 8, "alpha": 32.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}}]
+    service.create_lora_training_client(rank=4, seed=3)  # default targets: the server's (every block layer)
+    assert fake.bodies("/api/v1/create_session")[1]["lora"] == {"rank": 4, "alpha": 32.0, "dropout": 0.0, "seed": 3}
+
+    sampler = training.save_weights_and_get_sampling_client("adapter-1")
+    assert fake.bodies("/api/v1/save_weights_for_sampler")[0]["path"] == "adapter-1"
+    sampler.sample("12+34=").result()
+    sampler.sample_many(["1+1=", [5, 6]]).result()
+    service.create_sampling_client().sample("12+34=").result()
+    assert [b.get("model_path") for b in fake.bodies("/api/v1/sample")] == ["adapter-1", "adapter-1", None]

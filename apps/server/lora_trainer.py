@@ -1,0 +1,259 @@
+"""LoRA sessions of the training service: one frozen base model, loaded once, and one peft adapter per session.
+
+`SharedBaseLoRATrainer` is `ServerTrainer` (forward_backward, forward, optim_step, save/load state, export) over a
+base whose linear layers carry one named peft adapter per session, added and removed while the server runs.
+Every call names its session (`run(session_id, method, ...)`): that session's adapter becomes the active one on
+every LoRA layer (peft's `set_adapter`, which also makes it the only adapter that requires grad) and its own
+optimizer (over its adapter's parameters only), LR schedule, step counter and gradient count are swapped in. A
+session's accumulated gradients stay on its own parameters while other sessions step.
+
+Checkpoints and exports name a session's adapter as peft's single adapter ("default"), so one session's
+`save_state` loads into any session with the same rank and targets, and reads like an apps.grpo LoRA checkpoint.
+
+`LoRATrainerActor` serves all LoRA sessions of a server from one process (adapters are added after the model
+is built, and FSDP shards a model when it is built, so the shared trainer is not sharded), and samples with
+saved adapters over the same base tensors (`apps/server/adapter_sampler.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.protocols.train_spec import get_train_spec
+
+from actors import checkpoint, lora as lora_layers
+from actors.lora_config import LoRAConfig
+from actors.model_builder import build_job_config
+from actors.titan_trainer import TrainState
+from actors.trainer import TrainerActor
+from apps.server.adapter_sampler import AdapterSampler
+from apps.server.training_actor import ServerTrainer
+from forge.actor import endpoint
+from forge.distributed import init_from_environment
+from forge.types import Completion, SamplingParams
+
+_STATEFUL = ("optimizer", "lr_scheduler", "train_state")
+
+
+def adapter_name(session_id: str) -> str:
+    """peft's name for a session's adapter (a module key: no '.'; '-' becomes '_')."""
+    return "s_" + session_id.replace("-", "_").replace(".", "_").replace(":", "_")
+
+
+def _renamed(key: str, old: str, new: str) -> str:
+    return key.replace(f".lora_A.{old}.", f".lora_A.{new}.").replace(f".lora_B.{old}.", f".lora_B.{new}.")
+
+
+class _SingleAdapterNames(Stateful):
+    """A session's optimizer in checkpoints under the single-adapter names (`.lora_A.default.`)."""
+
+    def __init__(self, optimizers: Any, name: str) -> None:
+        self.optimizers, self.name = optimizers, name
+
+    def state_dict(self) -> dict[str, Any]:
+        return {_renamed(k, self.name, lora_layers.ADAPTER_NAME): v for k, v in self.optimizers.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizers.load_state_dict({_renamed(k, lora_layers.ADAPTER_NAME, self.name): v
+                                         for k, v in state_dict.items()})
+
+
+@dataclass
+class AdapterSession:
+    name: str  # the adapter's peft name
+    lora: LoRAConfig
+    optimizers: Any  # torchtitan's OptimizersContainer over this adapter's parameters
+    lr_schedulers: Any
+    train_state: TrainState
+    accumulated: int = 0
+
+
+class SharedBaseLoRATrainer(ServerTrainer):
+    """ServerTrainer over one frozen base shared by every session's adapter (one process)."""
+
+    def __init__(self, config: Any, *, rank: int = 0, world_size: int = 1) -> None:
+        if world_size != 1:
+            raise ValueError(f"the LoRA sessions' shared trainer runs in one process, not world_size={world_size}: "
+                             "adapters are added after the model is built, and FSDP shards a model as it is built")
+        if config.lora is not None:
+            raise ValueError("the shared LoRA trainer takes its adapters per session (add_session), not trainer.lora")
+        super().__init__(config, rank=rank, world_size=world_size)
+        self.model.requires_grad_(False)
+        # TitanTrainer built an optimizer over the whole model; each session brings its own over its adapter.
+        self.optimizers = self.lr_schedulers = None
+        self._job = build_job_config(dtype=config.dtype, activation_checkpoint=config.activation_checkpoint)
+        self._set_optimizer_config(self._job)
+        self.sessions: dict[str, AdapterSession] = {}
+        self._active: str | None = None
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def add_session(self, session_id: str, lora: LoRAConfig, seed: int) -> dict[str, int]:
+        """A new adapter on the base (peft's initialization drawn from `seed`: B = 0, so it starts at the base)
+        with a fresh optimizer over its parameters only. Returns its parameter count."""
+        if session_id in self.sessions:
+            raise ValueError(f"session {session_id!r} already has an adapter")
+        name = adapter_name(session_id)
+        lora_layers.inject(self.model, lora, lora_layers.titan_targets(lora, self.adapter), adapter_name=name)
+        lora_layers.init_adapters(self.model, seed, adapter_name=name)
+        spec = get_train_spec(self.config.family)
+        # Only this adapter requires grad right after `inject`: the optimizer takes exactly its parameters.
+        optimizers = spec.build_optimizers_fn([self.model], self._job.optimizer, self.parallel_dims)
+        schedulers = spec.build_lr_schedulers_fn(optimizers, self._job.lr_scheduler, self._job.training.steps)
+        self.sessions[session_id] = AdapterSession(name, lora, optimizers, schedulers, TrainState())
+        self._active = None  # `inject` changed which parameters require grad
+        return {"adapter_parameters": sum(p.numel() for o in optimizers.optimizers for g in o.param_groups
+                                          for p in g["params"])}
+
+    def remove_session(self, session_id: str) -> None:
+        """Delete the session's adapter from every layer, with its optimizer state."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        with warnings.catch_warnings():  # peft warns when it picks another active adapter for a layer
+            warnings.simplefilter("ignore")
+            for module in self.model.modules():
+                if isinstance(module, BaseTunerLayer) and session.name in module.lora_A:
+                    module.delete_adapter(session.name)
+        getattr(self.model, "peft_config", {}).pop(session.name, None)
+        self._active = None
+
+    def run(self, session_id: str, method: str, *args: Any) -> Any:
+        """`method` of ServerTrainer with the session's adapter, optimizer and counters in place."""
+        session = self._activate(session_id)
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            session.accumulated = self.accumulated
+
+    def _activate(self, session_id: str) -> AdapterSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise KeyError(f"no LoRA adapter for session {session_id!r}; adapters: {sorted(self.sessions)}")
+        if self._active != session_id:
+            for module in self.model.modules():
+                if isinstance(module, BaseTunerLayer):
+                    module.set_adapter(session.name)  # also: only this adapter requires grad
+            self._active = session_id
+        self.optimizers, self.lr_schedulers, self.train_state = (session.optimizers, session.lr_schedulers,
+                                                                 session.train_state)
+        self.accumulated = session.accumulated
+        self.config.lora = session.lora
+        return session
+
+    @property
+    def _session(self) -> AdapterSession:
+        return self.sessions[self._active]
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """The active session's adapter under the single-adapter names (the model's own tensors)."""
+        name = self._session.name
+        state = lora_layers.adapter_state(get_model_state_dict(self.model), adapter_name=name)
+        return {_renamed(k, name, lora_layers.ADAPTER_NAME): v for k, v in state.items()}
+
+    # -- checkpoints and export of the active session ----------------------------------------------
+    def _checkpoint_states(self) -> dict[str, Any]:
+        session = self._session
+        states = {**self._adapter_state(), "optimizer": _SingleAdapterNames(session.optimizers, session.name),
+                  "lr_scheduler": session.lr_schedulers, "train_state": session.train_state}
+        if self._model_only:
+            states.pop("optimizer"), states.pop("lr_scheduler")
+        return states
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        states = self._checkpoint_states()
+        checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
+        name = self._session.name
+        adapter = {_renamed(k, lora_layers.ADAPTER_NAME, name): v for k, v in states.items() if k not in _STATEFUL}
+        set_model_state_dict(self.model, adapter, options=StateDictOptions(strict=False))
+
+    def export_hf(self, path: str | Path) -> str:
+        """The session's adapter as a peft folder (adapter_config.json, adapter_model.safetensors)."""
+        dtype = checkpoint.source_dtype(self.model_path)
+        adapter = {k: v.detach().to(dtype, copy=True)
+                   for k, v in lora_layers.to_peft_names(self._adapter_state(), self.adapter).items()}
+        lora_layers.export_peft(adapter, self._session.lora, str(self.model_path), Path(path))
+        return str(path)
+
+    def base_hf_state(self) -> dict[str, torch.Tensor]:
+        """The frozen base in Hugging Face names: the model's own tensors, no copy."""
+        state = {lora_layers.base_key(k): v for k, v in get_model_state_dict(self.model).items()
+                 if ".lora_A." not in k and ".lora_B." not in k}
+        if getattr(self.model_args, "enable_weight_tying", False):
+            state.pop("output.weight")  # the embedding's storage; the HF model ties lm_head itself
+        return self.adapter.to_hf(state)
+
+
+class LoRATrainerActor(TrainerActor):
+    """Every LoRA session of the server on one process: one base, one adapter per session, and sampling with
+    saved adapters over that same base. One call at a time (a lock: each call switches the active adapter)."""
+
+    def __init__(self, config: Any, *, sampler_seed: int = 0, max_sampler_adapters: int = 8) -> None:
+        super().__init__(config)
+        self.sampler_seed, self.max_sampler_adapters = sampler_seed, max_sampler_adapters
+
+    @endpoint
+    async def setup(self) -> None:
+        if self.config.torch_threads and self.config.device == "cpu":
+            torch.set_num_threads(self.config.torch_threads)
+        rank, world_size = init_from_environment(self.config.device)
+        self.trainer = await self._compute(SharedBaseLoRATrainer, self.config, rank=rank, world_size=world_size)
+        self.sampler: AdapterSampler | None = None
+        self._lock = asyncio.Lock()
+
+    async def _locked(self, fn: Any, *args: Any) -> Any:
+        async with self._lock:
+            return await self._compute(fn, *args)
+
+    @endpoint
+    async def add_session(self, session_id: str, lora: dict, seed: int) -> dict:
+        return await self._locked(self.trainer.add_session, session_id, LoRAConfig(**lora), seed)
+
+    @endpoint
+    async def remove_session(self, session_id: str) -> None:
+        await self._locked(self.trainer.remove_session, session_id)
+
+    @endpoint
+    async def forward_backward(self, session_id: str, batch: Any, loss: str, loss_params: dict) -> dict:
+        return await self._locked(self.trainer.run, session_id, "forward_backward", batch, loss, loss_params)
+
+    @endpoint
+    async def forward(self, session_id: str, batch: Any, loss: str | None, loss_params: dict) -> dict:
+        return await self._locked(self.trainer.run, session_id, "forward_only", batch, loss, loss_params)
+
+    @endpoint
+    async def optim_step(self, session_id: str, lr: float, betas: tuple, eps: float, weight_decay: float,
+                         max_grad_norm: float | None) -> dict:
+        return await self._locked(self.trainer.run, session_id, "optim_step", lr, tuple(betas), eps, weight_decay,
+                                  max_grad_norm)
+
+    @endpoint
+    async def save_state(self, session_id: str, path: str, with_optimizer: bool) -> dict:
+        await self._locked(self.trainer.run, session_id, "save_state", path, with_optimizer)
+        return {"path": path, "step": self.trainer.sessions[session_id].train_state.step}
+
+    @endpoint
+    async def load_state(self, session_id: str, path: str, with_optimizer: bool) -> dict:
+        await self._locked(self.trainer.run, session_id, "load_state", path, with_optimizer)
+        return {"path": path, "step": self.trainer.sessions[session_id].train_state.step}
+
+    @endpoint
+    async def export_hf(self, session_id: str, path: str) -> str:
+        return await self._locked(self.trainer.run, session_id, "export_hf", path)
+
+    @endpoint
+    async def sample(self, adapter_path: str, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Completions with the saved adapter at `adapter_path` on the shared base."""
+        async with self._lock:
+            if self.sampler is None:
+                self.sampler = await self._compute(AdapterSampler, self.trainer.base_hf_state(),
+                                                   str(self.trainer.model_path), seed=self.sampler_seed,
+                                                   max_adapters=self.max_sampler_adapters)
+            return await self._compute(self.sampler.generate, adapter_path, prompts, params)
