@@ -79,7 +79,8 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/rl/end_session", response_model=EndSessionResponse, tags=["rl"])
     async def end_session(request: Request, body: EndSessionRequest | None = None) -> EndSessionResponse:
-        return await gateway.end(session_of(request), "ended by the client")
+        return await gateway.end(session_of(request), "ended by the client",
+                                 return_episodes=body is not None and body.return_episodes)
 
     @app.get("/rl/stats", response_model=GatewayStats, tags=["rl"])
     async def stats(request: Request) -> GatewayStats:

@@ -24,6 +24,7 @@ from apps.gateway.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     EndSessionResponse,
+    ExportedEpisode,
     GatewayHealth,
     GatewayStats,
     SetRewardRequest,
@@ -130,16 +131,18 @@ class Gateway:
         session.touch()
         return session
 
-    async def end(self, session: RLSession, reason: str) -> EndSessionResponse:
-        """Remove the session (its key stops working) and export its trajectory to the replay buffer."""
+    async def end(self, session: RLSession, reason: str, *, return_episodes: bool = False) -> EndSessionResponse:
+        """Remove the session (its key stops working) and export its trajectory to the replay buffer: one episode
+        per conversation (apps/gateway/sessions.py)."""
         self.sessions.remove(session)
         self.ended[reason] += 1
         async with self._export_lock:
-            episodes, skipped = trajectory_episodes(session, discount=self.cfg.rl.turn_discount,
-                                                    group_id=next(self._groups), first_episode_id=0)
+            episodes, skipped, breaks = trajectory_episodes(session, discount=self.cfg.rl.turn_discount,
+                                                            group_id=next(self._groups), first_episode_id=0)
             for episode in episodes:
                 episode.episode_id = next(self._episode_ids)
             self.counts["skipped_interactions"] += skipped
+            self.counts["history_breaks"] += breaks
             if episodes:
                 try:
                     self.held = await self._buffer_call(self.buffer.add.call_one(episodes))
@@ -151,7 +154,8 @@ class Gateway:
                 self.counts["exported_episodes"] += len(episodes)
                 self._exported.set()
         return EndSessionResponse(session_id=session.session_id, interactions=len(session.interactions),
-                                  exported_episodes=len(episodes), reason=reason)
+                                  exported_episodes=len(episodes), history_breaks=breaks, reason=reason,
+                                  episodes=[ExportedEpisode.of(e) for e in episodes] if return_episodes else None)
 
     async def _reap(self) -> None:
         while True:
@@ -193,7 +197,8 @@ class Gateway:
         trainable = temperature == train_temperature and params.top_p == 1.0
         interaction = Interaction(f"chatcmpl-{secrets.token_hex(12)}", list(completion.prompt_ids),
                                   list(completion.token_ids), list(completion.logprobs),
-                                  list(completion.policy_versions), trainable)
+                                  list(completion.policy_versions), trainable,
+                                  kept_token_ids=completion.kept_token_ids)
         session.interactions.append(interaction)
         self.counts["interactions"] += 1
         return completion_response(completion, interaction_id=interaction.interaction_id, session_id=session.session_id,
@@ -248,6 +253,7 @@ class Gateway:
                             sessions_started=c["sessions_started"], sessions_ended=dict(self.ended),
                             interactions=c["interactions"], exported_trajectories=c["exported_trajectories"],
                             exported_episodes=c["exported_episodes"], skipped_interactions=c["skipped_interactions"],
+                            history_breaks=c["history_breaks"],
                             export_failures=c["export_failures"], trained_episodes=c["trained_episodes"],
                             buffer=dict(self.buffer_stats), last_train_metrics=self.last_train_metrics)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from forge.types import Episode
 
 
 # --- OpenAI chat completions ------------------------------------------------------------------------
@@ -184,13 +187,36 @@ class SetRewardResponse(BaseModel):
 
 class EndSessionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Answer with the exported episodes' tokens (to inspect or train elsewhere); the replay buffer gets them anyway.
+    return_episodes: bool = False
+
+
+class ExportedEpisode(BaseModel):
+    """One conversation as the trainer gets it: the first prompt, then every later token in order, with the mask
+    (1: the model's sampled tokens, 0: messages and template tokens), behaviour log-probs and policy versions."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_mask: list[int]
+    behaviour_logprobs: list[float]
+    policy_versions: list[int]
+    reward: float
+
+    @classmethod
+    def of(cls, episode: Episode) -> ExportedEpisode:
+        return cls(prompt_ids=episode.prompt_ids, completion_ids=episode.completion_ids,
+                   completion_mask=episode.completion_mask, behaviour_logprobs=episode.behaviour_logprobs,
+                   policy_versions=episode.policy_versions, reward=episode.reward)
 
 
 class EndSessionResponse(BaseModel):
     session_id: str
     interactions: int
-    exported_episodes: int
+    exported_episodes: int  # one per conversation with trainable tokens
+    # requests whose prompt did not continue the previous request's exact tokens: each started a new episode
+    history_breaks: int
     reason: str
+    episodes: list[ExportedEpisode] | None = None  # with return_episodes
 
 
 class GatewayStats(BaseModel):
@@ -205,6 +231,7 @@ class GatewayStats(BaseModel):
     exported_trajectories: int
     exported_episodes: int
     skipped_interactions: int
+    history_breaks: int
     export_failures: int
     trained_episodes: int
     buffer: dict[str, int]

@@ -1,5 +1,12 @@
 """Online-RL sessions: per-session API keys, every interaction's tokens, log-probs and policy versions, rewards,
-and the trajectory each session exports as replay-buffer episodes when it ends. Plain Python (no actors)."""
+and the trajectory each session exports as replay-buffer episodes when it ends. Plain Python (no actors).
+
+A conversation of several requests is one episode: a request whose prompt starts with exactly the previous request's
+prompt and generated ids continues it (forge.environments.trajectory.Trajectory: the new tokens between, the user's
+message and the template's, go in masked out; the reply's tokens masked in, with their log-probs and versions).
+When the prompt does not continue it token for token (the template re-rendered the history: an end token dropped,
+a thinking block stripped, a message edited; or a new conversation), the request starts a new episode and the
+break is counted: an episode never holds tokens the model did not see."""
 
 from __future__ import annotations
 
@@ -7,9 +14,11 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from apps.server.errors import ServiceError
-from forge.types import Episode
+from forge.environments.trajectory import Trajectory
+from forge.types import Completion, Episode
 
 
 @dataclass
@@ -21,6 +30,12 @@ class Interaction:
     policy_versions: list[int]
     trainable: bool  # sampled at the trainer's temperature (log-probs comparable)
     reward: float | None = None
+    kept_token_ids: Any = None  # the kept sets of truncated sampling (a tensor), None: the full vocabulary
+
+    def completion(self) -> Completion:
+        return Completion(prompt_ids=self.prompt_ids, token_ids=self.completion_ids, text="", logprobs=self.logprobs,
+                          finish_reason="stop", policy_versions=self.policy_versions,
+                          kept_token_ids=self.kept_token_ids)
 
 
 @dataclass
@@ -106,26 +121,48 @@ def set_reward(session: RLSession, reward: float, interaction_id: str | None) ->
     return target
 
 
-def trajectory_episodes(session: RLSession, *, discount: float, group_id: int,
-                        first_episode_id: int) -> tuple[list[Episode], int]:
-    """One episode per trainable interaction with at least one generated token; returns (episodes, skipped).
+class SessionExport(NamedTuple):
+    episodes: list[Episode]
+    skipped: int  # interactions not trained: sampled off the trainer's temperature, or no token generated
+    history_breaks: int  # requests that did not continue the previous one's exact tokens (a new episode each)
 
-    An interaction without its own reward takes the next interaction's (effective) reward times `discount`;
-    the last one without a reward gets 0.
+
+def conversations(interactions: list[Interaction]) -> tuple[list[tuple[Trajectory, list[Interaction]]], int]:
+    """The session's episodes as trajectories with the interactions each holds, and the history breaks between them.
+    An untrainable reply stays in its episode as context (masked out: the model saw it, the loss may not score it)."""
+    chains: list[tuple[Trajectory, list[Interaction]]] = []
+    breaks = 0
+    for interaction in interactions:
+        if chains and interaction.prompt_ids[: len(chains[-1][0].ids)] == chains[-1][0].ids:
+            trajectory, held = chains[-1]
+            trajectory.add_observation(interaction.prompt_ids[len(trajectory.ids):])
+        else:
+            breaks += bool(chains)
+            trajectory, held = Trajectory(prompt_ids=list(interaction.prompt_ids)), []
+            chains.append((trajectory, held))
+        if interaction.trainable:
+            trajectory.add_model_turn(interaction.completion())
+        else:
+            trajectory.add_observation(list(interaction.completion_ids))
+        held.append(interaction)
+    return chains, breaks
+
+
+def trajectory_episodes(session: RLSession, *, discount: float, group_id: int, first_episode_id: int) -> SessionExport:
+    """One episode per conversation (`conversations`) with at least one trainable generated token.
+
+    An episode's reward is the sum of the rewards set on its interactions; an episode without any takes the next
+    episode's (effective) reward times `discount`; the last one without any gets 0.
     """
-    rewards: list[float] = [0.0] * len(session.interactions)
+    chains, breaks = conversations(session.interactions)
+    rewards: list[float] = [0.0] * len(chains)
     following: float | None = None
-    for index in range(len(session.interactions) - 1, -1, -1):
-        own = session.interactions[index].reward
-        following = own if own is not None else (following * discount if following is not None else None)
+    for index in range(len(chains) - 1, -1, -1):
+        own = [i.reward for i in chains[index][1] if i.reward is not None]
+        following = sum(own) if own else (following * discount if following is not None else None)
         rewards[index] = following if following is not None else 0.0
-    episodes, skipped = [], 0
-    for interaction, reward in zip(session.interactions, rewards):
-        if not interaction.trainable or not interaction.completion_ids:
-            skipped += 1
-            continue
-        episodes.append(Episode(episode_id=first_episode_id + len(episodes), group_id=group_id,
-                                prompt_ids=list(interaction.prompt_ids), completion_ids=list(interaction.completion_ids),
-                                behaviour_logprobs=list(interaction.logprobs),
-                                policy_versions=list(interaction.policy_versions), reward=float(reward)))
-    return episodes, skipped
+    skipped = sum(1 for i in session.interactions if not i.trainable or not i.completion_ids)
+    trained = [(trajectory, reward) for (trajectory, _), reward in zip(chains, rewards) if any(trajectory.mask)]
+    episodes = [trajectory.to_episode(episode_id=first_episode_id + n, group_id=group_id, reward=float(reward))
+                for n, (trajectory, reward) in enumerate(trained)]
+    return SessionExport(episodes, skipped, breaks)

@@ -26,11 +26,15 @@ from pydantic import BaseModel
 from forge.provisioner import free_port
 from tests.docs.snippets import python_blocks, run_block
 from tests.support import start_http_app, stop_http_app
+from apps.gateway.chat import PromptEncoder
 from apps.gateway.errors import openai_error
+from apps.gateway.schemas import ChatMessage
 from apps.gateway.sessions import Interaction, RLSession, trajectory_episodes
 from apps.server.errors import ServiceError
 from apps.server.serving import install_error_handlers
 from bench.gateway_load import percentile, run_load
+from forge.tiny_model import build_tokenizer
+from forge.types import Episode, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "test-admin-key-0123"
@@ -45,8 +49,9 @@ def _interaction(i: int, reward: float | None, tokens: int = 2, trainable: bool 
 def test_trajectory_rewards_propagate_back_with_the_turn_discount():
     session = RLSession("s", "k", 60, 0, interactions=[_interaction(0, None), _interaction(1, 0.5),
                                                          _interaction(2, None), _interaction(3, 1.0)])
-    episodes, skipped = trajectory_episodes(session, discount=0.5, group_id=7, first_episode_id=10)
-    assert [e.reward for e in episodes] == [0.25, 0.5, 0.5, 1.0] and skipped == 0
+    # Each prompt is [5, 6] again, not the previous ids continued: four conversations, three history breaks.
+    episodes, skipped, breaks = trajectory_episodes(session, discount=0.5, group_id=7, first_episode_id=10)
+    assert [e.reward for e in episodes] == [0.25, 0.5, 0.5, 1.0] and skipped == 0 and breaks == 3
     assert [e.episode_id for e in episodes] == [10, 11, 12, 13] and {e.group_id for e in episodes} == {7}
     assert episodes[0].prompt_ids == [5, 6] and episodes[0].policy_versions == [0, 0]
 
@@ -54,8 +59,65 @@ def test_trajectory_rewards_propagate_back_with_the_turn_discount():
 def test_untrainable_or_empty_interactions_are_skipped_and_counted():
     session = RLSession("s", "k", 60, 0, interactions=[_interaction(0, 1.0, trainable=False),
                                                          _interaction(1, None, tokens=0), _interaction(2, None)])
-    episodes, skipped = trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0)
+    episodes, skipped, _ = trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0)
     assert skipped == 2 and [e.reward for e in episodes] == [0.0]
+
+
+def _conversation(tokenizer, users: list[str], replies: list[list[int]], trainable: list[bool] | None = None
+                  ) -> list[Interaction]:
+    """Requests as an OpenAI client makes them: each sends the previous messages, the assistant's reply (as the text
+    the gateway answered) and a new user message; the prompt is what the gateway's encoder renders."""
+    encoder, messages, interactions = PromptEncoder(tokenizer, "plain", 256), [], []
+    for k, (user, reply) in enumerate(zip(users, replies)):
+        messages.append(ChatMessage(role="user", content=user))
+        interactions.append(Interaction(f"c{k}", encoder.encode(messages), reply, [-0.5 - k] * len(reply),
+                                        [k] * len(reply), True if trainable is None else trainable[k]))
+        messages.append(ChatMessage(role="assistant", content=tokenizer.decode(reply, skip_special_tokens=True)))
+    return interactions
+
+
+def test_a_conversation_of_several_requests_is_one_token_exact_episode():
+    tokenizer = build_tokenizer()
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    users, replies = ["12+34=", " 5+5=", " 3+4="], [ids("64"), ids("01"), ids("7") + [tokenizer.eos_token_id]]
+    interactions = _conversation(tokenizer, users, replies)
+    interactions[-1].reward = 0.75
+    (episode,), skipped, breaks = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions),
+                                                      discount=1.0, group_id=3, first_episode_id=0)
+    assert (skipped, breaks, episode.reward) == (0, 0, 0.75)
+    # Exactly what the model saw and wrote, in order: the first prompt, then reply, message, reply, message, reply.
+    assert episode.prompt_ids == ids("12+34=")
+    assert episode.completion_ids == replies[0] + ids(" 5+5=") + replies[1] + ids(" 3+4=") + replies[2]
+    assert episode.completion_mask == [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1]
+    assert episode.behaviour_logprobs == [-0.5] * 2 + [0.0] * 5 + [-1.5] * 2 + [0.0] * 5 + [-2.5] * 2
+    assert episode.policy_versions == [0] * 2 + [-1] * 5 + [1] * 2 + [-1] * 5 + [2] * 2
+    batch = TrainBatch.from_episodes([episode], pad_id=tokenizer.pad_token_id)
+    mask = batch.response_mask[0].bool()
+    assert batch.input_ids[0].tolist() == episode.prompt_ids + episode.completion_ids
+    assert batch.input_ids[0, 1:][mask].tolist() == [t for r in replies for t in r]  # the loss sees the replies only
+    assert (batch.policy_versions[0][~mask] == -1).all() and batch.behaviour_logprobs[0][mask].tolist() == \
+        [-0.5, -0.5, -1.5, -1.5, -2.5, -2.5]
+
+
+def test_a_request_that_does_not_continue_the_exact_tokens_starts_a_new_episode_and_is_counted():
+    tokenizer = build_tokenizer()
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = tokenizer.eos_token_id
+    # The first reply ended at EOS: plain messages cannot carry it, so the second prompt lacks a token the model saw.
+    interactions = _conversation(tokenizer, ["1+1=", "2+2="], [ids("2") + [eos], ids("4")])
+    interactions[-1].reward = 1.0
+    first, second = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions), discount=0.5,
+                                        group_id=0, first_episode_id=0).episodes
+    assert first.prompt_ids + first.completion_ids == ids("1+1=2") + [eos] and first.reward == 0.5
+    assert second.prompt_ids == ids("1+1=22+2=") and second.completion_ids == ids("4") and second.reward == 1.0
+    assert trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions), discount=0.5, group_id=0,
+                               first_episode_id=0).history_breaks == 1
+    # An off-temperature reply stays in its conversation as context, masked out.
+    interactions = _conversation(tokenizer, ["1+1=", "2+2="], [ids("2"), ids("4")], trainable=[False, True])
+    (episode,), skipped, breaks = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions),
+                                                      discount=1.0, group_id=0, first_episode_id=0)
+    assert (skipped, breaks) == (1, 0) and episode.completion_ids == ids("22+2=4")
+    assert episode.completion_mask == [0, 0, 0, 0, 0, 1] and episode.policy_versions == [-1] * 5 + [1]
 
 
 def test_percentile_is_nearest_rank():
@@ -212,13 +274,63 @@ def test_openai_client_session_rewards_and_export(http):
     unknown = http.post("/rl/set_reward", json={"reward": 1.0, "interaction_id": "chatcmpl-nope"}, headers=key)
     assert unknown.status_code == 404 and "chatcmpl-nope" in unknown.json()["error"]["message"]
     ended = http.post("/rl/end_session", json={}, headers=key).json()
-    assert ended == {"session_id": "openai-test", "interactions": 2, "exported_episodes": 2,
-                     "reason": "ended by the client"}
+    # The second request continues the first one's exact tokens unless the first reply ended at EOS (which the
+    # plain message text cannot carry): one conversation, or two with a counted history break.
+    breaks = int(first.choices[0].finish_reason == "stop")
+    assert ended == {"session_id": "openai-test", "interactions": 2, "exported_episodes": 1 + breaks,
+                     "history_breaks": breaks, "reason": "ended by the client", "episodes": None}
     after = _stats(http)
-    assert after["exported_episodes"] - before["exported_episodes"] == 2
-    assert after["buffer"]["added"] - before["buffer"]["added"] == 2
+    assert after["exported_episodes"] - before["exported_episodes"] == 1 + breaks
+    assert after["buffer"]["added"] - before["buffer"]["added"] == 1 + breaks
+    assert after["history_breaks"] - before["history_breaks"] == breaks
     with pytest.raises(openai.AuthenticationError):  # the key ended with its session
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "1+1="}])
+
+
+def test_a_three_request_conversation_through_the_openai_client_exports_one_token_exact_episode(http):
+    tokenizer = build_tokenizer()  # the tiny model's (character-level): the test renders what the gateway saw
+    for attempt in range(5):  # a reply ending at EOS (rare at 2 tokens) breaks the plain history: try again
+        session = _start(http)
+        client = openai.OpenAI(base_url=_v1(http), api_key=session["api_key"], max_retries=0)
+        messages, replies = [], []
+        for user in ("12+34=", "5+5=", "3+4="):
+            messages.append({"role": "user", "content": user})
+            reply = client.chat.completions.create(model="default", messages=messages, max_tokens=2, logprobs=True)
+            replies.append(reply)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        key = _bearer(session["api_key"])
+        http.post("/rl/set_reward", json={"reward": 0.75}, headers=key)
+        ended = http.post("/rl/end_session", json={"return_episodes": True}, headers=key).json()
+        breaks = sum(r.choices[0].finish_reason == "stop" for r in replies[:-1])
+        assert (ended["history_breaks"], ended["exported_episodes"], len(ended["episodes"])) == (breaks, 1 + breaks,
+                                                                                                1 + breaks)
+        if not breaks:
+            break
+    else:
+        pytest.fail("every conversation had a reply ending at EOS")
+    (exported,) = ended["episodes"]
+    tokens = [[tokenizer.convert_tokens_to_ids(t.token) for t in r.choices[0].logprobs.content] for r in replies]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    text = "".join(m["content"] for m in messages[:-1])  # every message up to the last reply
+    assert exported["prompt_ids"] + exported["completion_ids"] == encode(text) + tokens[-1]
+    rendered = [encode(m["content"]) if m["role"] == "user" else None for m in messages]
+    expected_mask = []
+    for k, reply_tokens in enumerate(tokens):  # after the first prompt: reply, message, reply, message, reply
+        expected_mask += [1] * len(reply_tokens) + ([0] * len(rendered[2 * k + 2]) if k < 2 else [])
+    assert exported["completion_mask"] == expected_mask and exported["reward"] == 0.75
+    mask = [bool(m) for m in exported["completion_mask"]]
+    assert [t for t, m in zip(exported["completion_ids"], mask) if m] == [t for r in tokens for t in r]
+    assert [lp for lp, m in zip(exported["behaviour_logprobs"], mask) if m] == pytest.approx(
+        [t.logprob for r in replies for t in r.choices[0].logprobs.content])
+    assert [v for v, m in zip(exported["policy_versions"], mask) if m] == \
+        [v for r in replies for v in r.model_extra["forge"]["policy_versions"]]
+    episode = Episode(episode_id=0, group_id=0, prompt_ids=exported["prompt_ids"],
+                      completion_ids=exported["completion_ids"], behaviour_logprobs=exported["behaviour_logprobs"],
+                      policy_versions=exported["policy_versions"], reward=exported["reward"],
+                      completion_mask=exported["completion_mask"])
+    batch = TrainBatch.from_episodes([episode], pad_id=tokenizer.pad_token_id)
+    assert batch.response_mask.sum() == sum(len(r) for r in tokens)
+    assert (batch.policy_versions[~batch.response_mask.bool()] == -1).all()
 
 
 def test_streamed_completions_arrive_as_openai_chunks_and_are_recorded(http):
@@ -330,8 +442,9 @@ def test_load_50_concurrent_sessions_lose_no_trajectory(gateway, http):
           f"p99 {summary['chat_p99_ms']:.0f} ms; session p50 {summary['session_p50_ms']:.0f} ms, "
           f"p99 {summary['session_p99_ms']:.0f} ms; 429 retries {summary['start_retries_429']}")
     assert result.failures == []
-    assert summary["chat_requests"] == 100 and result.exported_episodes == 100
-    assert result.lost == 0 and result.buffer_added == 100
+    # One episode per conversation, two when a reply ended at EOS and broke the history (counted, never lost).
+    assert summary["chat_requests"] == 100 and 50 <= result.exported_episodes <= 100
+    assert result.lost == 0 and result.buffer_added == result.exported_episodes
     stats = _stats(http)
     assert stats["export_failures"] == 0
     buffer = stats["buffer"]
@@ -341,9 +454,9 @@ def test_load_50_concurrent_sessions_lose_no_trajectory(gateway, http):
 
 def test_training_runs_and_new_weights_reach_the_generators_without_a_restart(gateway, http):
     before = _stats(http)
-    # Trajectories of its own, more than one training batch (replay_buffer.batch_size=32 here): a step must follow.
-    load = asyncio.run(run_load(gateway["url"], ADMIN, sessions=20, turns=2, seed=2, max_wait_s=240))
-    assert load.failures == [] and load.exported_episodes == 40 and load.lost == 0
+    # Conversations of its own, more than one training batch (replay_buffer.batch_size=32 here): a step must follow.
+    load = asyncio.run(run_load(gateway["url"], ADMIN, sessions=40, turns=2, seed=2, max_wait_s=240))
+    assert load.failures == [] and load.exported_episodes >= 40 and load.lost == 0
     deadline = time.monotonic() + 240
     while _stats(http)["train_steps"] <= before["train_steps"]:
         assert time.monotonic() < deadline, _stats(http)
