@@ -63,11 +63,11 @@ def test_untrainable_or_empty_interactions_are_skipped_and_counted():
     assert skipped == 2 and [e.reward for e in episodes] == [0.0]
 
 
-def _conversation(tokenizer, users: list[str], replies: list[list[int]], trainable: list[bool] | None = None
-                  ) -> list[Interaction]:
+def _conversation(tokenizer, users: list[str], replies: list[list[int]], trainable: list[bool] | None = None,
+                  fmt: str = "plain") -> list[Interaction]:
     """Requests as an OpenAI client makes them: each sends the previous messages, the assistant's reply (as the text
     the gateway answered) and a new user message; the prompt is what the gateway's encoder renders."""
-    encoder, messages, interactions = PromptEncoder(tokenizer, "plain", 256), [], []
+    encoder, messages, interactions = PromptEncoder(tokenizer, fmt, 256), [], []
     for k, (user, reply) in enumerate(zip(users, replies)):
         messages.append(ChatMessage(role="user", content=user))
         interactions.append(Interaction(f"c{k}", encoder.encode(messages), reply, [-0.5 - k] * len(reply),
@@ -112,6 +112,18 @@ def test_a_request_that_does_not_continue_the_exact_tokens_starts_a_new_episode_
     assert second.prompt_ids == ids("1+1=22+2=") and second.completion_ids == ids("4") and second.reward == 1.0
     assert trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions), discount=0.5, group_id=0,
                                first_episode_id=0).history_breaks == 1
+    # A chat template that renders the end token after each reply keeps the history exact; one that strips a
+    # thinking block from earlier replies (as Qwen3's does) changes what the model saw: a new episode, counted.
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}"
+                               "{{ m.content.split('</think>')[-1] }}{{ eos_token }}{% else %}{{ m.content }}{% endif %}"
+                               "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    for reply, breaks in (("2", 0), ("<think>1+1</think>2", 1)):
+        interactions = _conversation(tokenizer, ["1+1=", "2+2="], [ids(reply) + [eos], ids("4") + [eos]],
+                                     fmt="template")
+        export = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions), discount=1.0,
+                                     group_id=0, first_episode_id=0)
+        assert (export.history_breaks, len(export.episodes)) == (breaks, 1 + breaks)
+    assert export.episodes[1].prompt_ids == ids("<user>1+1=<assistant>2") + [eos] + ids("<user>2+2=<assistant>")
     # An off-temperature reply stays in its conversation as context, masked out.
     interactions = _conversation(tokenizer, ["1+1=", "2+2="], [ids("2"), ids("4")], trainable=[False, True])
     (episode,), skipped, breaks = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions),
