@@ -39,6 +39,11 @@ class OpenEnvTask:
     def environment(self) -> OpenEnvEnvironment:
         return self.spec.environment()
 
+    def transcript(self, problem: OpenEnvProblem) -> list[tuple[str, bool]]:
+        """What a multi-turn warm start trains on (forge.warm_start_multiturn): an OpenEnv environment has none."""
+        raise ValueError(f"warm_start.enabled=true: task.source='openenv' ({self.name}) has no reference episodes to "
+                         "warm start from; set warm_start.enabled: false")
+
     def reward(self, completion_text: str, answer: str) -> float:
         raise TypeError(f"task.source='openenv' ({self.name}): its environment scores the episodes; there is no "
                         "completion reward")

@@ -120,6 +120,12 @@ def test_config_errors_name_the_field_before_anything_starts(overrides, message)
     assert message in str(error.value)
 
 
+def test_a_multi_turn_warm_start_is_refused_naming_the_field():
+    task = guess_task()
+    with pytest.raises(ValueError, match="warm_start.enabled=true: task.source='openenv'.*set warm_start.enabled: false"):
+        task.transcript(task.held_out()[0])  # forge.warm_start_multiturn's first call, before any process starts
+
+
 def test_training_episodes_never_reset_with_a_held_out_seed():
     task = guess_task(held_out=50)
     held = {p.seed for p in task.held_out()}
