@@ -145,7 +145,6 @@ class SharedBaseLoRATrainer(ServerTrainer):
         self.optimizers, self.lr_schedulers, self.train_state = (session.optimizers, session.lr_schedulers,
                                                                  session.train_state)
         self.accumulated = session.accumulated
-        self.config.lora = session.lora
         return session
 
     @property

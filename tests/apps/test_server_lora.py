@@ -23,6 +23,7 @@ from apps.server.schemas import Datum
 from forge.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 from forge.provisioner import free_port
 from forge.tiny_model import build_tiny_checkpoint
+from tests.docs.snippets import python_blocks, run_block
 from tests.support import start_http_app, stop_http_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -230,3 +231,12 @@ def test_requests_a_lora_session_cannot_make_are_4xx_naming_the_field(service, s
         assert error.value.status_code == 429 and "max_lora_sessions=3" in str(error.value.detail)
     finally:
         third.unload().result()
+
+
+def test_the_serving_docs_lora_snippet_runs_against_the_server(server, monkeypatch):
+    monkeypatch.setenv("FORGE_BASE_URL", server["url"])
+    monkeypatch.setenv("FORGE_API_KEY", API_KEY)
+    [snippet] = [block for block in python_blocks("serving.md") if "create_lora_training_client(" in block]
+    done = run_block(snippet)
+    assert done["saved"].checkpoint.lora["rank"] == 8 and isinstance(done["text"], str)
+    assert done["adapter"].model_path == "my-adapter-1"
