@@ -197,10 +197,10 @@ class GRPOJob:
     async def training_loop(self) -> None:
         cfg, logger = self.cfg, MetricLogger.from_config(self.cfg.metrics, total_steps=self.cfg.steps,
                                                          jsonl_default=self.run_dir / "metrics.jsonl")
-        start_step, loop_start = self.step, time.perf_counter()
+        start_step, loop_start, loop_cpu = self.step, time.perf_counter(), time.process_time()
         try:
             while self.step < cfg.steps and not self.interrupted:
-                step_start = time.perf_counter()
+                step_start, step_cpu = time.perf_counter(), time.process_time()
                 episodes = await self._next_batch()
                 if episodes is None:
                     break
@@ -221,6 +221,7 @@ class GRPOJob:
                     "train/version_lag": sum(trained_on - e.oldest_policy_version for e in episodes) / len(episodes),
                     "buffer/dropped_too_old": float(stats["dropped_too_old"]), "train/wait_s": waited,
                     "train/episodes_per_s": len(episodes) / elapsed, "step_s": elapsed,
+                    "controller/cpu_s": time.process_time() - step_cpu,
                     "policy_version": float(self.version), **metrics})
                 self.summary.step_logged(record, memory=get_provisioner().memory_rss)
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
@@ -230,6 +231,7 @@ class GRPOJob:
         finally:
             logger.close()
         self.summary.train_s, self.summary.steps_this_run = time.perf_counter() - loop_start, self.step - start_step
+        self.summary.controller_cpu_s = time.process_time() - loop_cpu
 
     async def _next_batch(self) -> list[Episode] | None:
         """The next batch for the current version; None when asked to stop while waiting for one."""

@@ -29,6 +29,9 @@ class RunSummary:
     policy_version: int = 0
     wall_s: float = 0.0
     train_s: float = 0.0  # the training loop of this run (a resumed run counts from its resume)
+    # The controller process's CPU time (all its threads, Monarch's included) over the training loop: what
+    # rollouts, rewards and moving episodes between actors cost the one process every actor call goes through.
+    controller_cpu_s: float = 0.0
     steps_this_run: int = 0
     warm_start_accuracy: float | None = None
     accuracy_start: float | None = None
@@ -99,7 +102,8 @@ class RunSummary:
                          f"last step {self.last_step.get('reward/mean', float('nan')):.3f}")
         if self.train_s:
             lines.append(f"throughput: {self.steps_this_run / self.train_s:.2f} steps/s, "
-                         f"{self.episodes['trained'] / self.train_s:.1f} trained episodes/s")
+                         f"{self.episodes['trained'] / self.train_s:.1f} trained episodes/s, controller CPU "
+                         f"{self.controller_cpu_s / max(1, self.steps_this_run):.3f} core-s per step")
         lines.extend(self._off_policy_lines())
         e = self.episodes
         lines.append(f"episodes: generated {e['generated']} = trained {e['trained']} + held {e['held_in_buffer']} "
