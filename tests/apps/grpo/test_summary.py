@@ -9,6 +9,7 @@ BUFFER_STATS = {"added": 90, "sampled": 64, "consumed": 64, "held": 20, "dropped
 
 def finished_run(**overrides) -> RunSummary:
     fields = dict(steps=4, policy_version=4, wall_s=12.0, train_s=8.0, steps_this_run=4, reward_failures=3,
+                  controller_cpu_s=1.0,
                   accuracy_start=0.25, accuracy_end=0.5, hf_model="runs/x/hf_model")
     summary = RunSummary(**{**fields, **overrides})
     rss = iter([{"controller": 100 * 2**20}, {"controller": 120 * 2**20}])
@@ -30,7 +31,7 @@ def test_episodes_add_up_and_the_text_says_so():
             "reward failures 3") in text
     assert "held-out accuracy: 25.0% -> 50.0% (+25.0%)" in text
     assert "reward (batch mean): first step 0.100 -> last step 0.400" in text  # the first logged step is kept
-    assert "throughput: 0.50 steps/s, 8.0 trained episodes/s" in text
+    assert "throughput: 0.50 steps/s, 8.0 trained episodes/s, controller CPU 0.250 core-s per step" in text
     assert "controller 100 -> 130" in text
     assert "exported HF model: runs/x/hf_model" in text and "interrupted" not in text
 
