@@ -14,6 +14,10 @@ publish-to-ready: from the start of the publish until both readers on B hold the
 pre-allocated tensors (checked by a fingerprint), measured in the controller (the bench's process, on the
 bridge between the hosts); `publish s` is when the publisher's call returned (in (a) the relay may already be
 copying). (c) is timed by its receiver, from connect to the last byte.
+
+(a)'s stages, from the same run (wall-clock times of the relay and the readers, all processes on this machine,
+seconds after the publish started): when host B's relay started its copy, had received the last byte, and
+advertised the complete copy; when each reader started its fetch and when it returned the verified version.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tests.multihost_support import SimulatedHosts, namespaces_unavailable, rela
 
 from bench.weight_sync import DTYPES, Publisher, Reader, _delete_torchstore_prefix, state_dict_shapes
 from forge import provisioner
-from forge.actor import endpoint
+from forge.actor import endpoint, mesh_of
 from forge.hosts import HostsConfig
 from forge.weight_store import WeightStore
 
@@ -47,15 +51,18 @@ class RelayPublisher(Publisher):
 
 class RelayReader(Reader):
     @endpoint
-    async def fetch_relayed(self, namespace: str, version: int, timeout_s: float = 300.0) -> None:
-        """Wait until this host has `version` (its relay copied it), then read it into the live weights."""
+    async def fetch_relayed(self, namespace: str, version: int, timeout_s: float = 300.0) -> tuple[float, float]:
+        """Wait until this host has `version` (complete, or arriving: its relay is streaming it), then read it into
+        the live weights; returns when the fetch started and ended (wall clock)."""
         store = WeightStore(namespace)
         deadline = time.monotonic() + timeout_s
         while (await store.latest_version() or -1) < version:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"version {version} never reached this host's shared memory in {timeout_s} s")
             await asyncio.sleep(0.01)
+        started = time.time()
         await store.fetch(version, into=self.live)
+        return started, time.time()
 
 
 async def _check(readers: RelayReader, expected: list[float], path: str) -> None:
@@ -64,20 +71,27 @@ async def _check(readers: RelayReader, expected: list[float], path: str) -> None
             raise RuntimeError(f"{path}: reader {rank} does not hold the version just published")
 
 
-async def relay_once(publisher: RelayPublisher, readers: RelayReader, namespace: str,
-                     version: int) -> tuple[float, float]:
-    """(publish-to-ready, publish) seconds of one version through path (a)."""
+async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, namespace: str,
+                     version: int) -> tuple[float, float, dict]:
+    """(publish-to-ready, publish, stages) seconds of one version through path (a)."""
     expected = await publisher.mark.call_one(version)
-    start = time.perf_counter()
+    start, wall = time.perf_counter(), time.time()
 
     async def publish() -> float:
         await publisher.publish_relayed.call_one(namespace, version)
         return time.perf_counter() - start
 
-    published, _ = await asyncio.gather(publish(), readers.fetch_relayed.call(namespace, version))
+    published, fetches = await asyncio.gather(publish(), readers.fetch_relayed.call(namespace, version))
     seconds = time.perf_counter() - start
     await _check(readers, expected, "relay")
-    return seconds, published
+    copy = (await relay_b.status.call_one())["last_copy"]
+    if copy.get("version") != version:
+        raise RuntimeError(f"host B's relay's last copy is {copy}, not version {version}")
+    stages = {f"relay {k}": copy[k] - wall for k in ("started", "received", "advertised")}
+    reads = list(fetches.values())
+    stages["readers started"] = min(r[0] for r in reads) - wall
+    stages["readers done"] = max(r[1] for r in reads) - wall
+    return seconds, published, stages
 
 
 async def torchstore_once(publisher: RelayPublisher, readers: RelayReader, key: str,
@@ -93,9 +107,9 @@ async def torchstore_once(publisher: RelayPublisher, readers: RelayReader, key: 
     return seconds, published
 
 
-def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
+def _median(runs: list[tuple]) -> tuple:
     """The run with the median publish-to-ready."""
-    return sorted(runs)[(len(runs) - 1) // 2]
+    return sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
 
 
 _SENDER = """
@@ -149,6 +163,7 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
                                             roles={"publisher": [0], "readers": [1]}))
     job = provisioner.get_provisioner()
     await job.start_weight_store()
+    relay_b = next(relay for relay in job.relays if mesh_of(relay).hosts == [1])
     publisher = await RelayPublisher.options(procs=1, mesh_name="publisher").as_actor()
     readers = await RelayReader.options(procs=2, mesh_name="readers").as_actor()
     rows, version = [], 0
@@ -158,11 +173,11 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         await readers.allocate.call(shapes, dtype)
         namespace = f"bench-hosts-{dtype}"
         version += 1
-        await relay_once(publisher, readers, namespace, version)  # warm-up: first touch, connections
+        await relay_once(publisher, readers, relay_b, namespace, version)  # warm-up: first touch, connections
         relay = []
         for _ in range(args.repeats):
             version += 1
-            relay.append(await relay_once(publisher, readers, namespace, version))
+            relay.append(await relay_once(publisher, readers, relay_b, namespace, version))
         plain = []
         for _ in range(args.ts_repeats or args.repeats):
             version += 1
@@ -184,8 +199,10 @@ def print_row(row: dict) -> None:
     for label, key in (("(a) forge: host B's relay, shm readers", "relay"),
                        ("(b) plain torchstore: put once, get per reader", "torchstore"),
                        ("(c) raw TCP copy A -> B, same bytes, once (the link)", "raw")):
-        total, published = row[key]
+        total, published = row[key][:2]
         print(f"  {label:<58}{total:>9.3f}{gb / total:>8.2f}{published:>11.3f}")
+    print("  (a)'s stages, s after the publish started: " + ", ".join(f"{stage} {at:.3f}" for stage, at in
+                                                                      row["relay"][2].items()))
     speedup, gap = row["torchstore"][0] / row["relay"][0], row["relay"][0] / row["raw"][0]
     print(f"  (b)/(a) = {speedup:.2f}x (goal >= 10: {'met' if speedup >= 10 else 'MISSED'});"
           f"  (a)/(c) = {gap:.2f}x (goal <= 1.5: {'met' if gap <= 1.5 else 'MISSED'})")

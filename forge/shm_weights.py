@@ -3,10 +3,15 @@
 Monarch, no torchstore, so the data plane and its bench run on any torch (forge/weight_store.py adds the keys,
 manifests and cross-host transport on top).
 
-A segment is a 64-byte header (the version, written last) and every tensor's bytes, 64-byte aligned, at the
-offsets `layout` gives. The writer pwrites them one tensor at a time into `<name>.tmp` and renames it when
-complete, so a reader never sees half a version. Readers preadv straight into their tensors: large state dicts
-in 32 MB chunks on up to 8 threads (1 GB: 0.27 s on one thread, 0.15 s on two).
+A segment is a 64-byte header and every tensor's bytes, 64-byte aligned, at the offsets `layout` gives. The
+header holds three int64s: the version once complete (written last; -1 while being written, -2 once abandoned),
+how many tensor bytes from the start are in place ("ready": each piece counts once written and checksummed), and
+the version being written. The writer pwrites the tensors one piece at a time into `<name>.tmp` and renames it
+when complete. Readers preadv straight into their tensors: large state dicts in 32 MB pieces on up to 8 threads
+(1 GB: 0.27 s on one thread, 0.15 s on two). A reader may start while the segment is still being written (a
+version streamed to another host, forge/weight_relay.py): each piece is read once "ready" covers it, and the
+version is returned only once its segment is complete and every piece matches the publisher's checksum, so no
+caller ever gets half a version.
 
 Checksums: a hash of each 32 MB piece of a tensor's bytes, computed once when it is published and checked by
 every reader right after it reads that piece, on the same thread: a reader never returns bytes that differ from
@@ -21,14 +26,17 @@ reading threads. A sum of an int64 view is as fast as xxh3 but misses bytes move
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
 import struct
+import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,7 +49,10 @@ except ImportError:  # not a dependency of forge (vLLM brings it): crc32 from th
 from forge.distributed import gather_to_rank0
 
 SHM_DIR = Path(os.environ.get("FORGE_SHM_DIR", "/dev/shm"))
-HEADER = 64  # the segment starts with its version (int64), written last and checked by readers
+HEADER = 64  # the segment starts with its state (see the module's docstring)
+_COMMITTED, _READY, _WRITING = 0, 8, 16  # header offsets: version once complete, ready bytes, version being written
+WRITING, ABANDONED = -1, -2  # the header's "complete" field until the segment is complete, or after a failed write
+ARRIVAL_STALL_S = 60.0  # a reader of a segment still being written gives up when no byte arrived for this long
 _ALIGN = 64
 _CHUNK = 32 << 20  # bytes per preadv call and per checksum: reading threads share big tensors evenly
 _THREADED_BYTES = 64 << 20  # below this one thread is faster than handing chunks to a pool
@@ -186,52 +197,98 @@ def create_segment(path: Path, size: int, version: int, spare: Path | None) -> S
 
 
 class SegmentWriter:
-    """A version's segment, written tensor by tensor into `<name>.tmp` with pwrite and renamed to its real name
-    once complete, so readers never see a half-written one. A failed write removes the file at once (and
-    later writes are skipped, so the other ranks' gathers still complete); `commit` then raises its error.
+    """A version's segment, written piece by piece into `<name>.tmp` and renamed to its real name once complete.
+    After each piece its "ready" count moves forward, so another process can stream or read what is in place
+    while the rest is being written (never past it). A failed write marks the segment abandoned and removes the
+    file at once (and later writes are skipped, so the other ranks' gathers still complete); `commit` then raises
+    its error.
 
     Reusing a deleted version's file (`spare`) skips the page faults and zeroing of fresh shared memory, the
     slow part of writing a new file. One thread writes: writes to one tmpfs file serialize on its inode lock.
     """
 
     def __init__(self, path: Path, size: int, version: int, spare: Path | None) -> None:
-        self.path, self.tmp, self.version = path, path.with_name(path.name + ".tmp"), version
+        self.path, self.tmp, self.version, self.size = path, path.with_name(path.name + ".tmp"), version, size
         self.error: OSError | None = None
+        self.ready = 0  # tensor bytes from the start in place (the header's copy)
         if spare is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.replace(spare, self.tmp)
         self.fd: int | None = os.open(self.tmp, os.O_CREAT | os.O_RDWR, 0o600)
         try:
-            os.pwrite(self.fd, struct.pack("<q", -1), 0)  # a reader still on the reused file fails its version check
+            # In this order, one field per pwrite: a process that sees this version in _WRITING sees ready=0 (a
+            # reader still on the reused file fails its version check).
+            os.pwrite(self.fd, struct.pack("<q", WRITING), _COMMITTED)
+            os.pwrite(self.fd, struct.pack("<q", 0), _READY)
+            os.pwrite(self.fd, struct.pack("<q", version), _WRITING)
             os.ftruncate(self.fd, HEADER + max(size, 1))
         except BaseException:
             self.abort()
             raise
 
     def write(self, tensor: torch.Tensor, offset: int) -> None:
-        """pwrite a contiguous CPU tensor's bytes at `offset` (from `layout`)."""
+        """pwrite a contiguous CPU tensor's bytes at `offset` (from `layout`), then mark them ready when everything
+        before them is in place (tensors written in layout order: `ready` never covers a gap)."""
         if self.fd is None:
             return
         data, done = _bytes_of(tensor), 0
         try:
             while done < len(data):
                 done += os.pwrite(self.fd, data[done:], HEADER + offset + done)
+            if offset <= -(-self.ready // _ALIGN) * _ALIGN:
+                self.mark_ready(offset + done)
         except OSError as e:  # ENOSPC: /dev/shm filled up after the check
             self.error = e
             self.abort()
+
+    def write_checksummed(self, tensor: torch.Tensor, offset: int, algorithm: str) -> tuple[int, ...]:
+        """`write` one _CHUNK piece at a time, each hashed first and written while its bytes are still in the
+        caches, so it is ready to stream once written; returns the pieces' checksums."""
+        digest, pieces = hash_function(algorithm), tensor.detach().reshape(-1).view(torch.uint8).split(_CHUNK)
+        sums = []
+        for index, piece in enumerate(pieces):
+            sums.append(digest(_bytes_of(piece)))
+            self.write(piece, offset + index * _CHUNK)
+        return tuple(sums)
+
+    def mark_ready(self, nbytes: int) -> None:
+        """The first `nbytes` tensor bytes are in place (and hashed): readers and streams may take them."""
+        os.pwrite(self.fd, struct.pack("<q", nbytes), _READY)
+        self.ready = nbytes
+
+    @contextlib.contextmanager
+    def mapped(self) -> Iterator[memoryview]:
+        """The segment's tensor bytes as writable memory (a stream is received straight into it: one copy).
+        Their blocks are allocated first, so a full /dev/shm is an error here, never a SIGBUS while writing."""
+        try:
+            os.posix_fallocate(self.fd, 0, HEADER + max(self.size, 1))
+        except OSError as e:
+            raise SharedMemoryError(f"policy version {self.version}: cannot allocate {HEADER + self.size} bytes in "
+                                    f"{SHM_DIR} ({e}); nothing was written") from e
+        # Mapped in one go (MAP_POPULATE): a fault per 4 KB page as the stream lands costs more than the copy.
+        region = mmap.mmap(self.fd, HEADER + max(self.size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        body = memoryview(region)[HEADER : HEADER + self.size]
+        try:
+            yield body
+        finally:
+            body.release()
+            region.close()
 
     def commit(self) -> None:
         if self.error is not None:
             raise SharedMemoryError(
                 f"publishing policy version {self.version}: writing {self.tmp} failed ({self.error}); "
                 "the partial segment was removed and nothing was published") from self.error
-        os.pwrite(self.fd, struct.pack("<q", self.version), 0)
+        os.pwrite(self.fd, struct.pack("<q", self.size), _READY)
+        os.pwrite(self.fd, struct.pack("<q", self.version), _COMMITTED)
         os.close(self.fd)
         self.fd = None
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
         if self.fd is not None:
+            with contextlib.suppress(OSError):  # whoever streams or reads it stops at once
+                os.pwrite(self.fd, struct.pack("<q", ABANDONED), _COMMITTED)
             os.close(self.fd)
             self.fd = None
         self.tmp.unlink(missing_ok=True)
@@ -239,54 +296,136 @@ class SegmentWriter:
 
 # --- reading -----------------------------------------------------------------------------------------------
 def read_segment(path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The version's tensors read from `path` straight into fresh tensors, or `into`'s (names and shapes must
-    match; plain CPU tensors of the published dtype are read into directly, others through a staging tensor),
-    every piece checked against its published checksum. Raises WeightVersionError when the segment was deleted
-    or recycled meanwhile, WeightChecksumError naming every tensor whose bytes differ (`into`'s tensors then
-    hold what was read: not weights to serve)."""
-    digest = hash_function(manifest.checksum)
-    fd = os.open(path, os.O_RDONLY)
-    mismatches: list[tuple[str, int, int, int | None]] = []
-
-    def read(piece: tuple[str, int, TensorEntry], view: memoryview) -> None:
-        name, index, entry = piece
-        offset, done = HEADER + entry.offset + index * _CHUNK, 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise WeightVersionError(f"policy version {manifest.version}: segment {path.name} is truncated")
-            done += got
-        found = digest(view)  # on this thread, right after the read: the bytes are still in its caches
-        if index >= len(entry.checksums) or found != entry.checksums[index]:
-            mismatches.append((name, index, found, entry.checksums[index] if index < len(entry.checksums) else None))
-
-    try:
-        _check_header(fd, manifest.version)
-        out, staged = {}, {}
-        for name, entry in manifest.entries.items():
-            dtype = getattr(torch, entry.dtype)
-            target = into[name] if into is not None else torch.empty(entry.shape, dtype=dtype)
-            direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
-            out[name] = target
-            staged[name] = target if direct else torch.empty(entry.shape, dtype=dtype)
-        pieces = [((name, i, manifest.entries[name]), view) for name, buffer in staged.items()
-                  for i, view in enumerate(_chunks(_bytes_of(buffer)))]
-        _run_io(read, pieces, manifest.nbytes)
-        _check_header(fd, manifest.version)  # the file was not recycled while we read it
-    finally:
-        os.close(fd)
-    _raise_on_mismatch(manifest, mismatches)
-    with torch.no_grad():
-        for name, buffer in staged.items():
-            if buffer is not out[name]:
-                out[name].copy_(buffer)
-    return out
+    """The version's tensors read from its complete segment at `path` straight into fresh tensors, or `into`'s
+    (names and shapes must match; plain CPU tensors of the published dtype are read into directly, others through
+    a staging tensor), every piece checked against its published checksum. Raises WeightVersionError when the
+    segment was deleted or recycled meanwhile, WeightChecksumError naming every tensor whose bytes differ (`into`'s
+    tensors then hold what was read: not weights to serve)."""
+    return SegmentRead(path, manifest, into, arriving=False).verified(manifest)
 
 
-def _check_header(fd: int, version: int) -> None:
-    (found,) = struct.unpack("<q", os.pread(fd, 8, 0))
-    if found != version:
-        raise WeightVersionError(f"policy version {version} was deleted while being fetched")
+class SegmentRead:
+    """Reads a version's segment piece by piece into tensors, hashing each piece on its reading thread right after
+    reading it. With `arriving`, the segment may still be being written (its `<name>.tmp`): each piece is read once
+    the writer marked it ready, and the read returns once the segment is complete. Its hashes are compared with the
+    publisher's by `verified`, which alone hands out the tensors. WeightVersionError when the writer abandoned the
+    segment, the file was recycled or deleted, or (arriving) no byte arrived for ARRIVAL_STALL_S."""
+
+    def __init__(self, path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None, *, arriving: bool) -> None:
+        self.manifest, self.into = manifest, into
+        self.found: dict[tuple[str, int], int] = {}
+        fd = _open_segment_file(path, manifest.version, arriving)
+        try:
+            progress = _Progress(fd, manifest.version, path.name, ARRIVAL_STALL_S if arriving else None)
+            self.out, self.staged = {}, {}
+            for name, entry in manifest.entries.items():
+                dtype = getattr(torch, entry.dtype)
+                target = into[name] if into is not None else torch.empty(entry.shape, dtype=dtype)
+                direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+                self.out[name] = target
+                self.staged[name] = target if direct else torch.empty(entry.shape, dtype=dtype)
+            digest = hash_function(manifest.checksum)
+
+            def read(piece: tuple[str, int, TensorEntry], view: memoryview) -> None:
+                name, index, entry = piece
+                offset = entry.offset + index * _CHUNK
+                progress.wait_until_ready(offset + len(view))
+                done = 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], HEADER + offset + done)
+                    if got == 0:
+                        raise WeightVersionError(f"policy version {manifest.version}: segment {path.name} is truncated")
+                    done += got
+                self.found[name, index] = digest(view)  # on this thread, right after the read: still in its caches
+
+            pieces = [((name, i, manifest.entries[name]), view) for name, buffer in self.staged.items()
+                      for i, view in enumerate(_chunks(_bytes_of(buffer)))]
+            _run_io(read, pieces, manifest.nbytes)
+            progress.wait_until_complete()  # and the file was not recycled while we read it
+        finally:
+            os.close(fd)
+
+    def verified(self, published: Manifest) -> dict[str, torch.Tensor]:
+        """The tensors read, once every piece matched `published`'s checksums (the publisher's manifest of the
+        same version and layout); WeightChecksumError naming every tensor whose bytes differ, else."""
+        for name, entry in self.manifest.entries.items():
+            other = published.entries.get(name)
+            if other is None or (other.offset, other.nbytes, other.dtype) != (entry.offset, entry.nbytes, entry.dtype):
+                raise WeightVersionError(f"policy version {published.version}: tensor {name!r} was published at "
+                                         "another place or size than the segment that was read holds it")
+        mismatches = [(name, index, found, sums[index] if index < len(sums) else None)
+                      for (name, index), found in self.found.items()
+                      for sums in [published.entries[name].checksums]
+                      if index >= len(sums) or found != sums[index]]
+        _raise_on_mismatch(published, mismatches)
+        with torch.no_grad():
+            for name, buffer in self.staged.items():
+                if buffer is not self.out[name]:
+                    self.out[name].copy_(buffer)
+        return self.out
+
+
+def _open_segment_file(path: Path, version: int, arriving: bool) -> int:
+    """A read-only descriptor of the segment at `path`, or (arriving) of the `<name>.tmp` it is still written as."""
+    candidates = [path, path.with_name(path.name + ".tmp"), path] if arriving else [path]  # renamed in between
+    for candidate in candidates:
+        with contextlib.suppress(FileNotFoundError):
+            return os.open(candidate, os.O_RDONLY)
+    raise WeightVersionError(f"policy version {version} was deleted while being fetched (no {path.name} in {SHM_DIR})")
+
+
+def segment_state(fd: int) -> tuple[int, int, int]:
+    """(version being written, complete version or WRITING/ABANDONED, ready bytes) of the segment open as `fd`.
+    Two reads, the version being written first: the writer sets it after resetting the others, so what follows
+    belongs to it (or to a later reuse of the file, which changes it again)."""
+    (writing,) = struct.unpack("<q", os.pread(fd, 8, _WRITING))
+    complete, ready = struct.unpack("<qq", os.pread(fd, 16, _COMMITTED))
+    return writing, complete, ready
+
+
+class _Progress:
+    """How much of `version` the segment open as `fd` holds, shared by a read's threads; waits for more."""
+
+    def __init__(self, fd: int, version: int, name: str, stall_s: float | None) -> None:
+        self.fd, self.version, self.name, self.stall_s = fd, version, name, stall_s
+        self.ready, self.complete, self.changed = 0, False, time.monotonic()
+        self.lock = threading.Lock()
+        self._poll()
+
+    def _poll(self) -> None:
+        writing, complete, ready = segment_state(self.fd)
+        if complete == self.version and writing == self.version:
+            self.complete = True
+            return
+        if self.complete or self.stall_s is None or writing != self.version or complete != WRITING or ready < self.ready:
+            what = "abandoned by its writer" if writing == self.version and complete == ABANDONED else "deleted"
+            raise WeightVersionError(f"policy version {self.version} was {what} while being fetched ({self.name})")
+        if ready > self.ready:
+            self.ready, self.changed = ready, time.monotonic()
+        elif time.monotonic() - self.changed > self.stall_s:
+            raise WeightVersionError(f"policy version {self.version}: no byte of it arrived in {self.name} for "
+                                     f"{self.stall_s:.0f} s (its writer stopped)")
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        pause = 0.0002
+        while True:
+            with self.lock:
+                if done():
+                    return
+                self._poll()
+                if done():
+                    return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.004)
+
+    def wait_until_ready(self, end: int) -> None:
+        self._wait(lambda: self.complete or self.ready >= end)
+
+    def wait_until_complete(self) -> None:
+        with self.lock:
+            if self.complete:
+                self._poll()  # once more: still this version's complete file after every read
+        self._wait(lambda: self.complete)
 
 
 def _raise_on_mismatch(manifest: Manifest, mismatches: list[tuple[str, int, int, int | None]]) -> None:

@@ -8,6 +8,13 @@ by that host's relay (`SegmentServer`: one TCP connection, the kernel's sendfile
 messages at ~0.05-0.2 GB/s on CPU, a TCP stream at the link's speed). Then it advertises that copy under its host's
 keys; that host's generators read it there like on the trainer's host, checking every tensor's checksum.
 
+The stream is pipelined: the publisher announces a version before writing it (`WeightStore.incoming`), the relay
+starts at once and the server sends each piece as soon as the publisher marked it ready (written and checksummed);
+the relay receives straight into its host's new segment, marks what landed ready and announces the copy
+(`host_incoming_key`), so the host's readers read and hash each piece as it lands. The relay completes its copy
+only once the publisher's segment is complete and its final manifest (the checksums) is in torchstore; readers
+compare against those before returning the version.
+
 Versions only move forward: a relay that falls behind skips to the newest published version (counted in
 `relay/versions_skipped`), and until it has copied one its host's readers keep the version they have
 (`weights/host_versions_behind`, recorded by every reader). The relay deletes its host's copies of versions the
@@ -24,6 +31,7 @@ import dataclasses
 import logging
 import os
 import re
+import select
 import socket
 import struct
 import subprocess
@@ -35,7 +43,18 @@ from pathlib import Path
 from forge import compat
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.shm_weights import HEADER, SHM_DIR, Manifest, SharedMemoryError, create_segment, job_id
+from forge.shm_weights import (
+    ARRIVAL_STALL_S,
+    HEADER,
+    SHM_DIR,
+    Manifest,
+    SegmentWriter,
+    SharedMemoryError,
+    _open_segment_file,
+    _Progress,
+    create_segment,
+    job_id,
+)
 from forge.weight_store import RELAY_NAMESPACES_KEY, WeightStore, WeightVersionError
 
 logger = logging.getLogger(__name__)
@@ -44,15 +63,18 @@ ts = compat.import_torchstore()
 
 _CONCURRENT_GETS = 4  # tensors in flight from torchstore at once: overlaps the link with the shm writes
 SERVERS_KEY = "forge-weight-relay/servers"  # + "/<host>": that host's SegmentServer address
-_STREAM_CHUNK = 8 << 20  # bytes per recv_into and pwrite
+_STREAM_CHUNK = 8 << 20  # most bytes per recv_into
+_MARK_EVERY = 1 << 20  # received bytes between two "ready" marks (one pwrite each) for this host's readers
 
 
 class SegmentServer:
-    """Serves this host's segments of this job to other hosts' relays: a request is a segment's name and a newline,
-    the answer its size (int64; -1: no such segment) and its bytes, sent by the kernel (sendfile)."""
+    """Serves this host's segments of this job to other hosts' relays: a request is a segment's name and a newline;
+    the answer is its size (int64; -1: no such segment), its tensor bytes in order, each sent (by the kernel,
+    sendfile) as soon as its writer marked it ready, and last its header once the segment is complete. A segment
+    abandoned, recycled or stalled for ARRIVAL_STALL_S ends the connection early: the receiver then fails."""
 
     def __init__(self, address: str) -> None:
-        self._names = re.compile(rf"forge-{re.escape(job_id())}-[A-Za-z0-9_.-]+-v[0-9]+")
+        self._names = re.compile(rf"forge-{re.escape(job_id())}-[A-Za-z0-9_.-]+-v([0-9]+)")
         self._socket = socket.create_server((address, 0))
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
         threading.Thread(target=self._accept, daemon=True, name="segment-server").start()
@@ -63,47 +85,59 @@ class SegmentServer:
             threading.Thread(target=self._send, args=(connection,), daemon=True).start()
 
     def _send(self, connection: socket.socket) -> None:
-        with connection, contextlib.suppress(OSError):
+        with connection, contextlib.suppress(OSError, WeightVersionError):
             name = connection.makefile("rb").readline(256).decode(errors="replace").strip()
+            match = self._names.fullmatch(name)
             try:
-                if not self._names.fullmatch(name):
-                    raise FileNotFoundError(name)
-                segment = open(SHM_DIR / name, "rb")  # noqa: SIM115 (closed below)
-            except FileNotFoundError:
+                if match is None:
+                    raise WeightVersionError(name)
+                fd = _open_segment_file(SHM_DIR / name, int(match.group(1)), arriving=True)
+            except WeightVersionError:
                 connection.sendall(struct.pack("<q", -1))
                 return
-            with segment:
-                connection.sendall(struct.pack("<q", os.fstat(segment.fileno()).st_size))
-                connection.sendfile(segment)
+            try:
+                size = os.fstat(fd).st_size
+                connection.sendall(struct.pack("<q", size))
+                progress, sent = _Progress(fd, int(match.group(1)), name, ARRIVAL_STALL_S), 0
+                while HEADER + sent < size:
+                    progress.wait_until_ready(sent + 1)
+                    end = size - HEADER if progress.complete else progress.ready
+                    while sent < end:
+                        sent += os.sendfile(connection.fileno(), fd, HEADER + sent, end - sent)
+                progress.wait_until_complete()
+                connection.sendall(os.pread(fd, HEADER, 0))
+            finally:
+                os.close(fd)
 
 
-def receive_segment(address: tuple[str, int], manifest: Manifest, path: Path, spare: Path | None) -> None:
-    """Copy `manifest`'s segment from the SegmentServer at `address` to `path` (written as `<path>.tmp`, renamed when
-    complete and its header names the version: a segment recycled on its host meanwhile is not kept)."""
-    size = manifest.segment_size
-    writer = create_segment(path, size, manifest.version, spare)
-    try:
-        with socket.create_connection(address, timeout=60) as connection:
-            connection.sendall(manifest.segment.encode() + b"\n")
-            (total,) = struct.unpack("<q", _receive_exactly(connection, 8))
-            if total < 0 or total < HEADER + size:
-                raise WeightVersionError(f"policy version {manifest.version}: its segment {manifest.segment} is gone "
-                                         f"from host {manifest.host!r}")
-            buffer, done = memoryview(bytearray(_STREAM_CHUNK)), 0
-            while done < total:
-                got = connection.recv_into(buffer, min(_STREAM_CHUNK, total - done))
+def receive_segment(address: tuple[str, int], manifest: Manifest, writer: SegmentWriter) -> None:
+    """Receive `manifest`'s segment from the SegmentServer at `address` straight into `writer`'s file, marking what
+    landed ready as it goes (this host's readers read it meanwhile). Returns once all of it is there and the
+    publisher's header names the version; the caller commits. Raises (and writes nothing more) when the segment is
+    gone from its host, was abandoned or recycled there, or the connection broke."""
+    with socket.create_connection(address, timeout=ARRIVAL_STALL_S) as connection:
+        connection.sendall(manifest.segment.encode() + b"\n")
+        (total,) = struct.unpack("<q", _receive_exactly(connection, 8))
+        if total < HEADER + writer.size:
+            raise WeightVersionError(f"policy version {manifest.version}: its segment {manifest.segment} is gone "
+                                     f"from host {manifest.host!r}")
+        with writer.mapped() as body:
+            done = marked = 0
+            while done < writer.size:
+                got = connection.recv_into(body[done : done + _STREAM_CHUNK])
                 if got == 0:
-                    raise ConnectionError(f"host {manifest.host!r} closed the stream of {manifest.segment} at {done} "
-                                          f"of {total} bytes")
-                os.pwrite(writer.fd, buffer[:got], done)
+                    raise ConnectionError(f"host {manifest.host!r} ended the stream of {manifest.segment} at {done} "
+                                          f"of {writer.size} bytes (abandoned or recycled there)")
                 done += got
-        if struct.unpack("<q", os.pread(writer.fd, 8, 0))[0] != manifest.version:
+                # Marked every _MARK_EVERY bytes, and whenever the stream pauses (the publisher is still writing).
+                if done - marked >= _MARK_EVERY or done == writer.size or not select.select([connection], [], [], 0)[0]:
+                    writer.mark_ready(done)
+                    marked = done
+        _receive_exactly(connection, total - HEADER - writer.size)  # the last tensor's alignment padding
+        (complete,) = struct.unpack("<q", _receive_exactly(connection, HEADER)[:8])
+        if complete != manifest.version:
             raise WeightVersionError(f"policy version {manifest.version}: its segment was recycled on host "
                                      f"{manifest.host!r} while being copied")
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
 
 
 def _receive_exactly(connection: socket.socket, count: int) -> bytes:
@@ -114,6 +148,7 @@ def _receive_exactly(connection: socket.socket, count: int) -> bytes:
             raise ConnectionError("the segment server closed the connection")
         data += chunk
     return data
+
 
 # Runs detached (double fork, own session, so no process-tree kill takes it along): waits for the relay process
 # to be gone, then removes the job's shared-memory segments on this host.
@@ -146,6 +181,9 @@ class WeightRelay(ForgeActor):
         self.stores: dict[str, WeightStore] = {}
         self.relayed: dict[str, int] = {}  # namespace -> newest version readable on this host
         self.copies: dict[str, dict[int, str]] = {}  # namespace -> version -> segment this relay wrote
+        self.abandoned: dict[str, int] = {}  # namespace -> version whose copy failed while it was being published
+        self.servers: dict[str, tuple[str, int]] = {}  # host -> its SegmentServer's address
+        self.last_copy: dict = {}  # the newest copy's wall-clock times (bench/weight_sync_hosts.py prints them)
         self._task: asyncio.Task | None = None
         self._reported: set[str] = set()
 
@@ -168,8 +206,9 @@ class WeightRelay(ForgeActor):
 
     @endpoint
     async def status(self) -> dict:
-        """Where this relay runs and the newest version of each namespace readable on its host."""
-        return {"host": self.host, "pid": os.getpid(), "relayed": dict(self.relayed)}
+        """Where this relay runs, the newest version of each namespace readable on its host, and when its newest
+        copy started, was received, and was advertised (wall-clock times)."""
+        return {"host": self.host, "pid": os.getpid(), "relayed": dict(self.relayed), "last_copy": dict(self.last_copy)}
 
     async def _follow(self) -> None:
         while True:
@@ -190,23 +229,24 @@ class WeightRelay(ForgeActor):
 
     async def _relay_newest(self, namespace: str) -> None:
         store = self.stores.setdefault(namespace, WeightStore(namespace))
-        newest, have = await store.published_version(), self.relayed.get(namespace, -1)
-        if newest is None or newest <= have:
+        have = self.relayed.get(namespace, -1)
+        manifest = await self._newest_to_copy(store, have)
+        if manifest is None:
             return
-        try:
-            manifest = await store.manifest(newest)
-        except WeightVersionError:
-            return  # deleted meanwhile: a newer one exists
+        newest = manifest.version
         if manifest.host != self.host:
             started = time.perf_counter()
+            self.last_copy = {"namespace": namespace, "version": newest, "started": time.time()}
             try:
-                segment = await self._copy(store, manifest)
-            except (KeyError, WeightVersionError):  # the trainer deleted it mid-copy: take the next one
+                segment, manifest = await self._copy(store, manifest)
+            except (KeyError, WeightVersionError, ConnectionError):  # deleted or abandoned mid-copy: take the next one
                 record_metric("relay/abandoned_copies", 1, "sum")
+                self.abandoned[namespace] = newest
                 return
             relayed_copy = dataclasses.replace(manifest, host=self.host, segment=segment)
             await ts.put(store.host_manifest_key(self.host, newest), relayed_copy)
             await ts.put(store.host_latest_key(self.host), newest)
+            self.last_copy["advertised"] = time.time()
             self.copies.setdefault(namespace, {})[newest] = segment
             record_metric("relay/copy_s", time.perf_counter() - started, "mean")
             record_metric("relay/bytes", manifest.nbytes, "sum")
@@ -215,22 +255,62 @@ class WeightRelay(ForgeActor):
         self.relayed[namespace] = newest
         await self._delete_copies_the_trainer_deleted(store, keep=newest)
 
-    async def _copy(self, store: WeightStore, manifest: Manifest) -> str:
+    async def _newest_to_copy(self, store: WeightStore, have: int) -> Manifest | None:
+        """The newest version past `have`: one still being published when another host's publisher streams it
+        (its layout; a copy of it that failed is not retried from there), else the newest published one."""
+        incoming = await store.incoming()
+        if (incoming is not None and incoming.host != self.host and incoming.version > have
+                and incoming.version != self.abandoned.get(store.namespace)):
+            return incoming
+        newest = await store.published_version()
+        if newest is None or newest <= have:
+            return None
+        try:
+            return await store.manifest(newest)
+        except WeightVersionError:
+            return None  # deleted meanwhile: a newer one exists
+
+    async def _copy(self, store: WeightStore, manifest: Manifest) -> tuple[str, Manifest]:
         """`manifest`'s version into a new segment of this host, from torchstore where the publisher put it there,
-        else streamed from its host's SegmentServer; returns the segment's name."""
+        else streamed from its host's SegmentServer; returns the segment's name and the publisher's manifest."""
         name = store.segment_name(manifest.version)
-        if not manifest.in_torchstore:
-            address = tuple(await ts.get(f"{SERVERS_KEY}/{manifest.host}"))
-            try:
-                await asyncio.to_thread(receive_segment, address, manifest, SHM_DIR / name, store._spare_path())
-            except SharedMemoryError as e:
-                raise SharedMemoryError(f"weight relay on {self.host}: {e}") from None
-            return name
         try:
             writer = await asyncio.to_thread(create_segment, SHM_DIR / name, manifest.segment_size, manifest.version,
                                              store._spare_path())
         except SharedMemoryError as e:
             raise SharedMemoryError(f"weight relay on {self.host}: {e}") from None
+        try:
+            if manifest.in_torchstore:
+                await self._pull_from_torchstore(store, manifest, writer)
+            else:
+                manifest = await self._stream(store, manifest, writer)
+            await asyncio.to_thread(writer.commit)
+        except BaseException:
+            writer.abort()  # marks it abandoned: this host's readers of the copy stop at once
+            raise
+        return name, manifest
+
+    async def _stream(self, store: WeightStore, manifest: Manifest, writer: SegmentWriter) -> Manifest:
+        """Stream the version's segment from its host's SegmentServer into `writer`, its pieces readable on this host
+        as they land; returns the publisher's final manifest (the checksums)."""
+        arriving = store.host_incoming_key(self.host)
+        await ts.put(arriving, dataclasses.replace(manifest, host=self.host, segment=writer.path.name))
+        try:
+            if manifest.host not in self.servers:
+                self.servers[manifest.host] = tuple(await ts.get(f"{SERVERS_KEY}/{manifest.host}"))
+            await asyncio.to_thread(receive_segment, self.servers[manifest.host], manifest, writer)
+            self.last_copy["received"] = time.time()
+            final = await store._published_manifest(manifest.version)
+        except BaseException:
+            with contextlib.suppress(Exception):  # this host's readers stop looking for it
+                await ts.delete(arriving)
+            raise
+        if final.segment_size != writer.size:
+            raise WeightVersionError(f"policy version {manifest.version}: its final manifest does not match the layout "
+                                     "it was announced with")
+        return final
+
+    async def _pull_from_torchstore(self, store: WeightStore, manifest: Manifest, writer: SegmentWriter) -> None:
         prefix = store.tensors_key(manifest.version)
         gets = asyncio.Semaphore(_CONCURRENT_GETS)
 
@@ -239,13 +319,7 @@ class WeightRelay(ForgeActor):
                 tensor = await ts.get(f"{prefix}/{tensor_name}")
                 await asyncio.to_thread(writer.write, tensor.contiguous(), manifest.entries[tensor_name].offset)
 
-        try:
-            await asyncio.gather(*(copy_one(n) for n in manifest.entries))
-            await asyncio.to_thread(writer.commit)
-        except BaseException:
-            writer.abort()
-            raise
-        return name
+        await asyncio.gather(*(copy_one(n) for n in manifest.entries))
 
     async def _delete_copies_the_trainer_deleted(self, store: WeightStore, keep: int) -> None:
         copies = self.copies.get(store.namespace, {})

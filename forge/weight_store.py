@@ -24,8 +24,13 @@ Several hosts (FORGE_WEIGHT_RELAY=1, set by the provisioner in every process of 
 writes its own host's segment (and, where torchstore has RDMA, puts the version into torchstore once); one relay per
 host (forge/weight_relay.py) copies it into its host's /dev/shm -- streamed from the publisher host's segment over
 TCP, or from torchstore with RDMA -- and advertises it under that host's keys.
-Readers then see their host's newest version (`latest_version`), read it from their host's shared memory, and
-record how many versions their host is behind the newest published one (metric `weights/host_versions_behind`).
+Without RDMA the stages overlap: the publisher announces the version (`incoming`, its layout without checksums)
+before writing it; the relays start streaming its pieces as they are written, announce their host's copy, and that
+host's readers read each piece as it lands. A reader returns the version only once all of it arrived and every
+piece matched the checksums in the publisher's final manifest (shm_weights.SegmentRead): never half a version.
+Readers then see their host's newest version (`latest_version`: complete or arriving), read it from their host's
+shared memory, and record how many versions their host's complete copy is behind the newest published one (metric
+`weights/host_versions_behind`).
 
 Every tensor's checksums (a hash per 32 MB, forge/shm_weights.py) are taken once at publish and kept in the manifest; `fetch` checks
 what it read against them on either path and raises WeightChecksumError, naming the tensor and the version,
@@ -56,6 +61,7 @@ from forge.metrics import record_metric
 from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and the job_* helpers are re-exported)
     SHM_DIR,
     Manifest,
+    SegmentRead,
     SegmentWriter,
     SharedMemoryError,
     TensorEntry,
@@ -128,6 +134,13 @@ class WeightStore:
         """The manifest of `version`'s copy in `host`'s shared memory (written by that host's relay)."""
         return f"{self.namespace}/hosts/{host}/manifest/{version}"
 
+    def _incoming_key(self) -> str:
+        return f"{self.namespace}/incoming"
+
+    def host_incoming_key(self, host: str) -> str:
+        """The layout of the version `host`'s relay is streaming into its shared memory (readers may start)."""
+        return f"{self.namespace}/hosts/{host}/incoming"
+
     def segment_name(self, version: int) -> str:
         return f"forge-{job_id()}-{self.namespace}-v{version}"
 
@@ -155,7 +168,11 @@ class WeightStore:
         entries, size = layout(state_dict, dtype)
         algorithm = shm_weights.CHECKSUM
         segment = await asyncio.to_thread(self._open_segment, version, size, group) if use_shm else None
-        put_keys = []
+        put_keys, announced = [], None
+        if segment is not None and self.relayed and not use_ts:
+            # The relays stream its pieces as they are written (no checksums yet: those come with the manifest).
+            incoming = Manifest(version, self.host, segment.path.name, False, entries, algorithm)
+            announced = asyncio.ensure_future(ts.put(self._incoming_key(), incoming))
         try:
             for name, tensor in state_dict.items():
                 written = await asyncio.to_thread(_gather_and_write, tensor, dtype, group, segment, entries[name].offset,
@@ -167,11 +184,17 @@ class WeightStore:
                 if use_ts:
                     put_keys.append(f"{self.tensors_key(version)}/{name}")
                     await ts.put(put_keys[-1], full)
+            if announced is not None:
+                await announced
             if segment is not None:
                 await asyncio.to_thread(segment.commit)
         except BaseException:
             if segment is not None:
-                segment.abort()
+                segment.abort()  # marks it abandoned: a relay streaming it stops, and its host's readers with it
+            if announced is not None:
+                with contextlib.suppress(Exception):
+                    await announced
+                    await ts.delete(self._incoming_key())
             for key in put_keys:
                 await ts.delete(key)
             raise
@@ -226,15 +249,27 @@ class WeightStore:
 
     async def latest_version(self) -> int | None:
         """The newest version this process can read: the newest published one; in a relayed job, the newest in
-        this host's shared memory (None before the host's relay copied one), and how far behind the newest
-        published one that is is recorded (a host whose relay falls behind serves what it has, never silently)."""
+        this host's shared memory or arriving there (its relay is streaming it: `fetch` reads it as it lands and
+        returns it once complete and verified); None before the host has one. How far this host's newest complete
+        copy is behind the newest published version is recorded (a host whose relay falls behind serves what it
+        has, never silently)."""
         published = await self.published_version()
-        if not self.relayed or published is None:
+        if not self.relayed:
             return published
         key = self.host_latest_key(self.host)
         on_host = await ts.get(key) if await ts.exists(key) else None
-        record_metric("weights/host_versions_behind", published - (-1 if on_host is None else on_host), "max")
-        return on_host
+        if published is not None:
+            record_metric("weights/host_versions_behind", published - (-1 if on_host is None else on_host), "max")
+        arriving = await self._arriving_on_host()
+        return max((v for v in (on_host, arriving and arriving.version) if v is not None), default=None)
+
+    async def incoming(self) -> Manifest | None:
+        """The layout of the newest version the publisher started writing and the relays may stream (None before
+        the first, or after its publish failed)."""
+        return await _get_if_exists(self._incoming_key())
+
+    async def _arriving_on_host(self) -> Manifest | None:
+        return await _get_if_exists(self.host_incoming_key(self.host))
 
     async def versions(self) -> list[int]:
         prefix = f"{self.namespace}/manifest/"
@@ -253,17 +288,16 @@ class WeightStore:
         """Version `version` as {name: tensor}: copied into `into`'s tensors when given (names and shapes must
         match), else fresh tensors. Every tensor is checked against the checksums taken when it was published:
         WeightChecksumError (naming the tensor and the version) rather than weights that differ from them."""
-        # This host's relayed copy first: it stays readable until the relay replaces it, even when the trainer
-        # has already deleted the version (a host that is behind serves what it has).
-        relayed_copy = self.host_manifest_key(self.host, version)
-        if self.relayed and await ts.exists(relayed_copy):
-            manifest = await ts.get(relayed_copy)
+        arriving = False
+        if self.relayed:
+            manifest, arriving = await self._relayed_manifest(version)
         else:
             manifest = await self.manifest(version)
-            if self.relayed and manifest.host != self.host and not manifest.in_torchstore:
-                manifest = await self._wait_for_host_copy(version)
         if into is not None:
             check_compatible(manifest, {n: (tuple(t.shape), t.dtype) for n, t in into.items()})
+        if arriving:  # read as its host's relay streams it in; checked against the publisher's final checksums
+            read = await asyncio.to_thread(SegmentRead, SHM_DIR / manifest.segment, manifest, into, arriving=True)
+            return await asyncio.to_thread(read.verified, await self._published_manifest(version))
         if manifest.segment is not None and manifest.host == self.host:
             try:
                 return await asyncio.to_thread(read_segment, SHM_DIR / manifest.segment, manifest, into)
@@ -285,18 +319,43 @@ class WeightStore:
             f"is on {self.host!r}. Publish with WeightStore(cross_host=True) (or transport='torchstore') for multi-host jobs."
         )
 
-    async def _wait_for_host_copy(self, version: int, poll_s: float = 0.05) -> Manifest:
-        """This host's relayed copy of `version`, once its relay has written it (the only way the bytes reach this
-        host when torchstore has no RDMA); WeightVersionError after RELAY_WAIT_S or once the version is deleted."""
-        key, deadline = self.host_manifest_key(self.host, version), time.monotonic() + RELAY_WAIT_S
+    async def _relayed_manifest(self, version: int, poll_s: float = 0.01) -> tuple[Manifest, bool]:
+        """Where this process reads `version` in a relayed job, and whether it is still arriving: this host's
+        relayed copy first (it stays readable until the relay replaces it, even once the trainer deleted the
+        version: a host that is behind serves what it has); the publisher's own segment on its host, or torchstore
+        where the version is there; else the copy this host's relay is streaming in, once it started (the only way
+        the bytes reach this host when torchstore has no RDMA). WeightVersionError for a version neither published
+        nor being published, once it is deleted, or when it has not reached this host within RELAY_WAIT_S."""
+        copy_key, deadline = self.host_manifest_key(self.host, version), time.monotonic() + RELAY_WAIT_S
         while time.monotonic() < deadline:
-            if await ts.exists(key):
-                return await ts.get(key)
-            if not await ts.exists(self._manifest_key(version)):
-                break
+            if await ts.exists(copy_key):
+                return await ts.get(copy_key), False
+            arriving = await self._arriving_on_host()
+            if arriving is not None and arriving.version == version:
+                return arriving, True
+            published = await _get_if_exists(self._manifest_key(version))
+            if published is not None and (published.host == self.host or published.in_torchstore):
+                return published, False
+            if published is None:
+                incoming = await self.incoming()
+                if incoming is None or incoming.version != version:  # neither published nor being published
+                    return await self.manifest(version), False  # the usual error, naming what is available
             await asyncio.sleep(poll_s)
         raise WeightVersionError(f"policy version {version} has not reached host {self.host!r}: its weight relay did not "
-                                 f"copy it within {RELAY_WAIT_S:.0f} s, or the version was deleted meanwhile")
+                                 f"copy it within {RELAY_WAIT_S:.0f} s")
+
+    async def _published_manifest(self, version: int, wait_s: float = 10.0) -> Manifest:
+        """`version`'s manifest with the publisher's checksums: the publisher's (in place before any relay finishes
+        a copy), or, once the trainer deleted it, this host's copy's (its relay puts it right after the copy)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for key in (self._manifest_key(version), self.host_manifest_key(self.host, version)):
+                manifest = await _get_if_exists(key)
+                if manifest is not None:
+                    return manifest
+            if time.monotonic() > deadline:
+                raise WeightVersionError(f"policy version {version} was deleted before its checksums could be read")
+            await asyncio.sleep(0.01)
 
     # --- deleting -----------------------------------------------------------------------------------
     async def delete(self, version: int) -> None:
@@ -325,6 +384,16 @@ async def _keys_with_prefix(prefix: str) -> list[str]:
     return await compat.keys_with_prefix(ts, prefix)
 
 
+async def _get_if_exists(key: str):
+    """The value at `key`, or None when there is none (also when it was deleted between the two calls)."""
+    if not await ts.exists(key):
+        return None
+    try:
+        return await ts.get(key)
+    except KeyError:
+        return None
+
+
 def _gather_and_write(tensor: torch.Tensor, dtype: torch.dtype | None, group: dist.ProcessGroup | None,
                       segment: SegmentWriter | None, offset: int,
                       algorithm: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
@@ -333,6 +402,4 @@ def _gather_and_write(tensor: torch.Tensor, dtype: torch.dtype | None, group: di
     full = gathered_on_host(tensor, dtype, group)
     if full is None:
         return None
-    if segment is not None:
-        segment.write(full, offset)
-    return full, checksums(full, algorithm)
+    return full, segment.write_checksummed(full, offset, algorithm) if segment is not None else checksums(full, algorithm)

@@ -337,14 +337,32 @@ class HostProbe(ForgeActor):
         return {"value": await compat.import_torchstore().get(key), "host": socket.gethostname()}
 
     @endpoint
-    async def publish(self, namespace: str, version: int, numel: int) -> None:
-        """Publish a 2-tensor state dict whose values say its version, and delete every older version."""
+    async def publish(self, namespace: str, version: int, numel: int, fail_after_s: float | None = None) -> None:
+        """Publish a 2-tensor state dict whose values say its version, and delete every older version. With
+        `fail_after_s`, writing the second tensor fails that long after the first was written (/dev/shm full)."""
+        import errno
+
         import torch
 
         from forge.weight_store import WeightStore
 
         store = WeightStore(namespace)
-        await store.publish({"w": torch.full((numel,), float(version)), "b": torch.arange(7.0) + version}, version)
+        real_pwrite, tensors_written = os.pwrite, []
+
+        def pwrite_failing_at_the_second_tensor(fd: int, data, offset: int) -> int:
+            if offset >= 64 and len(data) > 8:  # a tensor's bytes, not the header
+                tensors_written.append(offset)
+                if len(tensors_written) == 2:
+                    time.sleep(fail_after_s)
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwrite(fd, data, offset)
+
+        if fail_after_s is not None:
+            os.pwrite = pwrite_failing_at_the_second_tensor
+        try:
+            await store.publish({"w": torch.full((numel,), float(version)), "b": torch.arange(7.0) + version}, version)
+        finally:
+            os.pwrite = real_pwrite
         await store.delete_older_than(version)
 
     @endpoint
@@ -355,18 +373,19 @@ class HostProbe(ForgeActor):
         from forge import metrics
         from forge.weight_store import WeightStore, WeightVersionError
 
-        store = WeightStore(namespace)
+        store, refused = WeightStore(namespace), []
         for attempt in range(20):
             version = await store.latest_version()
             try:
                 weights = await store.fetch(version) if version is not None else {}
                 break
-            except WeightVersionError:  # replaced by a newer version meanwhile: a generator retries too
+            except WeightVersionError:  # replaced or abandoned meanwhile: a generator retries too
+                refused.append(version)
                 if attempt == 19:
                     raise
                 await asyncio.sleep(0.05)
         drained = metrics.drain_local()
-        return {"host": socket.gethostname(), "version": version,
+        return {"host": socket.gethostname(), "version": version, "refused": refused,
                 "values": {name: sorted(set(t.tolist())) for name, t in weights.items() if name == "w"},
                 "b": weights["b"].tolist() if weights else None,
                 "metrics": {name: (p.count, p.total, p.high) for name, p in drained.items()}}

@@ -211,6 +211,11 @@ async def test_a_replica_killed_on_host_b_is_restarted_on_host_b_and_serves_agai
         await svc.stop()
 
 
+async def _all_read(readers, version: int) -> bool:
+    return all(a["version"] == version and a["values"] == {"w": [float(version)]}
+               for a in (await readers.read_newest.call("relayed")).values())
+
+
 async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers_read_it_from_shared_memory(
         hosts, job):
     await job.start_weight_store()
@@ -249,6 +254,23 @@ async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers
         assert copied == 3 * (4 * numel + 4 * 7)
         # Without RDMA no tensor goes through torchstore: host A's relay streamed the segments to host B's.
         assert not await compat.keys_with_prefix(compat.import_torchstore(), "relayed/tensors/")
+        # A publish that fails after its first tensor crossed: host B's readers start reading it as it lands
+        # (its relay streams it while it is written), are refused when it is abandoned, and serve version 3 meanwhile;
+        # nothing of it stays on host B, and the next version crosses as before.
+        failing = asyncio.ensure_future(publisher.publish.call_one("relayed", 4, numel, 3.0))
+        during: list[dict] = []
+        while not failing.done():
+            during += list((await readers.read_newest.call("relayed")).values())
+        with pytest.raises(Exception, match="No space left on device"):
+            await failing
+        assert during and {a["version"] for a in during} == {3}
+        assert any(4 in a["refused"] for a in during), during
+        assert not [n for n in hosts.hosts[1].shared_memory() if n.endswith(("-relayed-v4", "-relayed-v4.tmp"))]
+        await publisher.publish.call_one("relayed", 5, numel)
+        deadline = time.monotonic() + 30
+        while not await _all_read(readers, 5):
+            assert time.monotonic() < deadline, "host B's readers never read version 5"
+            await asyncio.sleep(0.2)
     finally:
         await HostProbe.shutdown(publisher)
         await HostProbe.shutdown(readers)

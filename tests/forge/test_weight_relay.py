@@ -1,0 +1,197 @@
+"""The relay's data path in one process, over a real socket: a version streamed from its publisher's segment while
+it is being written, received into another host's segment, read there as it lands (forge/weight_relay.py,
+forge/shm_weights.py). The same path across simulated hosts is in tests/forge/test_multihost.py."""
+
+import dataclasses
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from forge import shm_weights
+from forge.shm_weights import (
+    HEADER,
+    SHM_DIR,
+    Manifest,
+    SegmentRead,
+    WeightChecksumError,
+    WeightVersionError,
+    create_segment,
+    job_id,
+    layout,
+    segment_state,
+)
+from forge.weight_relay import SegmentServer, receive_segment
+
+
+@pytest.fixture(scope="module")
+def server():
+    return SegmentServer("127.0.0.1")
+
+
+@pytest.fixture
+def weights():
+    generator = torch.Generator().manual_seed(0)
+    return {f"t{i}": torch.randn(50_000 + i, generator=generator).to(torch.bfloat16) for i in range(6)}
+
+
+class Publisher:
+    """Writes `weights` as `version` into host A's segment one tensor at a time, pausing after tensor `pause_after`
+    until `go` is set; `finish` commits (or abandons) and returns the final manifest."""
+
+    def __init__(self, weights: dict, version: int, name: str) -> None:
+        self.weights, self.version = weights, version
+        self.entries, size = layout(weights, None)
+        self.writer = create_segment(SHM_DIR / f"forge-{job_id()}-{name}-v{version}", size, version, None)
+        self.announced = Manifest(version, "A", self.writer.path.name, False, self.entries, shm_weights.CHECKSUM)
+
+    def write(self, names: list[str]) -> None:
+        for name in names:
+            sums = self.writer.write_checksummed(self.weights[name], self.entries[name].offset, shm_weights.CHECKSUM)
+            self.entries[name] = dataclasses.replace(self.entries[name], checksums=sums)
+
+    def commit(self) -> Manifest:
+        self.writer.commit()
+        return dataclasses.replace(self.announced, entries=dict(self.entries))
+
+
+class Relay(threading.Thread):
+    """Host B's side: receives the announced version into a new segment, commits it, or abandons it on failure."""
+
+    def __init__(self, server: SegmentServer, announced: Manifest, name: str) -> None:
+        super().__init__(daemon=True)
+        self.server, self.announced, self.error = server, announced, None
+        self.writer = create_segment(SHM_DIR / f"forge-{job_id()}-{name}-v{announced.version}",
+                                     announced.segment_size, announced.version, None)
+        self.copy = dataclasses.replace(announced, host="B", segment=self.writer.path.name)
+
+    def run(self) -> None:
+        try:
+            receive_segment(self.server.address, self.announced, self.writer)
+            self.writer.commit()
+        except BaseException as error:
+            self.error = error
+            self.writer.abort()
+
+
+class Reader(threading.Thread):
+    def __init__(self, copy: Manifest) -> None:
+        super().__init__(daemon=True)
+        self.copy, self.read, self.error = copy, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.read = SegmentRead(SHM_DIR / self.copy.segment, self.copy, None, arriving=True)
+        except BaseException as error:
+            self.error = error
+
+
+def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _ready_bytes(path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return segment_state(fd)[2]
+    finally:
+        os.close(fd)
+
+
+def test_a_version_streamed_while_written_is_read_as_it_lands_and_returned_only_once_complete(server, weights):
+    publisher = Publisher(weights, 1, "stream")
+    relay = Relay(server, publisher.announced, "stream-b")
+    relay.start()
+    reader = Reader(relay.copy)
+    names = list(weights)
+    try:
+        publisher.write(names[:3])
+        first_three = publisher.entries[names[2]].offset + publisher.entries[names[2]].nbytes
+        # Half the version crossed to host B and is marked ready there while the publisher is still writing ...
+        _until(lambda: _ready_bytes(relay.writer.tmp) == first_three)
+        time.sleep(0.2)
+        # ... but neither the relay nor the reader returned a half-written version.
+        assert relay.is_alive() and reader.is_alive() and reader.read is None
+        publisher.write(names[3:])
+        final = publisher.commit()
+        relay.join(10)
+        reader.join(10)
+        assert relay.error is None and reader.error is None, (relay.error, reader.error)
+        fetched = reader.read.verified(final)
+        assert all(torch.equal(fetched[name], tensor) for name, tensor in weights.items())
+        assert relay.writer.path.exists() and not relay.writer.tmp.exists()
+    finally:
+        for path in (publisher.writer.path, relay.writer.path):
+            path.unlink(missing_ok=True)
+
+
+def test_a_version_abandoned_mid_stream_fails_its_relay_and_its_readers_and_leaves_no_segment(server, weights):
+    publisher = Publisher(weights, 2, "abandoned")
+    relay = Relay(server, publisher.announced, "abandoned-b")
+    relay.start()
+    reader = Reader(relay.copy)
+    publisher.write(list(weights)[:2])
+    _until(lambda: _ready_bytes(relay.writer.tmp) > 0)
+    publisher.writer.abort()  # what a failed publish does
+    relay.join(10)
+    reader.join(10)
+    assert isinstance(relay.error, ConnectionError), relay.error
+    assert isinstance(reader.error, WeightVersionError) and "abandoned" in str(reader.error), reader.error
+    assert reader.read is None
+    assert not any(p.exists() for p in (publisher.writer.tmp, publisher.writer.path, relay.writer.tmp,
+                                        relay.writer.path))
+
+
+def test_bytes_that_differ_from_the_published_checksums_are_refused_naming_the_tensor(server, weights):
+    publisher = Publisher(weights, 3, "corrupt")
+    publisher.write(list(weights))
+    final = publisher.commit()
+    entry = final.entries["t4"]
+    with open(publisher.writer.path, "r+b") as segment:  # host A's copy changed after it was checksummed
+        segment.seek(HEADER + entry.offset + 101)
+        byte = segment.read(1)
+        segment.seek(HEADER + entry.offset + 101)
+        segment.write(bytes([byte[0] ^ 0x10]))
+    relay = Relay(server, final, "corrupt-b")
+    try:
+        relay.start()
+        relay.join(10)
+        assert relay.error is None
+        read = SegmentRead(relay.writer.path, relay.copy, None, arriving=True)
+        with pytest.raises(WeightChecksumError, match=r"policy version 3: tensor 't4' does not match.*\['t4'\]"):
+            read.verified(final)
+    finally:
+        for path in (publisher.writer.path, relay.writer.path):
+            path.unlink(missing_ok=True)
+
+
+def test_a_reader_gives_up_when_no_byte_arrives_for_the_stall_limit(weights, monkeypatch):
+    monkeypatch.setattr(shm_weights, "ARRIVAL_STALL_S", 0.5)
+    publisher = Publisher(weights, 4, "stalled")
+    try:
+        publisher.write(list(weights)[:1])  # then its writer stops, as a killed process does: no commit, no abort
+        started = time.monotonic()
+        with pytest.raises(WeightVersionError, match=r"policy version 4: no byte of it arrived .* for 0 s"):
+            SegmentRead(publisher.writer.path, publisher.announced, None, arriving=True)
+        assert time.monotonic() - started < 5
+    finally:
+        publisher.writer.abort()
+
+
+def test_ready_never_covers_a_tensor_written_out_of_order(weights):
+    publisher = Publisher(weights, 5, "order")
+    try:
+        first, second = list(weights)[:2]
+        publisher.write([second])
+        assert _ready_bytes(publisher.writer.tmp) == 0
+        publisher.write([first])
+        entry = publisher.entries[first]
+        assert _ready_bytes(publisher.writer.tmp) == entry.offset + entry.nbytes
+    finally:
+        publisher.writer.abort()
