@@ -144,9 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmodel: {shape}; batch {args.rows} x {args.length} tokens; RSS of the trainer processes (MiB)")
     print("| sessions | trainer processes | trainer RSS | per session |")
     print("|---|---|---|---|")
-    for name, count in (("lora x1", 1), ("lora x3", 3), ("full x3", 3)):
-        print(f"| {name.replace('x', '* ').replace('lora', 'LoRA').replace('full', 'full-model')} | "
-              f"{len(figures[name])} | {total(name):.0f} | {total(name) / count:.0f} |")
+    for name, label, count in (("lora x1", "1 LoRA", 1), ("lora x3", "3 LoRA", 3), ("full x3", "3 full-model", 3)):
+        print(f"| {label} | {len(figures[name])} | {total(name):.0f} | {total(name) / count:.0f} |")
     print(f"3 LoRA sessions: {total('lora x3') - total('lora x1'):.0f} MiB more than 1; 3 full-model sessions: "
           f"{total('full x3') / total('lora x3'):.1f}x the RSS of 3 LoRA sessions")
     print("shared by both kinds:", json.dumps({k: round(v / MIB) for k, v in figures["shared"].items()}))
