@@ -15,9 +15,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.accelerate import init_empty_weights
 
 from actors.engines.hf import HFEngine
 from forge.types import Completion, SamplingParams
