@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from actors.replay_buffer_config import ReplayBufferConfig, check_int
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.types import Episode
+from forge.types import Episode, TrainBatch
 
 __all__ = ["ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
 
@@ -288,13 +288,18 @@ class ReplayBufferActor(ForgeActor):
         return len(self.buffer)
 
     @endpoint
-    async def sample(self, policy_version: int) -> list[list[Episode]] | None:
-        batch = self.buffer.sample(policy_version)
-        if batch is not None:
-            ages = [policy_version - e.oldest_policy_version for shard in batch for e in shard]
-            record_metric("buffer/sampled_age_mean", sum(ages) / len(ages))
-            record_metric("buffer/sampled_age_max", max(ages), "max")
-        return batch
+    async def sample(self, policy_version: int, pad_id: int) -> TrainBatch | None:
+        """The next batch for `policy_version` as padded tensors (None: not enough usable episodes yet). The
+        episodes leave the buffer as a few tensors, not as Python lists per episode, so the controller that passes
+        them on to the trainer pickles and unpickles a handful of buffers per step."""
+        shards = self.buffer.sample(policy_version)
+        if shards is None:
+            return None
+        episodes = [e for shard in shards for e in shard]  # shards are contiguous: the trainer slices its rows
+        ages = [policy_version - e.oldest_policy_version for e in episodes]
+        record_metric("buffer/sampled_age_mean", sum(ages) / len(ages))
+        record_metric("buffer/sampled_age_max", max(ages), "max")
+        return TrainBatch.from_episodes(episodes, pad_id)
 
     @endpoint
     async def evict(self, policy_version: int) -> int:

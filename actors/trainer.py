@@ -26,7 +26,7 @@ from actors.trainer_config import TrainerConfig
 from actors.weight_publisher import WeightPublisher
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import init_from_environment, local_device
-from forge.types import Episode, TrainBatch
+from forge.types import TrainBatch
 from forge.weight_store import WeightStore
 
 __all__ = ["TitanTrainer", "TrainerActor", "TrainerConfig", "check_input_ids"]
@@ -87,11 +87,10 @@ class TrainerActor(ForgeActor):
         return await self._publish()
 
     @endpoint
-    async def train_step(self, episodes: list[Episode], pad_id: int) -> dict[str, float]:
+    async def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One training step on the whole batch (each rank trains its slice; `minibatches` optimizer steps),
         then start publishing the new weights as the next policy version. `publish_s` is how long the last
         completed publish took, `publish_wait_s` how long this step waited for it after its own work."""
-        batch = TrainBatch.from_episodes(episodes, pad_id)
         metrics = await self._compute(self.trainer.train_step, batch)
         waited = time.perf_counter()
         await self._start_publish()

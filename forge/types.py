@@ -105,6 +105,13 @@ class TrainBatch:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
+    def oldest_policy_versions(self) -> torch.Tensor:
+        """[B] long: each sequence's oldest policy version among the model's tokens, as
+        `Episode.oldest_policy_version` (-1 for a sequence with none)."""
+        none = torch.iinfo(torch.long).max
+        oldest = self.policy_versions.masked_fill(self.policy_versions < 0, none).amin(dim=1)
+        return oldest.masked_fill(oldest == none, -1)
+
     def slice(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop): micro-batches and data-parallel shards."""
         return TrainBatch(

@@ -9,11 +9,12 @@ import contextlib
 import itertools
 import logging
 import secrets
-import statistics
 import time
 from collections import Counter
 from dataclasses import replace
 from typing import Any
+
+import torch
 
 from actors.generator import Generator
 from actors.replay_buffer import ReplayBufferActor
@@ -39,7 +40,7 @@ from apps.server.runtime import endpoint_failure
 from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.types import Episode, SamplingParams
+from forge.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 WEIGHTS = "policy"
@@ -214,7 +215,7 @@ class Gateway:
 
     async def _train_loop(self) -> None:
         while True:
-            batch = await self._buffer_call(self.buffer.sample.call_one(self.version))
+            batch = await self._buffer_call(self.buffer.sample.call_one(self.version, self.pad_id))
             if batch is None:
                 self.buffer_stats = await self._buffer_call(self.buffer.stats.call_one())
                 self.held = self.buffer_stats["held"]
@@ -222,18 +223,16 @@ class Gateway:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._exported.wait(), 1.0)
                 continue
-            episodes = [e for shard in batch for e in shard]
             self.buffer_stats = await self._buffer_call(self.buffer.stats.call_one())
             self.held = self.buffer_stats["held"]
-            _set_advantages(episodes)
+            batch.advantages = batch_relative_advantages(batch.rewards)
             started = time.perf_counter()
-            metrics = rank0(await asyncio.wait_for(self.trainer.train_step.call(episodes, self.pad_id),
-                                                    self.cfg.rl.train_timeout_s))
+            metrics = rank0(await asyncio.wait_for(self.trainer.train_step.call(batch), self.cfg.rl.train_timeout_s))
             self.version = int(metrics["policy_version"])
             self.train_steps += 1
-            self.counts["trained_episodes"] += len(episodes)
+            self.counts["trained_episodes"] += batch.num_sequences
             self.last_train_metrics = {k: float(v) for k, v in metrics.items()}
-            self.last_train_metrics["reward_mean"] = statistics.fmean(e.reward for e in episodes)
+            self.last_train_metrics["reward_mean"] = float(batch.rewards.mean())
             self.last_train_metrics["step_s"] = time.perf_counter() - started
             logger.info("train step %d: policy version %d, reward %.3f", self.train_steps, self.version,
                         self.last_train_metrics["reward_mean"])
@@ -258,9 +257,10 @@ class Gateway:
                             buffer=dict(self.buffer_stats), last_train_metrics=self.last_train_metrics)
 
 
-def _set_advantages(episodes: list[Episode]) -> None:
-    """Advantages relative to the batch: (r - mean) / std (0 when every reward is equal)."""
-    rewards = [e.reward for e in episodes]
-    mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
-    for episode in episodes:
-        episode.advantage = (episode.reward - mean) / (std + 1e-6) if std > 0 else 0.0
+def batch_relative_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Advantages relative to the batch: (r - mean) / std (population std; 0 when every reward is equal)."""
+    rewards = rewards.double()
+    std = rewards.std(correction=0)
+    if std == 0:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    return ((rewards - rewards.mean()) / (std + 1e-6)).float()

@@ -35,7 +35,7 @@ from forge.lifecycle import run_job
 from forge.metrics import MetricLogger, record_metric
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.types import Episode, SamplingParams
+from forge.types import Episode, SamplingParams, TrainBatch
 from losses.advantages import group_advantages
 
 
@@ -201,26 +201,26 @@ class GRPOJob:
         try:
             while self.step < cfg.steps and not self.interrupted:
                 step_start, step_cpu = time.perf_counter(), time.process_time()
-                episodes = await self._next_batch()
-                if episodes is None:
+                batch = await self._next_batch()
+                if batch is None:
                     break
                 waited, trained_on = time.perf_counter() - step_start, self.version
-                metrics = rank0(await self.actors.trainer.train_step.call(episodes, self.actors.pad_id))
+                metrics = rank0(await self.actors.trainer.train_step.call(batch))
                 self.version = int(metrics.pop("policy_version"))  # the trainer published it
                 self.step += 1
                 if cfg.canary.every and self.step % cfg.canary.every == 0:
                     metrics["canary/logprob_diff"] = await self.check_weight_sync()
-                self.counters.trained += len(episodes)
+                self.counters.trained += batch.num_sequences
                 self.room.set()  # rollouts may start with the new version
                 stats = await self.actors.buffer.stats.call_one()
                 elapsed = time.perf_counter() - step_start
                 rewards, self.rewards_this_step = self.rewards_this_step, []
                 record = logger.log(self.step, await get_provisioner().collect_metrics(), {
-                    "reward/mean": sum(e.reward for e in episodes) / len(episodes),
+                    "reward/mean": float(batch.rewards.mean()),
                     "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else math.nan,
-                    "train/version_lag": sum(trained_on - e.oldest_policy_version for e in episodes) / len(episodes),
+                    "train/version_lag": float((trained_on - batch.oldest_policy_versions()).double().mean()),
                     "buffer/dropped_too_old": float(stats["dropped_too_old"]), "train/wait_s": waited,
-                    "train/episodes_per_s": len(episodes) / elapsed, "step_s": elapsed,
+                    "train/episodes_per_s": batch.num_sequences / elapsed, "step_s": elapsed,
                     "controller/cpu_s": time.process_time() - step_cpu,
                     "policy_version": float(self.version), **metrics})
                 self.summary.step_logged(record, memory=get_provisioner().memory_rss)
@@ -233,14 +233,14 @@ class GRPOJob:
         self.summary.train_s, self.summary.steps_this_run = time.perf_counter() - loop_start, self.step - start_step
         self.summary.controller_cpu_s = time.process_time() - loop_cpu
 
-    async def _next_batch(self) -> list[Episode] | None:
-        """The next batch for the current version; None when asked to stop while waiting for one."""
+    async def _next_batch(self) -> TrainBatch | None:
+        """The next batch for the current version (padded tensors); None when asked to stop while waiting."""
         while not self.interrupted:
             self.arrived.clear()  # episodes that reach the buffer from here on set it again
-            batch = await self.actors.buffer.sample.call_one(self.version)
+            batch = await self.actors.buffer.sample.call_one(self.version, self.actors.pad_id)
             self.room.set()  # the buffer handed out a batch or evicted stale episodes: rollouts may have room
             if batch is not None:
-                return [e for shard in batch for e in shard]
+                return batch
             await self._wait_for(self.arrived)
         return None
 

@@ -78,6 +78,20 @@ def test_a_multi_turn_episode_trains_on_the_model_tokens_only():
     assert episode.oldest_policy_version == 4  # the environment's -1 is no version
 
 
+def test_a_batch_knows_each_sequences_oldest_policy_version_as_its_episode_does():
+    # The training loop logs the version lag from the batch's tensors, not from the episodes.
+    episodes = [Episode(episode_id=1, group_id=0, prompt_ids=[1, 2], completion_ids=[3, 4, 5, 6, 7],
+                        behaviour_logprobs=[0.0] * 5, policy_versions=[6, 5, -1, -1, 7], reward=1.0,
+                        completion_mask=[1, 1, 0, 0, 1]),
+                Episode(episode_id=2, group_id=0, prompt_ids=[1], completion_ids=[3], behaviour_logprobs=[0.0],
+                        policy_versions=[2], reward=0.0),
+                Episode(episode_id=3, group_id=0, prompt_ids=[1, 2, 3], completion_ids=[], behaviour_logprobs=[],
+                        policy_versions=[], reward=0.0)]
+    batch = TrainBatch.from_episodes(episodes, pad_id=0)
+    assert batch.oldest_policy_versions().tolist() == [e.oldest_policy_version for e in episodes] == [5, 2, -1]
+    assert batch.slice(1, 2).oldest_policy_versions().tolist() == [2]
+
+
 def test_a_completion_mask_of_the_wrong_length_is_refused():
     episode = Episode(episode_id=3, group_id=0, prompt_ids=[1], completion_ids=[2, 3], behaviour_logprobs=[0.0, 0.0],
                       policy_versions=[0, 0], reward=0.0, completion_mask=[1])

@@ -1,0 +1,72 @@
+"""What moving a training batch between actors costs, by how the episodes are carried.
+
+    python -m bench.episode_transport [--episodes 1024] [--prompt-tokens 8] [--completion-tokens 4 64 512]
+
+Every actor call pickles its arguments and its answer with Monarch's own pickler (`flatten` on the sender,
+`unflatten` on the receiver). This times that round trip, in CPU seconds of this process, for one batch of
+episodes carried three ways, side by side:
+- as `Episode`s holding Python lists (how rollouts reach the replay buffer);
+- as `Episode`s holding one small tensor per field (what "a tensor per episode" would cost);
+- as one `TrainBatch` of padded tensors (how the replay buffer hands a batch to the controller and the trainer).
+Best of `--repeats` runs; ratios against the lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any, Callable
+
+import torch
+
+import forge.compat  # noqa: F401  (Monarch's native libraries on a host without a GPU)
+from forge.types import Episode, TrainBatch
+from monarch._src.actor.pickle import flatten, unflatten
+
+
+def make_episodes(count: int, prompt_tokens: int, completion_tokens: int, *, as_tensors: bool,
+                  seed: int = 0) -> list[Episode]:
+    rng = random.Random(seed)
+    carry: Callable[[list], Any] = torch.tensor if as_tensors else list
+    return [Episode(episode_id=i, group_id=i // 16,
+                    prompt_ids=carry([rng.randrange(1000) for _ in range(prompt_tokens)]),
+                    completion_ids=carry([rng.randrange(1000) for _ in range(completion_tokens)]),
+                    behaviour_logprobs=carry([-rng.random() for _ in range(completion_tokens)]),
+                    policy_versions=carry([3] * completion_tokens), reward=float(i % 2))
+            for i in range(count)]
+
+
+def round_trip_cpu_s(value: Any, repeats: int) -> float:
+    """The best CPU time of pickling `value` for an actor message and unpickling it again."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.process_time()
+        saved, buffer = flatten(value, lambda _: False)
+        unflatten(buffer, saved)
+        best = min(best, time.process_time() - started)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=1024)
+    parser.add_argument("--prompt-tokens", type=int, default=8)
+    parser.add_argument("--completion-tokens", type=int, nargs="+", default=[4, 64, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    print(f"{args.episodes} episodes, {args.prompt_tokens} prompt tokens each; pickle + unpickle, CPU ms "
+          f"(best of {args.repeats})")
+    print(f"{'completion tokens':>18} | {'lists':>8} | {'tensor per episode':>18} | {'one TrainBatch':>14} | "
+          f"{'lists / TrainBatch':>18}")
+    for tokens in args.completion_tokens:
+        lists = make_episodes(args.episodes, args.prompt_tokens, tokens, as_tensors=False)
+        tensors = make_episodes(args.episodes, args.prompt_tokens, tokens, as_tensors=True)
+        batch = TrainBatch.from_episodes(lists, pad_id=0)
+        times = [round_trip_cpu_s(value, args.repeats) * 1e3 for value in (lists, tensors, batch)]
+        print(f"{tokens:>18} | {times[0]:>8.1f} | {times[1]:>18.1f} | {times[2]:>14.1f} | "
+              f"{times[0] / times[2]:>17.1f}x")
+
+
+if __name__ == "__main__":
+    main()
