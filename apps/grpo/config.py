@@ -165,6 +165,9 @@ class GRPOConfig:
             _check_vllm_engine_args(self.generator)
         if self.task.reward:
             load_callable(self.task.reward, field="task.reward")  # importable, before any process starts
+        if self.task.source == "openenv" and self.warm_start.enabled:
+            raise ValueError("warm_start.enabled=true: task.source='openenv' has no correct episodes to warm start "
+                             "from (an OpenEnv environment gives rewards, not answers); set warm_start.enabled=false")
         check_model_layout(self)  # last: it reads the model's config.json (a hub id's is fetched)
 
 

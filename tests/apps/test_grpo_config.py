@@ -233,13 +233,15 @@ BAD = [
     ("+no_such_section.key=1", r"no_such_section=\{'key': 1\}: unknown key\. Allowed keys: generator, trainer, "),
     ("checkpoint.keep=0", r"checkpoint\.keep=0: must be >= 1"),
     ("generator.max_batch_size=0", r"generator\.max_batch_size=0: must be >= 1"),
+    ("task.source=openenv task.name=tests.forge.environments.openenv_guess:GuessEnvironment",
+     r"warm_start\.enabled=true: task\.source='openenv' has no correct episodes to warm start from"),
 ]
 
 
 @pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
 def test_bad_config_is_refused_with_the_key_and_value(override, message):
     with pytest.raises(ConfigError, match=message):
-        cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), override])
+        cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), *override.split()])
         check_resources(cfg)
 
 
