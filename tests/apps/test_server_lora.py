@@ -205,7 +205,7 @@ def test_save_state_and_load_state_hold_the_adapter_and_its_optimizer(service, s
     ({"target_modules": ["q_prj"]}, ["body", "lora", "target_modules"], "allowed: ['q_proj'"),
     ({"base_model": "Qwen/Qwen3-8B"}, ["body", "base_model"], "this server trains only"),
 ])
-def test_a_bad_lora_session_is_a_422_naming_the_field(service, sessions, kwargs, loc, says):
+def test_a_bad_lora_session_is_a_422_naming_the_field(service, kwargs, loc, says):
     with pytest.raises(ForgeAPIError) as error:
         service.create_lora_training_client(**kwargs)
     assert error.value.status_code == 422
