@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     proc = start_server(command, run_dir / "server.log", url)
     try:
         figures = measure(url, api_key, rows=args.rows, length=args.length)
+    except Exception:
+        print(f"the server's log: {run_dir / 'server.log'}", file=sys.stderr)
+        raise
     finally:
         stop_server(proc)
+    shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints and the larger shape's model
 
     def total(name: str) -> float:
         return sum(figures[name].values()) / MIB
