@@ -142,9 +142,10 @@ class Reader(ForgeActor):
         self.thread: threading.Thread | None = None
 
     @endpoint
-    async def allocate(self, shapes: dict[str, tuple[int, ...]], dtype: str) -> None:
+    async def allocate(self, shapes: dict[str, tuple[int, ...]], dtype: str, staging: bool = True) -> None:
+        """The engine's weights, and (`staging`) the buffer a swap mode fetches into first."""
         self.live = {n: torch.zeros(s, dtype=DTYPES[dtype]) for n, s in shapes.items()}
-        self.staging = {n: torch.zeros_like(t) for n, t in self.live.items()}
+        self.staging = {n: torch.zeros_like(t) for n, t in self.live.items()} if staging else {}
 
     @endpoint
     async def free(self) -> None:

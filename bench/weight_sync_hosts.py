@@ -170,7 +170,7 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
     for dtype in args.dtypes:
         shapes = state_dict_shapes(args.size_gb, DTYPES[dtype])
         nbytes = await publisher.build.call_one(shapes, dtype)
-        await readers.allocate.call(shapes, dtype)
+        await readers.allocate.call(shapes, dtype, False)  # fetched straight into the live weights: no staging
         namespace = f"bench-hosts-{dtype}"
         version += 1
         await relay_once(publisher, readers, relay_b, namespace, version)  # warm-up: first touch, connections
@@ -178,6 +178,9 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         for _ in range(args.repeats):
             version += 1
             relay.append(await relay_once(publisher, readers, relay_b, namespace, version))
+        seconds, published, stages = _median(relay)
+        print(f"(a) median of {len(relay)}: {seconds:.3f} s, publish returned at {published:.3f} s; stages: " +
+              ", ".join(f"{stage} {at:.3f}" for stage, at in stages.items()), flush=True)
         plain = []
         for _ in range(args.ts_repeats or args.repeats):
             version += 1

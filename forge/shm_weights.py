@@ -261,7 +261,8 @@ class SegmentWriter:
         """The segment's tensor bytes as writable memory (a stream is received straight into it: one copy).
         Their blocks are allocated first, so a full /dev/shm is an error here, never a SIGBUS while writing."""
         try:
-            os.posix_fallocate(self.fd, 0, HEADER + max(self.size, 1))
+            if os.fstat(self.fd).st_blocks * 512 < HEADER + self.size:  # a reused spare has its blocks already
+                os.posix_fallocate(self.fd, 0, HEADER + max(self.size, 1))
         except OSError as e:
             raise SharedMemoryError(f"policy version {self.version}: cannot allocate {HEADER + self.size} bytes in "
                                     f"{SHM_DIR} ({e}); nothing was written") from e

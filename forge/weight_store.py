@@ -385,9 +385,8 @@ async def _keys_with_prefix(prefix: str) -> list[str]:
 
 
 async def _get_if_exists(key: str):
-    """The value at `key`, or None when there is none (also when it was deleted between the two calls)."""
-    if not await ts.exists(key):
-        return None
+    """The value at `key`, or None when there is none: one call to torchstore (its `get` raises KeyError for a
+    missing key), not two; readers and relays poll these keys."""
     try:
         return await ts.get(key)
     except KeyError:
