@@ -4,9 +4,10 @@
     python -m bench.gateway_load --base-url http://127.0.0.1:8090 --sessions 50 --turns 3
 
 Each session: /rl/start_session (admin key; retried after a pause on 429, the staleness bound), `turns` chat
-completions on the growing conversation (one 2-digit addition per turn), a reward per turn (1 for the right
-sum), /rl/end_session. It prints p50/p99 latency of the chat completions and of whole sessions, and checks
-that no trajectory was lost: every episode the sessions exported reached the replay buffer.
+completions on the growing conversation (one 2-digit addition per turn, the replies re-sent verbatim, so the
+session is one episode), a reward per turn (1 for the right sum), /rl/end_session. It prints p50/p99 latency of
+the chat completions and of whole sessions, the gateway's history breaks, and checks that no trajectory was lost:
+every episode the sessions exported reached the replay buffer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class LoadResult:
     correct: int = 0
     failures: list[str] = field(default_factory=list)
     buffer_added: int = 0  # episodes the buffer received during the run
+    history_breaks: int = 0  # requests that did not continue their conversation's exact ids (the gateway's count)
     stats: dict = field(default_factory=dict)
     wall_s: float = 0.0
 
@@ -50,7 +52,7 @@ class LoadResult:
             "session_p99_ms": 1000 * percentile(self.session_latencies_s, 99),
             "chat_requests_per_s": len(self.chat_latencies_s) / self.wall_s if self.wall_s else 0.0,
             "start_retries_429": self.start_retries_429, "exported_episodes": self.exported_episodes,
-            "buffer_added": self.buffer_added, "lost": self.lost, "failures": len(self.failures),
+            "buffer_added": self.buffer_added, "history_breaks": self.history_breaks, "lost": self.lost, "failures": len(self.failures),
             "accuracy": self.correct / max(1, len(self.chat_latencies_s)),
             "train_steps": self.stats.get("train_steps"), "policy_version": self.stats.get("policy_version"),
             "wall_s": self.wall_s,
@@ -124,6 +126,7 @@ async def run_load(base_url: str, admin_key: str, *, sessions: int = 50, turns: 
         while True:
             after = (await client.get("/rl/stats", headers=admin)).json()
             result.buffer_added = after["buffer"]["added"] - before["buffer"]["added"]
+            result.history_breaks = after["history_breaks"] - before["history_breaks"]
             if result.buffer_added >= result.exported_episodes or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
@@ -152,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"whole session latency:   p50 {s['session_p50_ms']:.0f} ms, p99 {s['session_p99_ms']:.0f} ms")
     print(f"start_session 429 retries: {s['start_retries_429']}; training steps so far: {s['train_steps']} "
           f"(policy version {s['policy_version']}); answers correct: {s['accuracy']:.1%}")
-    print(f"trajectories: exported {s['exported_episodes']} episodes, buffer received {s['buffer_added']}, "
-          f"lost {s['lost']}; failed sessions: {s['failures']}")
+    print(f"trajectories: exported {s['exported_episodes']} episodes (one per conversation; {s['history_breaks']} "
+          f"history breaks), buffer received {s['buffer_added']}, lost {s['lost']}; failed sessions: {s['failures']}")
     for failure in result.failures[:5]:
         print(f"  {failure}")
     print(json.dumps(s))

@@ -178,7 +178,7 @@ class Gateway:
             raise field_error(["max_tokens"], max_tokens, f"must be <= {chat.max_tokens_limit} (chat.max_tokens_limit)")
         train_temperature = self.cfg.trainer.temperature
         temperature = train_temperature if request.temperature is None else request.temperature
-        prompt_ids = self.encoder.encode(request.messages)
+        prompt_ids = self.encoder.encode(request.messages, session.context)
         params = SamplingParams(n=1, max_tokens=max_tokens, temperature=temperature,
                                 top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed)
         session.busy += 1
@@ -201,6 +201,7 @@ class Gateway:
                                   list(completion.policy_versions), trainable,
                                   kept_token_ids=completion.kept_token_ids)
         session.interactions.append(interaction)
+        session.context = self.encoder.context(request.messages, completion)
         self.counts["interactions"] += 1
         return completion_response(completion, interaction_id=interaction.interaction_id, session_id=session.session_id,
                                    model=request.model, trainable=trainable, with_logprobs=request.logprobs,

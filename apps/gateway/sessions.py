@@ -4,9 +4,10 @@ and the trajectory each session exports as replay-buffer episodes when it ends. 
 A conversation of several requests is one episode: a request whose prompt starts with exactly the previous request's
 prompt and generated ids continues it (forge.environments.trajectory.Trajectory: the new tokens between, the user's
 message and the template's, go in masked out; the reply's tokens masked in, with their log-probs and versions).
-When the prompt does not continue it token for token (the template re-rendered the history: an end token dropped,
-a thinking block stripped, a message edited; or a new conversation), the request starts a new episode and the
-break is counted: an episode never holds tokens the model did not see."""
+A request that re-sends the conversation verbatim (the reply as the gateway answered it) gets such a prompt: the
+encoder continues the session's exact ids (apps/gateway/chat.py, ChatContext). Any other request (a message edited,
+a reply changed, a new conversation) starts a new episode and the break is counted: an episode never holds tokens
+the model did not see."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from apps.gateway.chat import ChatContext
 from apps.server.errors import ServiceError
 from forge.environments.trajectory import Trajectory
 from forge.types import Completion, Episode
@@ -48,6 +50,7 @@ class RLSession:
     last_active: float = field(default_factory=time.monotonic)
     interactions: list[Interaction] = field(default_factory=list)
     busy: int = 0  # chat requests in progress
+    context: ChatContext | None = None  # the conversation so far, as the model saw it (the next request's start)
 
     def touch(self) -> None:
         self.last_active = time.monotonic()

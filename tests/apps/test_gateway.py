@@ -34,7 +34,7 @@ from apps.server.errors import ServiceError
 from apps.server.serving import install_error_handlers
 from bench.gateway_load import percentile, run_load
 from forge.tiny_model import build_tokenizer
-from forge.types import Episode, TrainBatch
+from forge.types import Completion, Episode, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "test-admin-key-0123"
@@ -63,73 +63,119 @@ def test_untrainable_or_empty_interactions_are_skipped_and_counted():
     assert skipped == 2 and [e.reward for e in episodes] == [0.0]
 
 
+def _chat(encoder: PromptEncoder, session: RLSession, messages: list[ChatMessage], reply: list[int],
+          trainable: bool = True) -> str:
+    """What the gateway does for one request (runtime.Gateway.chat without the generator): the prompt from the
+    session's conversation, `reply` as the generated ids, the interaction recorded; returns the reply's text."""
+    tokenizer, k = encoder.tokenizer, len(session.interactions)
+    prompt = encoder.encode(messages, session.context)
+    completion = Completion(prompt_ids=prompt, token_ids=reply, text=tokenizer.decode(reply, skip_special_tokens=True),
+                            logprobs=[-0.5 - k] * len(reply), finish_reason="stop" if
+                            reply[-1:] == [tokenizer.eos_token_id] else "length", policy_versions=[k] * len(reply))
+    session.interactions.append(Interaction(f"c{k}", prompt, reply, completion.logprobs, completion.policy_versions,
+                                            trainable))
+    session.context = encoder.context(messages, completion)
+    return completion.text
+
+
 def _conversation(tokenizer, users: list[str], replies: list[list[int]], trainable: list[bool] | None = None,
-                  fmt: str = "plain") -> list[Interaction]:
-    """Requests as an OpenAI client makes them: each sends the previous messages, the assistant's reply (as the text
-    the gateway answered) and a new user message; the prompt is what the gateway's encoder renders."""
-    encoder, messages, interactions = PromptEncoder(tokenizer, fmt, 256), [], []
+                  fmt: str = "plain") -> RLSession:
+    """Requests as an OpenAI client makes them: each re-sends the previous messages, the assistant's reply (the text
+    the gateway answered) and a new user message."""
+    encoder, messages, session = PromptEncoder(tokenizer, fmt, 256), [], RLSession("s", "k", 60, 0)
     for k, (user, reply) in enumerate(zip(users, replies)):
         messages.append(ChatMessage(role="user", content=user))
-        interactions.append(Interaction(f"c{k}", encoder.encode(messages), reply, [-0.5 - k] * len(reply),
-                                        [k] * len(reply), True if trainable is None else trainable[k]))
-        messages.append(ChatMessage(role="assistant", content=tokenizer.decode(reply, skip_special_tokens=True)))
-    return interactions
+        text = _chat(encoder, session, messages, reply, True if trainable is None else trainable[k])
+        messages.append(ChatMessage(role="assistant", content=text))
+    return session
 
 
-def test_a_conversation_of_several_requests_is_one_token_exact_episode():
+def test_a_plain_conversation_of_several_requests_is_one_token_exact_episode():
     tokenizer = build_tokenizer()
     ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    users, replies = ["12+34=", " 5+5=", " 3+4="], [ids("64"), ids("01"), ids("7") + [tokenizer.eos_token_id]]
-    interactions = _conversation(tokenizer, users, replies)
-    interactions[-1].reward = 0.75
-    (episode,), skipped, breaks = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions),
-                                                      discount=1.0, group_id=3, first_episode_id=0)
+    eos = tokenizer.eos_token_id
+    # Every reply ends at EOS, which the re-sent plain text cannot carry: the prompts continue the exact ids instead.
+    users, replies = ["12+34=", " 5+5=", " 3+4="], [ids("46") + [eos], ids("10") + [eos], ids("7") + [eos]]
+    session = _conversation(tokenizer, users, replies)
+    assert session.interactions[1].prompt_ids == ids("12+34=") + replies[0] + ids(" 5+5=")
+    session.interactions[-1].reward = 0.75
+    (episode,), skipped, breaks = trajectory_episodes(session, discount=1.0, group_id=3, first_episode_id=0)
     assert (skipped, breaks, episode.reward) == (0, 0, 0.75)
     # Exactly what the model saw and wrote, in order: the first prompt, then reply, message, reply, message, reply.
     assert episode.prompt_ids == ids("12+34=")
     assert episode.completion_ids == replies[0] + ids(" 5+5=") + replies[1] + ids(" 3+4=") + replies[2]
-    assert episode.completion_mask == [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1]
-    assert episode.behaviour_logprobs == [-0.5] * 2 + [0.0] * 5 + [-1.5] * 2 + [0.0] * 5 + [-2.5] * 2
-    assert episode.policy_versions == [0] * 2 + [-1] * 5 + [1] * 2 + [-1] * 5 + [2] * 2
+    assert episode.completion_mask == [1, 1, 1] + [0] * 5 + [1, 1, 1] + [0] * 5 + [1, 1]
+    assert episode.behaviour_logprobs == [-0.5] * 3 + [0.0] * 5 + [-1.5] * 3 + [0.0] * 5 + [-2.5] * 2
+    assert episode.policy_versions == [0] * 3 + [-1] * 5 + [1] * 3 + [-1] * 5 + [2] * 2
     batch = TrainBatch.from_episodes([episode], pad_id=tokenizer.pad_token_id)
     mask = batch.response_mask[0].bool()
     assert batch.input_ids[0].tolist() == episode.prompt_ids + episode.completion_ids
     assert batch.input_ids[0, 1:][mask].tolist() == [t for r in replies for t in r]  # the loss sees the replies only
     assert (batch.policy_versions[0][~mask] == -1).all() and batch.behaviour_logprobs[0][mask].tolist() == \
-        [-0.5, -0.5, -1.5, -1.5, -2.5, -2.5]
+        [-0.5] * 3 + [-1.5] * 3 + [-2.5] * 2
 
 
-def test_a_request_that_does_not_continue_the_exact_tokens_starts_a_new_episode_and_is_counted():
+def test_a_request_that_does_not_re_send_the_conversation_starts_a_new_episode_and_is_counted():
     tokenizer = build_tokenizer()
     ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     eos = tokenizer.eos_token_id
-    # The first reply ended at EOS: plain messages cannot carry it, so the second prompt lacks a token the model saw.
-    interactions = _conversation(tokenizer, ["1+1=", "2+2="], [ids("2") + [eos], ids("4")])
-    interactions[-1].reward = 1.0
-    first, second = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions), discount=0.5,
-                                        group_id=0, first_episode_id=0).episodes
-    assert first.prompt_ids + first.completion_ids == ids("1+1=2") + [eos] and first.reward == 0.5
-    assert second.prompt_ids == ids("1+1=22+2=") and second.completion_ids == ids("4") and second.reward == 1.0
-    assert trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions), discount=0.5, group_id=0,
-                               first_episode_id=0).history_breaks == 1
-    # A chat template that renders the end token after each reply keeps the history exact; one that strips a
-    # thinking block from earlier replies (as Qwen3's does) changes what the model saw: a new episode, counted.
+    encoder = PromptEncoder(tokenizer, "plain", 256)
+    user = lambda text: ChatMessage(role="user", content=text)  # noqa: E731
+    said = lambda text: ChatMessage(role="assistant", content=text)  # noqa: E731
+    for history in ([user("1+2="), said("2")],  # a message edited
+                    [user("1+1="), said("3")],  # a reply other than the one the gateway answered
+                    [user("1+1=")],  # the reply left out
+                    []):  # a new conversation
+        session = RLSession("s", "k", 60, 0)
+        first = _chat(encoder, session, [user("1+1=")], ids("2") + [eos])
+        assert first == "2"
+        _chat(encoder, session, history + [user("2+2=")], ids("4") + [eos])
+        session.interactions[-1].reward = 1.0
+        export = trajectory_episodes(session, discount=0.5, group_id=0, first_episode_id=0)
+        assert (export.history_breaks, len(export.episodes)) == (1, 2), history
+        # Re-encoded from its messages: the model sees (and the episode holds) the new conversation as sent.
+        assert export.episodes[1].prompt_ids == ids("".join(m.text() for m in history) + "2+2=")
+        assert [e.reward for e in export.episodes] == [0.5, 1.0]
+    # The same messages again, verbatim, continue: only a re-sent conversation chains.
+    session = RLSession("s", "k", 60, 0)
+    _chat(encoder, session, [user("1+1=")], ids("2") + [eos])
+    _chat(encoder, session, [user("1+1="), said("2"), user("2+2=")], ids("4"))
+    assert trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0).history_breaks == 0
+    # An off-temperature reply stays in its conversation as context, masked out.
+    session = _conversation(tokenizer, ["1+1=", "2+2="], [ids("2"), ids("4")], trainable=[False, True])
+    (episode,), skipped, breaks = trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0)
+    assert (skipped, breaks) == (1, 0) and episode.completion_ids == ids("22+2=4")
+    assert episode.completion_mask == [0, 0, 0, 0, 0, 1] and episode.policy_versions == [-1] * 5 + [1]
+
+
+def test_a_template_conversation_continues_the_reply_as_sampled():
+    tokenizer = build_tokenizer()
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = tokenizer.eos_token_id
+    # A template that renders the end token after each reply and strips a thinking block from earlier replies
+    # (as Qwen3's does): re-rendering would change what the model saw; the prompt keeps the reply as sampled and
+    # adds what the template puts after it, less the end token the model generated itself.
     tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}"
                                "{{ m.content.split('</think>')[-1] }}{{ eos_token }}{% else %}{{ m.content }}{% endif %}"
                                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-    for reply, breaks in (("2", 0), ("<think>1+1</think>2", 1)):
-        interactions = _conversation(tokenizer, ["1+1=", "2+2="], [ids(reply) + [eos], ids("4") + [eos]],
-                                     fmt="template")
-        export = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions), discount=1.0,
-                                     group_id=0, first_episode_id=0)
-        assert (export.history_breaks, len(export.episodes)) == (breaks, 1 + breaks)
-    assert export.episodes[1].prompt_ids == ids("<user>1+1=<assistant>2") + [eos] + ids("<user>2+2=<assistant>")
-    # An off-temperature reply stays in its conversation as context, masked out.
-    interactions = _conversation(tokenizer, ["1+1=", "2+2="], [ids("2"), ids("4")], trainable=[False, True])
-    (episode,), skipped, breaks = trajectory_episodes(RLSession("s", "k", 60, 0, interactions=interactions),
-                                                      discount=1.0, group_id=0, first_episode_id=0)
-    assert (skipped, breaks) == (1, 0) and episode.completion_ids == ids("22+2=4")
-    assert episode.completion_mask == [0, 0, 0, 0, 0, 1] and episode.policy_versions == [-1] * 5 + [1]
+    for reply in ("2", "<think>1+1</think>2"):
+        session = _conversation(tokenizer, ["1+1=", "2+2="], [ids(reply) + [eos], ids("4") + [eos]], fmt="template")
+        export = trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0)
+        assert (export.history_breaks, len(export.episodes)) == (0, 1)
+        assert session.interactions[1].prompt_ids == ids("<user>1+1=<assistant>" + reply) + [eos] + \
+            ids("<user>2+2=<assistant>")
+        turn = ids("<user>2+2=<assistant>")
+        assert export.episodes[0].completion_mask == [1] * (len(ids(reply)) + 1) + [0] * len(turn) + [1, 1]
+    # A reply cut at max_tokens (no end token generated): the template's end token follows it as context.
+    session = _conversation(tokenizer, ["1+1=", "2+2="], [ids("2"), ids("4")], fmt="template")
+    assert session.interactions[1].prompt_ids == ids("<user>1+1=<assistant>2") + [eos] + ids("<user>2+2=<assistant>")
+    assert trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0).episodes[0].completion_mask == \
+        [1] + [0] * (1 + len(turn)) + [1]
+    # A template that rewrites the reply itself cannot be continued: re-rendered, a new episode, counted.
+    tokenizer.chat_template = tokenizer.chat_template.replace("m.content.split('</think>')[-1]", "m.content | upper")
+    session = _conversation(tokenizer, ["hi", "2+2="], [ids("ok") + [eos], ids("4") + [eos]], fmt="template")
+    assert trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0).history_breaks == 1
+    assert session.interactions[1].prompt_ids == ids("<user>hi<assistant>OK") + [eos] + ids("<user>2+2=<assistant>")
 
 
 def test_percentile_is_nearest_rank():
@@ -275,7 +321,8 @@ def test_openai_client_session_rewards_and_export(http):
     plain = openai.OpenAI(base_url=str(http.base_url), api_key=session["api_key"], max_retries=0)
     second = plain.chat.completions.create(model="default", messages=[
         {"role": "user", "content": "12+34="}, {"role": "assistant", "content": text}, {"role": "user", "content": "5+5="}])
-    assert second.usage.prompt_tokens == 6 + len(text) + 4
+    # The second prompt continues the first's exact ids: the reply's tokens (its EOS too, when it ended there).
+    assert second.usage.prompt_tokens == 6 + first.usage.completion_tokens + 4
     assert client.models.list().data[0].id == "default"
 
     key = _bearer(session["api_key"])
@@ -286,52 +333,43 @@ def test_openai_client_session_rewards_and_export(http):
     unknown = http.post("/rl/set_reward", json={"reward": 1.0, "interaction_id": "chatcmpl-nope"}, headers=key)
     assert unknown.status_code == 404 and "chatcmpl-nope" in unknown.json()["error"]["message"]
     ended = http.post("/rl/end_session", json={}, headers=key).json()
-    # The second request continues the first one's exact tokens unless the first reply ended at EOS (which the
-    # plain message text cannot carry): one conversation, or two with a counted history break.
-    breaks = int(first.choices[0].finish_reason == "stop")
-    assert ended == {"session_id": "openai-test", "interactions": 2, "exported_episodes": 1 + breaks,
-                     "history_breaks": breaks, "reason": "ended by the client", "episodes": None}
+    # The second request re-sent the conversation verbatim: one episode.
+    assert ended == {"session_id": "openai-test", "interactions": 2, "exported_episodes": 1,
+                     "history_breaks": 0, "reason": "ended by the client", "episodes": None}
     after = _stats(http)
-    assert after["exported_episodes"] - before["exported_episodes"] == 1 + breaks
-    assert after["buffer"]["added"] - before["buffer"]["added"] == 1 + breaks
-    assert after["history_breaks"] - before["history_breaks"] == breaks
+    assert after["exported_episodes"] - before["exported_episodes"] == 1
+    assert after["buffer"]["added"] - before["buffer"]["added"] == 1
+    assert after["history_breaks"] - before["history_breaks"] == 0
     with pytest.raises(openai.AuthenticationError):  # the key ended with its session
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "1+1="}])
 
 
 def test_a_three_request_conversation_through_the_openai_client_exports_one_token_exact_episode(http):
     tokenizer = build_tokenizer()  # the tiny model's (character-level): the test renders what the gateway saw
-    for attempt in range(5):  # a reply ending at EOS (rare at 2 tokens) breaks the plain history: try again
-        session = _start(http)
-        client = openai.OpenAI(base_url=_v1(http), api_key=session["api_key"], max_retries=0)
-        messages, replies = [], []
-        for user in ("12+34=", "5+5=", "3+4="):
-            messages.append({"role": "user", "content": user})
-            reply = client.chat.completions.create(model="default", messages=messages, max_tokens=2, logprobs=True)
-            replies.append(reply)
-            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-        key = _bearer(session["api_key"])
-        http.post("/rl/set_reward", json={"reward": 0.75}, headers=key)
-        ended = http.post("/rl/end_session", json={"return_episodes": True}, headers=key).json()
-        breaks = sum(r.choices[0].finish_reason == "stop" for r in replies[:-1])
-        assert (ended["history_breaks"], ended["exported_episodes"], len(ended["episodes"])) == (breaks, 1 + breaks,
-                                                                                                1 + breaks)
-        if not breaks:
-            break
-    else:
-        pytest.fail("every conversation had a reply ending at EOS")
+    session = _start(http)
+    client = openai.OpenAI(base_url=_v1(http), api_key=session["api_key"], max_retries=0)
+    messages, replies = [], []
+    for user in ("12+34=", "5+5=", "3+4="):  # replies usually end at EOS (plain text cannot carry it): still one
+        messages.append({"role": "user", "content": user})
+        reply = client.chat.completions.create(model="default", messages=messages, logprobs=True)
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    key = _bearer(session["api_key"])
+    http.post("/rl/set_reward", json={"reward": 0.75}, headers=key)
+    ended = http.post("/rl/end_session", json={"return_episodes": True}, headers=key).json()
+    assert (ended["history_breaks"], ended["exported_episodes"], len(ended["episodes"])) == (0, 1, 1)
     (exported,) = ended["episodes"]
     tokens = [[tokenizer.convert_tokens_to_ids(t.token) for t in r.choices[0].logprobs.content] for r in replies]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    text = "".join(m["content"] for m in messages[:-1])  # every message up to the last reply
-    assert exported["prompt_ids"] + exported["completion_ids"] == encode(text) + tokens[-1]
-    rendered = [encode(m["content"]) if m["role"] == "user" else None for m in messages]
-    expected_mask = []
-    for k, reply_tokens in enumerate(tokens):  # after the first prompt: reply, message, reply, message, reply
-        expected_mask += [1] * len(reply_tokens) + ([0] * len(rendered[2 * k + 2]) if k < 2 else [])
+    # Exactly what the model read and wrote: each user message's tokens, each reply's generated ids (EOS included).
+    assert exported["prompt_ids"] == encode("12+34=")
+    assert exported["prompt_ids"] + exported["completion_ids"] == \
+        encode("12+34=") + tokens[0] + encode("5+5=") + tokens[1] + encode("3+4=") + tokens[2]
+    assert [r.usage.prompt_tokens for r in replies[1:]] == [6 + len(tokens[0]) + 4,
+                                                            6 + len(tokens[0]) + 4 + len(tokens[1]) + 4]
+    expected_mask = [1] * len(tokens[0]) + [0] * 4 + [1] * len(tokens[1]) + [0] * 4 + [1] * len(tokens[2])
     assert exported["completion_mask"] == expected_mask and exported["reward"] == 0.75
     mask = [bool(m) for m in exported["completion_mask"]]
-    assert [t for t, m in zip(exported["completion_ids"], mask) if m] == [t for r in tokens for t in r]
     assert [lp for lp, m in zip(exported["behaviour_logprobs"], mask) if m] == pytest.approx(
         [t.logprob for r in replies for t in r.choices[0].logprobs.content])
     assert [v for v, m in zip(exported["policy_versions"], mask) if m] == \
@@ -356,7 +394,11 @@ def test_streamed_completions_arrive_as_openai_chunks_and_are_recorded(http):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     usage = chunks[-1].usage
     assert finish in (["stop"], ["length"]) and not chunks[-1].choices
-    assert text and usage.prompt_tokens == 6 and len(logprobs) == usage.completion_tokens >= 1
+    assert usage.prompt_tokens == 6 and len(logprobs) == usage.completion_tokens >= 1
+    # The content is the sampled tokens' text (empty when the first token sampled was EOS).
+    tokenizer = build_tokenizer()
+    assert text == tokenizer.decode([tokenizer.convert_tokens_to_ids(t.token) for t in logprobs],
+                                    skip_special_tokens=True)
     assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
     record = next(c.model_extra["forge"] for c in chunks if c.model_extra.get("forge"))
     assert record["interaction_id"] == chunks[0].id and len(record["policy_versions"]) == usage.completion_tokens
@@ -454,8 +496,8 @@ def test_load_50_concurrent_sessions_lose_no_trajectory(gateway, http):
           f"p99 {summary['chat_p99_ms']:.0f} ms; session p50 {summary['session_p50_ms']:.0f} ms, "
           f"p99 {summary['session_p99_ms']:.0f} ms; 429 retries {summary['start_retries_429']}")
     assert result.failures == []
-    # One episode per conversation, two when a reply ended at EOS and broke the history (counted, never lost).
-    assert summary["chat_requests"] == 100 and 50 <= result.exported_episodes <= 100
+    # One episode per conversation: every session re-sends its conversation verbatim (no history break).
+    assert summary["chat_requests"] == 100 and result.exported_episodes == 50 and result.history_breaks == 0
     assert result.lost == 0 and result.buffer_added == result.exported_episodes
     stats = _stats(http)
     assert stats["export_failures"] == 0
@@ -508,7 +550,7 @@ def test_the_serving_docs_gateway_snippet_runs_against_the_gateway(gateway, http
     _wait_for_capacity(http)  # the snippet starts its session once, as the docs show
     defaults = (ROOT / "configs/gateway_tiny.yaml").read_text()
     assert "port: 8090" in defaults and "admin_api_key: forge-admin-key-change-me" in defaults  # what the docs show
-    [snippet] = python_blocks("serving.md")[1:]
+    [snippet] = [block for block in python_blocks("serving.md") if "/rl/start_session" in block]
     done = run_block(snippet, {"http://127.0.0.1:8090": gateway["url"], "forge-admin-key-change-me": ADMIN})
     assert done["session"]["session_id"] == "demo-0" and done["reply"].model_extra["forge"]["session_id"] == "demo-0"
     assert done["ended"]["interactions"] == 1
