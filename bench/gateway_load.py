@@ -33,6 +33,7 @@ class LoadResult:
     start_retries_429: int = 0
     exported_episodes: int = 0
     correct: int = 0
+    ended_at_eos: int = 0  # replies whose finish_reason is "stop": their EOS is in the ids, not in the re-sent text
     failures: list[str] = field(default_factory=list)
     buffer_added: int = 0  # episodes the buffer received during the run
     history_breaks: int = 0  # requests that did not continue their conversation's exact ids (the gateway's count)
@@ -53,7 +54,7 @@ class LoadResult:
             "chat_requests_per_s": len(self.chat_latencies_s) / self.wall_s if self.wall_s else 0.0,
             "start_retries_429": self.start_retries_429, "exported_episodes": self.exported_episodes,
             "buffer_added": self.buffer_added, "history_breaks": self.history_breaks, "lost": self.lost, "failures": len(self.failures),
-            "accuracy": self.correct / max(1, len(self.chat_latencies_s)),
+            "accuracy": self.correct / max(1, len(self.chat_latencies_s)), "ended_at_eos": self.ended_at_eos,
             "train_steps": self.stats.get("train_steps"), "policy_version": self.stats.get("policy_version"),
             "wall_s": self.wall_s,
         }
@@ -96,6 +97,7 @@ async def _session(client: httpx.AsyncClient, index: int, admin_key: str, turns:
         response.raise_for_status()
         body = response.json()
         text = body["choices"][0]["message"]["content"]
+        result.ended_at_eos += body["choices"][0]["finish_reason"] == "stop"
         messages.append({"role": "assistant", "content": text})
         reward = float(text.strip() == str(a + b))
         result.correct += int(reward)
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chat completion latency: p50 {s['chat_p50_ms']:.0f} ms, p99 {s['chat_p99_ms']:.0f} ms")
     print(f"whole session latency:   p50 {s['session_p50_ms']:.0f} ms, p99 {s['session_p99_ms']:.0f} ms")
     print(f"start_session 429 retries: {s['start_retries_429']}; training steps so far: {s['train_steps']} "
-          f"(policy version {s['policy_version']}); answers correct: {s['accuracy']:.1%}")
+          f"(policy version {s['policy_version']}); answers correct: {s['accuracy']:.1%}; replies ended at EOS: "
+          f"{s['ended_at_eos']}")
     print(f"trajectories: exported {s['exported_episodes']} episodes (one per conversation; {s['history_breaks']} "
           f"history breaks), buffer received {s['buffer_added']}, lost {s['lost']}; failed sessions: {s['failures']}")
     for failure in result.failures[:5]:
