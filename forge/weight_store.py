@@ -319,7 +319,7 @@ class WeightStore:
             f"is on {self.host!r}. Publish with WeightStore(cross_host=True) (or transport='torchstore') for multi-host jobs."
         )
 
-    async def _relayed_manifest(self, version: int, poll_s: float = 0.01) -> tuple[Manifest, bool]:
+    async def _relayed_manifest(self, version: int, poll_s: float = 0.05) -> tuple[Manifest, bool]:
         """Where this process reads `version` in a relayed job, and whether it is still arriving: this host's
         relayed copy first (it stays readable until the relay replaces it, even once the trainer deleted the
         version: a host that is behind serves what it has); the publisher's own segment on its host, or torchstore
