@@ -79,8 +79,9 @@ def train_until_accurate(
     and estimated time).
     """
     out_dir = Path(out_dir)
+    settings = {name: value for name, value in asdict(config).items() if value is not None}  # unset: earlier keys hold
     key = hashlib.sha256(
-        json.dumps({"model": str(Path(model_dir).resolve()), "seed": seed, "config": asdict(config), **cache_key},
+        json.dumps({"model": str(Path(model_dir).resolve()), "seed": seed, "config": settings, **cache_key},
                    sort_keys=True).encode()
     ).hexdigest()[:12]
     target = (out_dir / f"warm-{key}").resolve()
@@ -113,7 +114,7 @@ def _train(model_dir, out_dir: Path, key: str, target: Path, batch, accuracy, co
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     progress = Progress(config.target_accuracy, config.max_steps)
-    reached, step = 0.0, 0
+    reached, step, every = 0.0, 0, config.eval_every
     for step in range(1, config.max_steps + 1):
         model.train()
         input_ids, labels = batch(tokenizer, config.batch_size)
@@ -121,13 +122,15 @@ def _train(model_dir, out_dir: Path, key: str, target: Path, batch, accuracy, co
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step % config.eval_every == 0:
+        if step % every == 0:
             model.eval()
             with torch.no_grad():
                 reached = accuracy(model, tokenizer)
             log(f"warm start {progress.line(step, reached)} | loss {loss.item():.3f}")
             if reached >= config.target_accuracy:
                 break
+            if config.check_every_step_from is not None and reached >= config.check_every_step_from:
+                every = 1
     tmp = out_dir / f".warm-{key}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
