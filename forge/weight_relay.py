@@ -232,6 +232,9 @@ class WeightRelay(ForgeActor):
         have = self.relayed.get(namespace, -1)
         manifest = await self._newest_to_copy(store, have)
         if manifest is None:
+            # A copy can finish before the trainer deletes the version it replaces: dropped on a later poll.
+            if len(self.copies.get(namespace, {})) > 1:
+                await self._delete_copies_the_trainer_deleted(store, keep=have)
             return
         newest = manifest.version
         if manifest.host != self.host:
