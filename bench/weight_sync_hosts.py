@@ -84,7 +84,11 @@ async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, n
     published, fetches = await asyncio.gather(publish(), readers.fetch_relayed.call(namespace, version))
     seconds = time.perf_counter() - start
     await _check(readers, expected, "relay")
-    copy = (await relay_b.status.call_one())["last_copy"]
+    deadline = time.monotonic() + 30
+    while "advertised" not in (copy := (await relay_b.status.call_one())["last_copy"]):  # readers may finish first
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"host B's relay never advertised its copy of version {version}: {copy}")
+        await asyncio.sleep(0.01)
     if copy.get("version") != version:
         raise RuntimeError(f"host B's relay's last copy is {copy}, not version {version}")
     stages = {f"relay {k}": copy[k] - wall for k in ("started", "received", "advertised")}
