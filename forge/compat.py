@@ -71,6 +71,12 @@ Nothing here runs at import, except making Monarch importable for the modules th
     before its constructor ran, and fails the job's start  with `init` retried on exactly that error; can go when
     ("Actor object is missing when executing method init", 20 job starts in a row never print that error
     Monarch's own comment: out-of-order delivery)          (tests/apps/test_grpo.py under `make test`)
+24  1 in a child of a process that imported Monarch: vLLM  a job's processes inherit the stand-ins' path from the
+    inspects a model in a subprocess that unpickles its    controller (`configure_job_environment`); a process that
+    payload, which imports Monarch there; without the      runs an engine outside a job exports it first
+    stand-ins' path it dies on libcuda.so.1 and the        (`export_library_path_for_children`: the test session,
+    engine never starts (until vLLM's model-info cache     tests/conftest.py; the engines themselves import no
+    holds the model: only a first run on a machine fails)  Monarch); can go with 1
 """
 
 from __future__ import annotations
@@ -102,6 +108,12 @@ def import_monarch() -> None:
     native.preload()
 
 
+def export_library_path_for_children() -> None:
+    """Let child processes that this one starts import Monarch too (24): the stand-ins' folders on
+    LD_LIBRARY_PATH; nothing on a host with the real libraries."""
+    native.export_library_path()
+
+
 import_monarch()  # every module that imports this one goes on to import Monarch
 
 from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env  # noqa: E402
@@ -122,7 +134,7 @@ def configure_job_environment() -> None:
     the deadlines above, and the library path of the CPU stand-ins for the processes Monarch spawns."""
     for key, value in JOB_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    native.export_library_path()
+    export_library_path_for_children()
     reload_config_from_env()
 
 
