@@ -442,7 +442,10 @@ def test_fsdp_two_ranks_match_one_rank(fsdp_results: list[dict], checkpoint: Pat
     assert fsdp_result["first"]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
     assert fsdp_result["first"]["entropy"] == pytest.approx(expected["entropy"], abs=1e-6)
     assert_same_weights(fsdp_result["first_grads"], gradients(single), atol=1e-7)
-    assert_same_weights(fsdp_result["after_first"], single.hf_state_dict(), atol=1e-6)
+    # Adam's first update is lr * g / (|g| + eps): where |g| << eps it multiplies the gradients' summation-order
+    # rounding (within 1e-7, above) by up to lr / eps = 1e3. Seen: 2 of 8192 elements at 1.7e-6 on one CPU, none
+    # over 1e-6 on another. 1e-5 is 1% of one step (lr); a wrong shard or reduction moves weights by ~lr.
+    assert_same_weights(fsdp_result["after_first"], single.hf_state_dict(), atol=1e-5)
     torch.testing.assert_close(fsdp_result["logprobs"], single.logprobs(make_batch(10)), rtol=0, atol=1e-5)
 
 
