@@ -35,14 +35,13 @@ class EnvironmentHost(ForgeActor):
         if key not in self.environments:
             raise KeyError(f"no environment for episode {key} on this host (never reset, already done, or the host "
                            "restarted since)")
-        result = await self.environments[key].step(action)
-        if result.done:
-            del self.environments[key]
-        return result
+        return await self.environments[key].step(action)
 
     @endpoint
     async def close(self, key: int) -> None:
-        self.environments.pop(key, None)
+        environment = self.environments.pop(key, None)
+        if hasattr(environment, "close"):
+            await environment.close()
 
     @endpoint
     async def open_episodes(self) -> int:
@@ -61,3 +60,6 @@ class RemoteEnvironment:
 
     async def step(self, action: str) -> StepResult:
         return await self.hosts.step.route(self.key, action)
+
+    async def close(self) -> None:
+        await self.hosts.close.route(self.key)

@@ -78,7 +78,7 @@ class OpenEnvSpec:
 
 
 class OpenEnvEnvironment:
-    """The forge Environment protocol over one OpenEnv environment object (closed when its episode is done)."""
+    """The forge Environment protocol over one OpenEnv environment object (closed when its episode ends)."""
 
     def __init__(self, env: Any, action_type: type, action_field: str, observation_field: str | None) -> None:
         from openenv.core import EnvClient
@@ -100,12 +100,15 @@ class OpenEnvEnvironment:
         else:
             observation = await self.env.step_async(request)
             reward, done = observation.reward, observation.done
-        if done and self.served:
-            await asyncio.to_thread(self.env.close)  # ends the episode's session on the server
-        elif done:
-            self.env.close()
         return StepResult(observation=self._text(observation), reward=float(reward or 0.0), done=bool(done),
                           info=dict(observation.metadata))
+
+    async def close(self) -> None:
+        """The rollout's end of the episode, however it ended: a served environment's session on its server ends."""
+        if self.served:
+            await asyncio.to_thread(self.env.close)
+        else:
+            self.env.close()
 
     def _text(self, observation: Any) -> str:
         if self.observation_field is None:

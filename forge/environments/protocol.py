@@ -30,3 +30,6 @@ class Environment(Protocol):
     async def step(self, action: str) -> StepResult:
         """The model's turn (its text, up to and including its stop token's text)."""
         ...
+
+    # Optional: `async def close(self) -> None`, awaited once when the episode ends, however it ended (done, a
+    # limit, EOS, a failure), to release what the environment holds (a server session, a sandbox).

@@ -40,6 +40,18 @@ async def run_episodes(generate: Generate, environments: Sequence[Environment], 
     played at once; `params.max_tokens` bounds each model turn."""
     if len(tasks) != len(environments):
         raise ValueError(f"run_episodes: {len(environments)} environments but {len(tasks)} tasks; one task each")
+    try:
+        trajectories = await _play(generate, environments, tasks, params, limits, encode, end_token_ids)
+    finally:  # an episode ends in many ways; each environment is closed once whichever it was
+        closing = [env.close() for env in environments if hasattr(env, "close")]
+        await asyncio.gather(*(_call(c, limits, "close") for c in closing))
+    _count(trajectories, limits)
+    return trajectories
+
+
+async def _play(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
+                params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
+                end_token_ids: Sequence[int]) -> list[Trajectory]:
     prompts = await asyncio.gather(*(_call(env.reset(task), limits, "reset") for env, task in zip(environments, tasks)))
     for prompt in prompts:
         if isinstance(prompt, BaseException):
@@ -62,7 +74,6 @@ async def run_episodes(generate: Generate, environments: Sequence[Environment], 
                                                limits, "step") for i in stepping)) if stepping else []
         for i, result in zip(stepping, results):
             _advance(trajectories[i], result, limits, encode, end_token_ids)
-    _count(trajectories, limits)
     return trajectories
 
 

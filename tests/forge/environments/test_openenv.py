@@ -94,6 +94,7 @@ async def test_a_served_environment_plays_through_its_openenv_client_like_the_in
             seen.append((result.observation, result.reward, result.done))
             if result.done:
                 break
+        await env.close()  # the rollout closes every episode's environment; here the test does
         return seen
 
     secrets_ = [random.Random(p.seed).randint(0, 9) for p in problems]

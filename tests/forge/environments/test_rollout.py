@@ -140,3 +140,37 @@ def test_limits_are_checked():
         EnvironmentConfig(max_turns=0)
     with pytest.raises(ValueError, match=r"step_timeout_s=0: must be > 0"):
         EnvironmentConfig(step_timeout_s=0)
+
+
+class ClosingReplier(Replier):
+    """A Replier that counts its `close` calls."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.closed = 0
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+async def test_every_environment_is_closed_once_however_its_episode_ended():
+    # done at turn 1; cut at max_turns; its step raising; the model's EOS on its second turn
+    envs = [ClosingReplier(done_after=1), ClosingReplier(), ClosingReplier(fail_on=1)]
+    trajectories = await play(ScriptedModel([[5, 6]]), envs, max_turns=2)
+    eos = ClosingReplier()
+    [ended_at_eos] = await play(ScriptedModel([[5, 6], [5, EOS]]), [eos])
+    assert [t.end for t in trajectories] + [ended_at_eos.end] == ["done", "max_turns", "environment_error", "done"]
+    assert [env.closed for env in [*envs, eos]] == [1, 1, 1, 1]
+    drain_local()
+
+
+async def test_environments_are_closed_when_a_reset_fails():
+    class FailingReset(ClosingReplier):
+        async def reset(self, task):
+            raise RuntimeError("no sandbox")
+
+    envs = [ClosingReplier(), FailingReset()]
+    with pytest.raises(EnvironmentFailure):
+        await play(ScriptedModel([[5]]), envs)
+    assert [env.closed for env in envs] == [1, 1]
+    drain_local()
