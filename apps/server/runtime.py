@@ -107,6 +107,7 @@ class TrainingService:
         self.started_at = time.time()
         self.generators: Any = None
         self._reaper: asyncio.Task | None = None
+        self._background: set[asyncio.Future] = set()  # clean-ups nobody waits for (held so they are not collected)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -255,6 +256,11 @@ class TrainingService:
         try:
             await asyncio.wait_for(trainer.add_session.call(session_id, asdict(lora), seed), timeout)
         except asyncio.TimeoutError:
+            # The add still runs later (the trainer takes its calls one at a time, in order): remove what it adds,
+            # or the adapter would hold memory with no session to use or count it.
+            removal = asyncio.ensure_future(self._remove_adapter(trainer, session_id))
+            self._background.add(removal)
+            removal.add_done_callback(self._background.discard)
             raise ServiceError(504, f"adding the adapter took longer than call_timeout_s={timeout}s") from None
         except EndpointError as e:
             raise endpoint_failure(e) from None
@@ -296,11 +302,13 @@ class TrainingService:
         if session.lora is None:
             self.idle_trainers.append(session.trainer)
             return
+        await self._remove_adapter(session.trainer, session.session_id)
+
+    async def _remove_adapter(self, trainer: Any, session_id: str) -> None:
         try:
-            await asyncio.wait_for(session.trainer.remove_session.call(session.session_id),
-                                   self.cfg.sessions.call_timeout_s)
+            await asyncio.wait_for(trainer.remove_session.call(session_id), self.cfg.sessions.call_timeout_s)
         except (asyncio.TimeoutError, EndpointError) as error:
-            logger.warning("removing the adapter of session %s failed: %s", session.session_id, error)
+            logger.warning("removing the adapter of session %s failed: %s", session_id, error)
 
     # -- calls into a session's trainer --------------------------------------------------------------
     async def _call(self, session: Session, endpoint: str, *args: Any) -> Any:
