@@ -242,7 +242,9 @@ class WeightRelay(ForgeActor):
             self.last_copy = {"namespace": namespace, "version": newest, "started": time.time()}
             try:
                 segment, manifest = await self._copy(store, manifest)
-            except (KeyError, WeightVersionError, ConnectionError):  # deleted or abandoned mid-copy: take the next one
+            # Deleted, abandoned or stalled mid-copy (a receive that timed out is an OSError, not a ConnectionError):
+            # take the next one.
+            except (KeyError, WeightVersionError, OSError):
                 record_metric("relay/abandoned_copies", 1, "sum")
                 self.abandoned[namespace] = newest
                 return
