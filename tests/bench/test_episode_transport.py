@@ -1,8 +1,6 @@
 """bench.episode_transport: the three ways carry the same episodes, and the table has a row per length."""
 
-import torch
-
-from bench.episode_transport import main, make_episodes, round_trip_cpu_s
+from bench.episode_transport import main, make_episodes
 from forge.types import TrainBatch
 
 
@@ -13,7 +11,6 @@ def test_the_ways_compared_carry_the_same_episodes():
         assert a.completion_ids == b.completion_ids.tolist() and a.prompt_ids == b.prompt_ids.tolist()
     batch = TrainBatch.from_episodes(lists, pad_id=0)
     assert batch.input_ids[:, 3:].tolist() == [e.completion_ids for e in lists]
-    assert round_trip_cpu_s(batch, repeats=1) >= 0
 
 
 def test_the_table_has_a_row_per_completion_length(capsys):
