@@ -48,6 +48,7 @@ class Replica:
     in_flight: int = 0
     restarts: int = 0
     last_failure: str = ""
+    generation: int = 0  # which spawn of this replica's mesh it is: a failure reported for an older one is stale
 
 
 _session_replica: contextvars.ContextVar[dict[int, int] | None] = contextvars.ContextVar("forge_session", default=None)
@@ -92,7 +93,7 @@ class Service:
     def name(self) -> str:
         return self.placement.mesh_name or self.actor_cls.__name__.lower()
 
-    async def _spawn(self, index: int) -> Replica:
+    async def _spawn(self, index: int, generation: int = 0) -> Replica:
         provisioner = get_provisioner()
         mesh = await provisioner.get_proc_mesh(
             self.placement.procs,
@@ -102,23 +103,25 @@ class Service:
             mesh_name=f"{self.name}-r{index}",
             role=self.name,  # with a `hosts` config: replicas take the role's hosts in turn
             replica=index,
-            on_failure=lambda failure, i=index: self._failure_from_monitor(i, failure),
+            on_failure=lambda failure, i=index, g=generation: self._failure_from_monitor(i, g, failure),
         )
         actor = await self.actor_cls._spawn_on(mesh, self.args, self.kwargs)
-        return Replica(index, mesh, actor)
+        return Replica(index, mesh, actor, generation=generation)
 
     # --- failure handling -------------------------------------------------------------------------
 
-    def _failure_from_monitor(self, index: int, failure: MeshFailure) -> None:
+    def _failure_from_monitor(self, index: int, generation: int, failure: MeshFailure) -> None:
         # Monarch calls this on its own thread.
         if self._loop is not None and not self._stopped:
-            self._loop.call_soon_threadsafe(self._mark_unhealthy, index, failure.message)
+            self._loop.call_soon_threadsafe(self._mark_unhealthy, index, failure.message, generation)
 
-    def _mark_unhealthy(self, index: int, reason: str) -> None:
+    def _mark_unhealthy(self, index: int, reason: str, generation: int) -> None:
         if self._stopped or index >= len(self.replicas):
             return
         replica = self.replicas[index]
-        if not replica.healthy:
+        # A replaced mesh's late supervision events (its agent reporting the shutdown of the mesh the restart
+        # stopped) concern the old mesh, not the one now serving.
+        if not replica.healthy or generation < replica.generation:
             return
         replica.healthy = False
         replica.last_failure = reason
@@ -133,7 +136,7 @@ class Service:
             await get_provisioner().stop_proc_mesh(old.mesh, timeout=10)
             if self._stopped:
                 return
-            new = await self._spawn(index)
+            new = await self._spawn(index, old.generation + 1)
             new.restarts = old.restarts + 1
             if self._stopped:  # stopped while the new replica was starting: it never serves
                 await get_provisioner().stop_proc_mesh(new.mesh)
@@ -204,7 +207,7 @@ class Service:
                 values = await method.call(*args, **kwargs)
                 return next(iter(values.values()))
             except SupervisionError as e:
-                self._mark_unhealthy(target.index, str(e))
+                self._mark_unhealthy(target.index, str(e), target.generation)
                 if replica is not None:
                     raise
             finally:
