@@ -8,7 +8,7 @@ together, one call per turn, so a group of G episodes costs what one G-sample re
 An episode ends when its environment says done, when the model ends a turn with an end token (EOS: after the
 environment has scored that turn), at `max_turns` model turns or `max_total_tokens` tokens (truncated: reward
 `truncated_reward`), or when its environment fails (raises, or exceeds `step_timeout_s`: reward 0, counted in
-`env/failures`, each kind of failure printed once).
+`env/failures` once per episode, each kind of failure printed once).
 """
 
 from __future__ import annotations
@@ -40,11 +40,16 @@ async def run_episodes(generate: Generate, environments: Sequence[Environment], 
     played at once; `params.max_tokens` bounds each model turn."""
     if len(tasks) != len(environments):
         raise ValueError(f"run_episodes: {len(environments)} environments but {len(tasks)} tasks; one task each")
+    trajectories: list[Trajectory] = []
     try:
         trajectories = await _play(generate, environments, tasks, params, limits, encode, end_token_ids)
     finally:  # an episode ends in many ways; each environment is closed once whichever it was
-        closing = [env.close() for env in environments if hasattr(env, "close")]
-        await asyncio.gather(*(_call(c, limits, "close") for c in closing))
+        # A failure counts once per episode: closing an environment whose step already failed (a host still blocked
+        # in the step that timed out, or one that crashed) fails too, and is not a second failure.
+        counted = [i < len(trajectories) and trajectories[i].end != "environment_error"
+                   for i in range(len(environments))]
+        await asyncio.gather(*(_call(env.close(), limits, "close", counted=counted[i])
+                               for i, env in enumerate(environments) if hasattr(env, "close")))
     _count(trajectories, limits)
     return trajectories
 
@@ -113,8 +118,9 @@ def _advance(t: Trajectory, result: StepResult | BaseException, limits: Environm
 _reported: set[str] = set()
 
 
-async def _call(coroutine: Awaitable[Any], limits: EnvironmentConfig, what: str) -> Any:
-    """The environment call's result, or the exception it raised or timed out with (printed once per kind)."""
+async def _call(coroutine: Awaitable[Any], limits: EnvironmentConfig, what: str, counted: bool = True) -> Any:
+    """The environment call's result, or the exception it raised or timed out with (printed once per kind; counted in
+    env/failures unless `counted` is false)."""
     try:
         return await asyncio.wait_for(coroutine, limits.step_timeout_s)
     except Exception as e:
@@ -125,7 +131,8 @@ async def _call(coroutine: Awaitable[Any], limits: EnvironmentConfig, what: str)
             _reported.add(kind)
             print(f"environment {what} failed (shown once per kind; counted in env/failures):\n"
                   + "".join(traceback.format_exception(e)), file=sys.stderr, flush=True)
-        record_metric("env/failures", 1, "sum")
+        if counted:
+            record_metric("env/failures", 1, "sum")
         return e
 
 

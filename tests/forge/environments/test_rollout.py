@@ -174,3 +174,18 @@ async def test_environments_are_closed_when_a_reset_fails():
         await play(ScriptedModel([[5]]), envs)
     assert [env.closed for env in envs] == [1, 1]
     drain_local()
+
+
+async def test_a_failure_counts_once_per_episode_even_when_its_close_fails_too():
+    class FailingClose(ClosingReplier):
+        async def close(self) -> None:
+            await super().close()
+            raise RuntimeError("sandbox already gone")
+
+    # a step that raised, then a close that raised: one failure; a played episode whose close raised: one more
+    envs = [FailingClose(fail_on=1), FailingClose(done_after=1), ClosingReplier(done_after=1)]
+    drain_local()
+    trajectories = await play(ScriptedModel([[5]]), envs)
+    assert [t.end for t in trajectories] == ["environment_error", "done", "done"]
+    assert [env.closed for env in envs] == [1, 1, 1]
+    assert drain_local()["env/failures"].value() == 2
