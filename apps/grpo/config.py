@@ -38,6 +38,10 @@ class RolloutConfig:
     concurrency: int = 4  # prompt groups generating at once (the replay buffer may allow fewer)
     normalize_advantages: bool = True  # divide by the group's std (False for Dr. GRPO)
     drop_zero_variance_groups: bool = False  # DAPO's dynamic sampling
+    # Dynamic sampling's budget (verl's max_num_gen_batches, per group): once this many groups were dropped while one
+    # training step waits, the step's further zero-variance groups are kept (advantage 0) instead, so a policy that
+    # solves most prompts does not make each step generate ever more groups. None: no budget.
+    max_dropped_groups_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -49,6 +53,14 @@ class RolloutConfig:
             raise ValueError(f"temperature={self.temperature}: must be > 0 for sampling")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.max_dropped_groups_per_step is not None:
+            if not self.drop_zero_variance_groups:
+                raise ValueError(f"max_dropped_groups_per_step={self.max_dropped_groups_per_step}: budgets dropped "
+                                 f"groups, but drop_zero_variance_groups is false; set it true, or leave the budget "
+                                 f"unset")
+            if self.max_dropped_groups_per_step < 1:
+                raise ValueError(f"max_dropped_groups_per_step={self.max_dropped_groups_per_step}: must be >= 1 "
+                                 f"(or unset: no budget)")
 
 
 @dataclass

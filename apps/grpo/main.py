@@ -58,6 +58,7 @@ class GRPOJob:
         self._scored: list[Episode] = []  # scored, on their way to the buffer
         self._buffer_writer = asyncio.Lock()  # one add in flight at a time
         self.rewards_this_step: list[float] = []
+        self.groups_dropped_this_step = 0  # zero-variance groups dropped since the last training step
         self.stopping = asyncio.Event()
         self.interrupted: str | None = None  # the signal that asked the job to stop early
 
@@ -165,7 +166,10 @@ class GRPOJob:
         self.rewards_this_step.extend(rewards)
         advantages, zero_variance = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
                                                      normalize_std=self.cfg.rollout.normalize_advantages)
-        if self.cfg.rollout.drop_zero_variance_groups and bool(zero_variance.all()):
+        budget = self.cfg.rollout.max_dropped_groups_per_step
+        if (self.cfg.rollout.drop_zero_variance_groups and bool(zero_variance.all())
+                and (budget is None or self.groups_dropped_this_step < budget)):
+            self.groups_dropped_this_step += 1
             self.counters.generated += len(completions)
             self.counters.zero_variance_dropped += len(completions)
             record_metric("rollout/zero_variance_dropped", len(completions), "sum")
@@ -211,6 +215,7 @@ class GRPOJob:
                 if cfg.canary.every and self.step % cfg.canary.every == 0:
                     metrics["canary/logprob_diff"] = await self.check_weight_sync()
                 self.counters.trained += batch.num_sequences
+                self.groups_dropped_this_step = 0  # dynamic sampling's budget is per step
                 self.room.set()  # rollouts may start with the new version
                 stats = await self.actors.buffer.stats.call_one()
                 elapsed = time.perf_counter() - step_start

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import random
 from pathlib import Path
@@ -61,7 +62,11 @@ class MultiTurn:
 
     def __init__(self, cfg: GRPOConfig, task: Any, tokenizer: Any, generators: Any, hosts: Any | None) -> None:
         self.cfg, self.task, self.generators, self.hosts = cfg, task, generators, hosts
-        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        # Prompts and observations repeat (a task's few hundred prompts, a tool's short replies): each distinct text
+        # is tokenized once. Encoding is deterministic, so the ids are the same as encoding it again.
+        encoded = functools.lru_cache(maxsize=1 << 16)(
+            lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))
+        self.encode = lambda text: list(encoded(text))
         self.end_token_ids = [tokenizer.eos_token_id]
 
     def environments(self, n: int) -> list:

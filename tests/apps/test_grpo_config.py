@@ -214,6 +214,10 @@ BAD = [
     # trainer.temperature is ${rollout.temperature} in the YAML: the key the user set is the one named.
     ("rollout.temperature=0", r"rollout\.temperature=0\.0: must be > 0 for sampling"),
     ("rollout.top_p=1.5", r"rollout\.top_p=1\.5: must be in \(0, 1\]"),
+    ("rollout.max_dropped_groups_per_step=3",
+     r"rollout\.max_dropped_groups_per_step=3: budgets dropped groups, but drop_zero_variance_groups is false"),
+    ("rollout.drop_zero_variance_groups=true rollout.max_dropped_groups_per_step=0",
+     r"rollout\.max_dropped_groups_per_step=0: must be >= 1 \(or unset: no budget\)"),
     ("replay_buffer.batch_size=24", r"replay_buffer\.batch_size=24: must be a multiple of rollout\.group_size=16 "),
     ("trainer.minibatches=3", r"trainer\.minibatches=3: replay_buffer\.batch_size=1024 must split into minibatches x "
                               r"resources\.trainer_procs=3 equal slices"),
