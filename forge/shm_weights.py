@@ -26,7 +26,6 @@ reading threads. A sum of an int64 view is as fast as xxh3 but misses bytes move
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 import struct
@@ -36,7 +35,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -133,6 +132,16 @@ def checksums(tensor: torch.Tensor, algorithm: str) -> tuple[int, ...]:
 
     _run_io(checksum, list(enumerate(pieces)), tensor.numel() * tensor.element_size())
     return tuple(sums)
+
+
+def piece_ends(manifest: Manifest) -> list[int]:
+    """Where each piece a reader reads and hashes on its own ends in the segment's tensor bytes, in order, and the
+    segment's end: what a writer that fills the segment in order (a stream, forge/weight_relay.py) marks ready, so
+    that every reader waits for no byte it does not need."""
+    ends = [entry.offset + min(start + _CHUNK, entry.nbytes)
+            for entry in sorted(manifest.entries.values(), key=lambda entry: entry.offset)
+            for start in range(0, entry.nbytes, _CHUNK)]
+    return ends + [manifest.segment_size] if not ends or ends[-1] < manifest.segment_size else ends
 
 
 def hash_function(algorithm: str) -> Callable[[memoryview], int]:
@@ -256,25 +265,6 @@ class SegmentWriter:
         os.pwrite(self.fd, struct.pack("<q", nbytes), _READY)
         self.ready = nbytes
 
-    @contextlib.contextmanager
-    def mapped(self) -> Iterator[memoryview]:
-        """The segment's tensor bytes as writable memory (a stream is received straight into it: one copy).
-        Their blocks are allocated first, so a full /dev/shm is an error here, never a SIGBUS while writing."""
-        try:
-            if os.fstat(self.fd).st_blocks * 512 < HEADER + self.size:  # a reused spare has its blocks already
-                os.posix_fallocate(self.fd, 0, HEADER + max(self.size, 1))
-        except OSError as e:
-            raise SharedMemoryError(f"policy version {self.version}: cannot allocate {HEADER + self.size} bytes in "
-                                    f"{SHM_DIR} ({e}); nothing was written") from e
-        # Mapped in one go (MAP_POPULATE): a fault per 4 KB page as the stream lands costs more than the copy.
-        region = mmap.mmap(self.fd, HEADER + max(self.size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        body = memoryview(region)[HEADER : HEADER + self.size]
-        try:
-            yield body
-        finally:
-            body.release()
-            region.close()
-
     def commit(self) -> None:
         if self.error is not None:
             raise SharedMemoryError(
@@ -315,9 +305,9 @@ class SegmentRead:
     def __init__(self, path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None, *, arriving: bool) -> None:
         self.manifest, self.into = manifest, into
         self.found: dict[tuple[str, int], int] = {}
-        fd = _open_segment_file(path, manifest.version, arriving)
+        fd = open_segment_file(path, manifest.version, arriving)
         try:
-            progress = _Progress(fd, manifest.version, path.name, ARRIVAL_STALL_S if arriving else None)
+            progress = SegmentProgress(fd, manifest.version, path.name, ARRIVAL_STALL_S if arriving else None)
             self.out, self.staged = {}, {}
             for name, entry in manifest.entries.items():
                 dtype = getattr(torch, entry.dtype)
@@ -366,7 +356,7 @@ class SegmentRead:
         return self.out
 
 
-def _open_segment_file(path: Path, version: int, arriving: bool) -> int:
+def open_segment_file(path: Path, version: int, arriving: bool) -> int:
     """A read-only descriptor of the segment at `path`, or (arriving) of the `<name>.tmp` it is still written as."""
     candidates = [path, path.with_name(path.name + ".tmp"), path] if arriving else [path]  # renamed in between
     for candidate in candidates:
@@ -384,8 +374,9 @@ def segment_state(fd: int) -> tuple[int, int, int]:
     return writing, complete, ready
 
 
-class _Progress:
-    """How much of `version` the segment open as `fd` holds, shared by a read's threads; waits for more."""
+class SegmentProgress:
+    """How much of `version` the segment open as `fd` holds, shared by a read's threads (or a stream to another
+    host, forge/weight_relay.py); waits for more."""
 
     def __init__(self, fd: int, version: int, name: str, stall_s: float | None) -> None:
         self.fd, self.version, self.name, self.stall_s = fd, version, name, stall_s

@@ -3,6 +3,7 @@ it is being written, received into another host's segment, read there as it land
 forge/shm_weights.py). The same path across simulated hosts is in tests/forge/test_multihost.py."""
 
 import dataclasses
+import errno
 import os
 import threading
 import time
@@ -10,17 +11,19 @@ import time
 import pytest
 import torch
 
-from forge import shm_weights
+from forge import shm_weights, weight_relay
 from forge.shm_weights import (
     HEADER,
     SHM_DIR,
     Manifest,
     SegmentRead,
+    SharedMemoryError,
     WeightChecksumError,
     WeightVersionError,
     create_segment,
     job_id,
     layout,
+    piece_ends,
     segment_state,
 )
 from forge.weight_relay import SegmentServer, receive_segment
@@ -195,3 +198,42 @@ def test_ready_never_covers_a_tensor_written_out_of_order(weights):
         assert _ready_bytes(publisher.writer.tmp) == entry.offset + entry.nbytes
     finally:
         publisher.writer.abort()
+
+
+def test_a_full_shared_memory_on_host_b_fails_the_copy_naming_the_version_and_its_readers_stop(server, weights,
+                                                                                                monkeypatch):
+    real_splice = os.splice
+
+    def splice_into_a_full_dev_shm(source: int, target: int, count: int, offset_src=None, offset_dst=None):
+        if offset_dst is not None:  # the write into host B's segment, not the read from the socket
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_splice(source, target, count, offset_src, offset_dst)
+
+    monkeypatch.setattr(weight_relay.os, "splice", splice_into_a_full_dev_shm)
+    publisher = Publisher(weights, 6, "full")
+    relay = Relay(server, publisher.announced, "full-b")
+    reader = Reader(relay.copy)
+    try:
+        relay.start()
+        publisher.write(list(weights))
+        publisher.commit()
+        relay.join(10)
+        reader.join(10)
+        assert isinstance(relay.error, SharedMemoryError) and "policy version 6" in str(relay.error), relay.error
+        assert "No space left" in str(relay.error)
+        assert isinstance(reader.error, WeightVersionError) and "abandoned" in str(reader.error), reader.error
+        assert not relay.writer.tmp.exists() and not relay.writer.path.exists()
+    finally:
+        publisher.writer.path.unlink(missing_ok=True)
+
+
+def test_pieces_are_marked_ready_where_the_pieces_readers_read_end(monkeypatch):
+    monkeypatch.setattr(shm_weights, "_CHUNK", 1024)
+    entries, _ = layout({"big": torch.zeros(1250, dtype=torch.bfloat16), "small": torch.zeros(3)}, None)
+    manifest = Manifest(1, "A", None, False, entries, shm_weights.CHECKSUM)
+    # "big" is 2500 bytes (pieces 0-1024, 1024-2048, 2048-2500); "small" (12 bytes) starts 64-byte aligned at 2560.
+    assert piece_ends(manifest) == [1024, 2048, 2500, 2572] and manifest.segment_size == 2572
+    reader_pieces = [(entry.offset + start, entry.offset + start + len(view)) for entry in entries.values()
+                     for start, view in zip(range(0, entry.nbytes, 1024),
+                                            shm_weights._chunks(memoryview(bytes(entry.nbytes))))]
+    assert [end for _, end in reader_pieces] == piece_ends(manifest)
