@@ -4,7 +4,8 @@ Both have `group(problem, params, version) -> (samples, rewards)`, `evaluate(pro
 `to_episode(sample, ...)`. Single-turn: one completion per episode, scored by the task's reward (or the user's).
 Multi-turn (a task with `environment()`): G episodes of one problem, played against the task's environments
 (forge.environments), token in / token out, scored by the environments. A multi-turn group's turns all go to one
-generator replica (a service session), so each turn continues a sequence that replica has just generated.
+generator replica (a service session), so each turn continues a sequence that replica has just generated. Groups
+generating at once share actor calls (`route_batch`): one message per replica and turn, not one per group.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class SingleTurn:
         self.generators, self.rewards = generators, rewards
 
     async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[list[Completion], list[float]]:
-        completions = await self.generators.generate.route(problem.prompt, params, min_policy_version=version)
+        (completions,) = await self.generators.generate_batch.route_batch([problem.prompt], params,
+                                                                          min_policy_version=version)
         return completions, await self.rewards.score([c.text for c in completions], problem.answer)
 
     async def evaluate(self, problems: list, params: SamplingParams) -> list[float]:
@@ -77,7 +79,8 @@ class MultiTurn:
         """One episode per problem, all at once, every turn on one replica."""
 
         async def generate(prompts: list[list[int]], turn_params: SamplingParams) -> list[Completion]:
-            outputs = await self.generators.generate_batch.route(prompts, turn_params, min_policy_version=version)
+            outputs = await self.generators.generate_batch.route_batch(prompts, turn_params,
+                                                                      min_policy_version=version)
             return [out[0] for out in outputs]
 
         async with self.generators.session(), (self.hosts.session() if self.hosts else contextlib.nullcontext()):
