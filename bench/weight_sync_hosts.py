@@ -15,6 +15,10 @@ pre-allocated tensors (checked by a fingerprint), measured in the controller (th
 bridge between the hosts); `publish s` is when the publisher's call returned (in (a) the relay may already be
 copying). (c) is timed by its receiver, from connect to the last byte.
 
+CPU core-s: the CPU time (user + system) the path used in all processes on both hosts and in the controller ((c):
+its sender and receiver, from connect to the last byte); the hosts share this machine's cores, so a path that
+needs more CPU seconds than the cores give in its time is CPU-bound here.
+
 (a)'s stages, from the same run (wall-clock times of the relay and the readers, all processes on this machine,
 seconds after the publish started): when host B's relay started its copy, had received the last byte, and
 advertised the complete copy; when each reader started its fetch and when it returned the verified version.
@@ -24,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from tests.multihost_support import SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
 
@@ -65,16 +72,27 @@ class RelayReader(Reader):
         return started, time.time()
 
 
+def cpu_seconds(hosts: SimulatedHosts) -> float:
+    """CPU seconds (user + system) used so far by every process on the simulated hosts and by this controller."""
+    total = sum(os.times()[:2])
+    for host in hosts.hosts:
+        for process in host.processes():
+            with contextlib.suppress(psutil.Error):
+                total += sum(process.cpu_times()[:2])
+    return total
+
+
 async def _check(readers: RelayReader, expected: list[float], path: str) -> None:
     for rank, got in (await readers.fingerprint.call()).items():
         if got != expected:
             raise RuntimeError(f"{path}: reader {rank} does not hold the version just published")
 
 
-async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, namespace: str,
-                     version: int) -> tuple[float, float, dict]:
-    """(publish-to-ready, publish, stages) seconds of one version through path (a)."""
+async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, namespace: str, version: int,
+                     hosts: SimulatedHosts) -> tuple[float, float, dict, float]:
+    """(publish-to-ready, publish, stages, CPU core-s) of one version through path (a)."""
     expected = await publisher.mark.call_one(version)
+    cpu = cpu_seconds(hosts)
     start, wall = time.perf_counter(), time.time()
 
     async def publish() -> float:
@@ -82,7 +100,7 @@ async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, n
         return time.perf_counter() - start
 
     published, fetches = await asyncio.gather(publish(), readers.fetch_relayed.call(namespace, version))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds(hosts) - cpu
     await _check(readers, expected, "relay")
     deadline = time.monotonic() + 30
     while "advertised" not in (copy := (await relay_b.status.call_one())["last_copy"]):  # readers may finish first
@@ -95,20 +113,22 @@ async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, n
     reads = list(fetches.values())
     stages["readers started"] = min(r[0] for r in reads) - wall
     stages["readers done"] = max(r[1] for r in reads) - wall
-    return seconds, published, stages
+    return seconds, published, stages, cpu
 
 
-async def torchstore_once(publisher: RelayPublisher, readers: RelayReader, key: str,
-                          version: int) -> tuple[float, float]:
+async def torchstore_once(publisher: RelayPublisher, readers: RelayReader, key: str, version: int,
+                          hosts: SimulatedHosts) -> tuple[float, float, float]:
+    """(publish-to-ready, publish, CPU core-s) of one version through path (b)."""
     expected = await publisher.mark.call_one(version)
+    cpu = cpu_seconds(hosts)
     start = time.perf_counter()
     await publisher.publish_torchstore.call_one(key)
     published = time.perf_counter() - start
     await readers.fetch_torchstore.call(key, None)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds(hosts) - cpu
     await _check(readers, expected, "torchstore")
     await _delete_torchstore_prefix(key + "/")
-    return seconds, published
+    return seconds, published, cpu
 
 
 def _median(runs: list[tuple]) -> tuple:
@@ -117,23 +137,25 @@ def _median(runs: list[tuple]) -> tuple:
 
 
 _SENDER = """
-import socket, sys
+import socket, sys, time
 nbytes, address, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 data = memoryview(bytearray(min(nbytes, 64 << 20)))
 with socket.create_server((address, port)) as server:
     print("listening", flush=True)
     connection, _ = server.accept()
+    cpu = time.process_time()
     with connection:
         sent = 0
         while sent < nbytes:
             sent += connection.send(data[: min(len(data), nbytes - sent)])
+print(time.process_time() - cpu)
 """
 
 _RECEIVER = """
 import socket, sys, time
 nbytes, address, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 buffer = memoryview(bytearray(nbytes))
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 with socket.create_connection((address, port), timeout=120) as connection:
     got = 0
     while got < nbytes:
@@ -141,12 +163,13 @@ with socket.create_connection((address, port), timeout=120) as connection:
         if n == 0:
             raise SystemExit(f"the sender stopped after {got} of {nbytes} bytes")
         got += n
-print(time.perf_counter() - start)
+print(time.perf_counter() - start, time.process_time() - cpu)
 """
 
 
-def raw_copy_seconds(hosts: SimulatedHosts, nbytes: int) -> float:
-    """(c): one TCP stream of `nbytes` from host A to host B, timed by the receiver."""
+def raw_copy(hosts: SimulatedHosts, nbytes: int) -> tuple[float, float, float]:
+    """(c): one TCP stream of `nbytes` from host A to host B: (seconds, timed by the receiver, the same again as
+    "publish", CPU core-s of the sender and the receiver)."""
     a, b = hosts.hosts[0], hosts.hosts[1]
     sender = subprocess.Popen(["nsenter", "-t", str(a.init_pid()), "-n", "-u", "-m", "-p", "--", sys.executable, "-c",
                                _SENDER, str(nbytes), a.address, str(RAW_PORT)], stdout=subprocess.PIPE, text=True)
@@ -157,7 +180,9 @@ def raw_copy_seconds(hosts: SimulatedHosts, nbytes: int) -> float:
                                   capture_output=True, text=True, timeout=300)
         if received.returncode != 0:
             raise RuntimeError(f"raw copy: {received.stderr.strip()}")
-        return float(received.stdout.strip())
+        seconds, receiver_cpu = map(float, received.stdout.split())
+        sender_cpu = float(sender.stdout.readline())
+        return seconds, seconds, receiver_cpu + sender_cpu
     finally:
         sender.wait(timeout=30)
 
@@ -176,20 +201,24 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         nbytes = await publisher.build.call_one(shapes, dtype)
         await readers.allocate.call(shapes, dtype, False)  # fetched straight into the live weights: no staging
         namespace = f"bench-hosts-{dtype}"
-        version += 1
-        await relay_once(publisher, readers, relay_b, namespace, version)  # warm-up: first touch, connections
+        # Warm-up: connections, and two versions so that every timed one finds a deleted version's file on each host
+        # to write into, as in a job's steady state (writing into fresh shared memory cost ~2 core-s more per GB here).
+        for _ in range(2):
+            version += 1
+            await relay_once(publisher, readers, relay_b, namespace, version, hosts)
         relay = []
         for _ in range(args.repeats):
             version += 1
-            relay.append(await relay_once(publisher, readers, relay_b, namespace, version))
-        seconds, published, stages = _median(relay)
-        print(f"(a) median of {len(relay)}: {seconds:.3f} s, publish returned at {published:.3f} s; stages: " +
+            relay.append(await relay_once(publisher, readers, relay_b, namespace, version, hosts))
+        seconds, published, stages, cpu = _median(relay)
+        print(f"(a) median of {len(relay)}: {seconds:.3f} s, publish returned at {published:.3f} s, {cpu:.2f} CPU "
+              "core-s; stages: " +
               ", ".join(f"{stage} {at:.3f}" for stage, at in stages.items()), flush=True)
         plain = []
         for _ in range(args.ts_repeats or args.repeats):
             version += 1
-            plain.append(await torchstore_once(publisher, readers, f"bench-hosts-ts-{dtype}-{version}", version))
-        raw = [(seconds, seconds) for seconds in (raw_copy_seconds(hosts, nbytes) for _ in range(args.repeats))]
+            plain.append(await torchstore_once(publisher, readers, f"bench-hosts-ts-{dtype}-{version}", version, hosts))
+        raw = [raw_copy(hosts, nbytes) for _ in range(args.repeats)]
         await publisher.free.call_one()
         await readers.free.call()
         rows.append({"dtype": dtype, "gb": nbytes / 1e9, "tensors": len(shapes), "relay": _median(relay),
@@ -202,12 +231,12 @@ def print_row(row: dict) -> None:
     gb = row["gb"]
     print(f"\n{row['dtype']}: {gb:.3f} GB in {row['tensors']} tensors, publisher on host A, 2 readers on host B; "
           "publish-to-ready, median")
-    print(f"  {'path':<58}{'seconds':>9}{'GB/s':>8}{'publish s':>11}")
+    print(f"  {'path':<58}{'seconds':>9}{'GB/s':>8}{'publish s':>11}{'CPU core-s':>12}")
     for label, key in (("(a) forge: host B's relay, shm readers", "relay"),
                        ("(b) plain torchstore: put once, get per reader", "torchstore"),
                        ("(c) raw TCP copy A -> B, same bytes, once (the link)", "raw")):
-        total, published = row[key][:2]
-        print(f"  {label:<58}{total:>9.3f}{gb / total:>8.2f}{published:>11.3f}")
+        total, published, cpu = row[key][0], row[key][1], row[key][-1]
+        print(f"  {label:<58}{total:>9.3f}{gb / total:>8.2f}{published:>11.3f}{cpu:>12.2f}")
     print("  (a)'s stages, s after the publish started: " + ", ".join(f"{stage} {at:.3f}" for stage, at in
                                                                       row["relay"][2].items()))
     speedup, gap = row["torchstore"][0] / row["relay"][0], row["relay"][0] / row["raw"][0]

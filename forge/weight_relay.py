@@ -58,7 +58,7 @@ from forge.shm_weights import (
     open_segment_file,
     piece_ends,
 )
-from forge.weight_store import RELAY_NAMESPACES_KEY, WeightStore, WeightVersionError
+from forge.weight_store import RELAY_NAMESPACES_KEY, WeightStore, WeightVersionError, get_if_exists
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class WeightRelay(ForgeActor):
             await asyncio.sleep(self.poll_s)
 
     async def _namespaces(self) -> list[str]:
-        return await ts.get(RELAY_NAMESPACES_KEY) if await ts.exists(RELAY_NAMESPACES_KEY) else []
+        return await get_if_exists(RELAY_NAMESPACES_KEY) or []
 
     async def _relay_newest(self, namespace: str) -> None:
         store = self.stores.setdefault(namespace, WeightStore(namespace))
