@@ -57,6 +57,7 @@ class GRPOJob:
         self.room, self.arrived = asyncio.Event(), asyncio.Event()
         self._scored: list[Episode] = []  # scored, on their way to the buffer
         self._buffer_writer = asyncio.Lock()  # one add in flight at a time
+        self._unreleased, self._buffer_releaser = 0, asyncio.Lock()  # reserved room to give back; one release at a time
         self.rewards_this_step: list[float] = []
         self.groups_dropped_this_step = 0  # zero-variance groups dropped since the last training step
         self.stopping = asyncio.Event()
@@ -147,7 +148,7 @@ class GRPOJob:
         reserved room back."""
         episodes = await self.scored_group(params, version)
         if episodes is None:
-            await self.actors.buffer.release.call_one(params.n)
+            await self._release(params.n)
         else:
             await self._add_to_buffer(episodes)
 
@@ -164,16 +165,16 @@ class GRPOJob:
             print(f"generation failed for prompt {problem.prompt[:60]!r}: {e}", file=sys.stderr)
             return None
         self.rewards_this_step.extend(rewards)
-        advantages, zero_variance = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
-                                                     normalize_std=self.cfg.rollout.normalize_advantages)
         budget = self.cfg.rollout.max_dropped_groups_per_step
-        if (self.cfg.rollout.drop_zero_variance_groups and bool(zero_variance.all())
+        if (self.cfg.rollout.drop_zero_variance_groups and all(r == rewards[0] for r in rewards)
                 and (budget is None or self.groups_dropped_this_step < budget)):
             self.groups_dropped_this_step += 1
             self.counters.generated += len(completions)
             self.counters.zero_variance_dropped += len(completions)
             record_metric("rollout/zero_variance_dropped", len(completions), "sum")
             return None
+        advantages, _ = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
+                                         normalize_std=self.cfg.rollout.normalize_advantages)
         group_id = self.rng.getrandbits(62)
         episodes = [self.rollout.to_episode(c, episode_id=group_id * 64 + i, group_id=group_id, reward=r,
                                             advantage=float(a))
@@ -183,6 +184,16 @@ class GRPOJob:
             for episode, logprobs in zip(episodes, ref):
                 episode.ref_logprobs = logprobs
         return episodes
+
+    async def _release(self, count: int) -> None:
+        """Give `count` reserved episodes back to the buffer. As with `_add_to_buffer`, releases that come while one
+        is in flight go in one call after it: late in a run most groups may be dropped, and each would cost an actor
+        message."""
+        self._unreleased += count
+        async with self._buffer_releaser:
+            if self._unreleased:
+                count, self._unreleased = self._unreleased, 0
+                await self.actors.buffer.release.call_one(count)
 
     async def _add_to_buffer(self, episodes: list[Episode]) -> None:
         """Returns once `episodes` are in the buffer. Groups that finish while an add is in flight go in one call

@@ -46,10 +46,9 @@ async def run_episodes(generate: Generate, environments: Sequence[Environment], 
     finally:  # an episode ends in many ways; each environment is closed once whichever it was
         # A failure counts once per episode: closing an environment whose step already failed (a host still blocked
         # in the step that timed out, or one that crashed) fails too, and is not a second failure.
-        counted = [i < len(trajectories) and trajectories[i].end != "environment_error"
-                   for i in range(len(environments))]
-        await asyncio.gather(*(_call(env.close(), limits, "close", counted=counted[i])
-                               for i, env in enumerate(environments) if hasattr(env, "close")))
+        closing = [i for i, env in enumerate(environments) if hasattr(env, "close")]
+        await _call_all([environments[i].close() for i in closing], limits, "close",
+                        counted=[i < len(trajectories) and trajectories[i].end != "environment_error" for i in closing])
     _count(trajectories, limits)
     return trajectories
 
@@ -57,7 +56,7 @@ async def run_episodes(generate: Generate, environments: Sequence[Environment], 
 async def _play(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
                 params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
                 end_token_ids: Sequence[int]) -> list[Trajectory]:
-    prompts = await asyncio.gather(*(_call(env.reset(task), limits, "reset") for env, task in zip(environments, tasks)))
+    prompts = await _call_all([env.reset(task) for env, task in zip(environments, tasks)], limits, "reset")
     for prompt in prompts:
         if isinstance(prompt, BaseException):
             raise EnvironmentFailure(f"an environment's reset failed: {prompt!r}") from prompt
@@ -75,8 +74,8 @@ async def _play(generate: Generate, environments: Sequence[Environment], tasks: 
                 t.end = "max_total_tokens"
             else:
                 stepping.append(i)
-        results = await asyncio.gather(*(_call(environments[i].step(trajectories[i].actions[-1]),
-                                               limits, "step") for i in stepping)) if stepping else []
+        results = await _call_all([environments[i].step(trajectories[i].actions[-1]) for i in stepping], limits,
+                                  "step")
         for i, result in zip(stepping, results):
             _advance(trajectories[i], result, limits, encode, end_token_ids)
     return trajectories
@@ -118,22 +117,41 @@ def _advance(t: Trajectory, result: StepResult | BaseException, limits: Environm
 _reported: set[str] = set()
 
 
-async def _call(coroutine: Awaitable[Any], limits: EnvironmentConfig, what: str, counted: bool = True) -> Any:
-    """The environment call's result, or the exception it raised or timed out with (printed once per kind; counted in
-    env/failures unless `counted` is false)."""
+async def _call_all(calls: list[Awaitable[Any]], limits: EnvironmentConfig, what: str,
+                    counted: Sequence[bool] | None = None) -> list[Any]:
+    """Each environment call's result, or the exception it raised or timed out with (printed once per kind; counted in
+    env/failures where `counted` says so, default all). The calls run at once under one deadline: one timer per
+    turn rather than one per call, and a call that ignores its cancellation is left behind, never waited for."""
+    if not calls:
+        return []
+    tasks = [asyncio.ensure_future(call) for call in calls]
     try:
-        return await asyncio.wait_for(coroutine, limits.step_timeout_s)
-    except Exception as e:
-        if isinstance(e, asyncio.TimeoutError):
-            e = TimeoutError(f"environment {what} took longer than step_timeout_s={limits.step_timeout_s}")
-        kind = f"{what}: {type(e).__name__}"
+        _, late = await asyncio.wait(tasks, timeout=limits.step_timeout_s)
+    except asyncio.CancelledError:  # the episode is cancelled (the job stops): so are its environment calls
+        for task in tasks:
+            task.cancel()
+        raise
+    for task in late:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" warning
+    results = []
+    for i, task in enumerate(tasks):
+        if task in late:
+            error = TimeoutError(f"environment {what} took longer than step_timeout_s={limits.step_timeout_s}")
+        elif task.exception() is not None:
+            error = task.exception()
+        else:
+            results.append(task.result())
+            continue
+        kind = f"{what}: {type(error).__name__}"
         if kind not in _reported:
             _reported.add(kind)
             print(f"environment {what} failed (shown once per kind; counted in env/failures):\n"
-                  + "".join(traceback.format_exception(e)), file=sys.stderr, flush=True)
-        if counted:
+                  + "".join(traceback.format_exception(error)), file=sys.stderr, flush=True)
+        if counted is None or counted[i]:
             record_metric("env/failures", 1, "sum")
-        return e
+        results.append(error)
+    return results
 
 
 def _ids(observation: Observation, encode: Callable[[str], list[int]]) -> list[int]:

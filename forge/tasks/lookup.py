@@ -57,6 +57,7 @@ class LookupTask:
             problem = self._draw(rng)
             held.setdefault(self._key(problem), problem)
         self._held_out = list(held.values())
+        self._held_out_keys = set(held)
 
     def _draw(self, rng: random.Random) -> LookupProblem:
         high = 10**self.num_digits - 1
@@ -73,11 +74,10 @@ class LookupTask:
         return int(problem.prompt.split("+")[0]), problem.values[NAMES.index(problem.prompt[-2])]
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[LookupProblem]:
-        held = {self._key(p) for p in self._held_out}
         problems = []
         while len(problems) < n:
             problem = self._draw(rng)
-            if self._key(problem) not in held:
+            if self._key(problem) not in self._held_out_keys:
                 problems.append(problem)
         return problems
 
