@@ -22,6 +22,8 @@ needs more CPU seconds than the cores give in its time is CPU-bound here.
 (a)'s stages, from the same run (wall-clock times of the relay and the readers, all processes on this machine,
 seconds after the publish started): when host B's relay started its copy, had received the last byte, and
 advertised the complete copy; when each reader started its fetch and when it returned the verified version.
+Then (a) again with no reader on host B: from the start of the publish until host B's relay advertised its copy
+(the stream on its own, without the readers' CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import psutil
 from tests.multihost_support import SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
 
 from bench.weight_sync import DTYPES, Publisher, Reader, _delete_torchstore_prefix, state_dict_shapes
+from actors.generator_config import GeneratorConfig
 from forge import provisioner
 from forge.actor import endpoint, mesh_of
 from forge.hosts import HostsConfig
@@ -59,14 +62,16 @@ class RelayPublisher(Publisher):
 class RelayReader(Reader):
     @endpoint
     async def fetch_relayed(self, namespace: str, version: int, timeout_s: float = 300.0) -> tuple[float, float]:
-        """Wait until this host has `version` (complete, or arriving: its relay is streaming it), then read it into
-        the live weights; returns when the fetch started and ended (wall clock)."""
+        """Wait until this host has `version` (complete, or arriving: its relay is streaming it), checking as often as
+        a generator does by default (`weight_poll_s`: each check is 3 torchstore calls, ~3-4 ms of CPU here across
+        the processes involved), then read it into the live weights; returns when the fetch started and ended (wall
+        clock)."""
         store = WeightStore(namespace)
         deadline = time.monotonic() + timeout_s
         while (await store.latest_version() or -1) < version:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"version {version} never reached this host's shared memory in {timeout_s} s")
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(GeneratorConfig.weight_poll_s)
         started = time.time()
         await store.fetch(version, into=self.live)
         return started, time.time()
@@ -102,18 +107,36 @@ async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, n
     published, fetches = await asyncio.gather(publish(), readers.fetch_relayed.call(namespace, version))
     seconds, cpu = time.perf_counter() - start, cpu_seconds(hosts) - cpu
     await _check(readers, expected, "relay")
-    deadline = time.monotonic() + 30
-    while "advertised" not in (copy := (await relay_b.status.call_one())["last_copy"]):  # readers may finish first
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"host B's relay never advertised its copy of version {version}: {copy}")
-        await asyncio.sleep(0.01)
-    if copy.get("version") != version:
-        raise RuntimeError(f"host B's relay's last copy is {copy}, not version {version}")
+    copy = await _advertised_copy(relay_b, version)  # the readers may finish first
     stages = {f"relay {k}": copy[k] - wall for k in ("started", "received", "advertised")}
     reads = list(fetches.values())
     stages["readers started"] = min(r[0] for r in reads) - wall
     stages["readers done"] = max(r[1] for r in reads) - wall
     return seconds, published, stages, cpu
+
+
+async def _advertised_copy(relay_b, version: int) -> dict:
+    """Host B's relay's times of its copy of `version`, once it advertised it."""
+    deadline = time.monotonic() + 30
+    while "advertised" not in (copy := (await relay_b.status.call_one())["last_copy"]):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"host B's relay never advertised its copy of version {version}: {copy}")
+        await asyncio.sleep(0.01)
+    if copy.get("version") != version:
+        raise RuntimeError(f"host B's relay's last copy is {copy}, not version {version}")
+    return copy
+
+
+async def relay_alone_once(publisher: RelayPublisher, relay_b, namespace: str, version: int,
+                           hosts: SimulatedHosts) -> tuple[float, float, float]:
+    """(a) with no reader on host B: (publish to host B's copy advertised, publish, CPU core-s) of one version."""
+    await publisher.mark.call_one(version)
+    cpu = cpu_seconds(hosts)
+    start, wall = time.perf_counter(), time.time()
+    await publisher.publish_relayed.call_one(namespace, version)
+    published = time.perf_counter() - start
+    copy = await _advertised_copy(relay_b, version)
+    return copy["advertised"] - wall, published, cpu_seconds(hosts) - cpu
 
 
 async def torchstore_once(publisher: RelayPublisher, readers: RelayReader, key: str, version: int,
@@ -214,6 +237,10 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         print(f"(a) median of {len(relay)}: {seconds:.3f} s, publish returned at {published:.3f} s, {cpu:.2f} CPU "
               "core-s; stages: " +
               ", ".join(f"{stage} {at:.3f}" for stage, at in stages.items()), flush=True)
+        alone = []
+        for _ in range(args.repeats):
+            version += 1
+            alone.append(await relay_alone_once(publisher, relay_b, namespace, version, hosts))
         plain = []
         for _ in range(args.ts_repeats or args.repeats):
             version += 1
@@ -222,7 +249,7 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         await publisher.free.call_one()
         await readers.free.call()
         rows.append({"dtype": dtype, "gb": nbytes / 1e9, "tensors": len(shapes), "relay": _median(relay),
-                     "torchstore": _median(plain), "raw": _median(raw)})
+                     "relay alone": _median(alone), "torchstore": _median(plain), "raw": _median(raw)})
         print_row(rows[-1])
     return rows
 
@@ -239,6 +266,9 @@ def print_row(row: dict) -> None:
         print(f"  {label:<58}{total:>9.3f}{gb / total:>8.2f}{published:>11.3f}{cpu:>12.2f}")
     print("  (a)'s stages, s after the publish started: " + ", ".join(f"{stage} {at:.3f}" for stage, at in
                                                                       row["relay"][2].items()))
+    alone, published, cpu = row["relay alone"]
+    print(f"  (a) with no reader on host B: host B's copy advertised at {alone:.3f} s ({gb / alone:.2f} GB/s), publish "
+          f"returned at {published:.3f} s, {cpu:.2f} CPU core-s")
     speedup, gap = row["torchstore"][0] / row["relay"][0], row["relay"][0] / row["raw"][0]
     print(f"  (b)/(a) = {speedup:.2f}x (goal >= 10: {'met' if speedup >= 10 else 'MISSED'});"
           f"  (a)/(c) = {gap:.2f}x (goal <= 1.5: {'met' if gap <= 1.5 else 'MISSED'})")

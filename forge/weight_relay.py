@@ -176,7 +176,8 @@ class _Splicer:
             while written < got:
                 written += os.splice(self.out, writer.fd, got - written, offset_dst=HEADER + done + written)
         except OSError as e:  # ENOSPC: this host's /dev/shm filled up after the copy's room was checked
-            raise SharedMemoryError(f"policy version {writer.version}: writing its copy {writer.tmp} failed ({e})") from e
+            raise SharedMemoryError(f"policy version {writer.version}: writing its copy {writer.tmp} failed "
+                                    f"({e})") from e
         return got
 
 
