@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -87,9 +88,22 @@ def remove_leftovers() -> list[str]:
 CONTROLLER_MARK = "FORGE_MULTIHOST_CONTROLLER"  # the pid of a test process already on its controller host
 
 
+SUBNET_MARK = "FORGE_MULTIHOST_SUBNET"  # the subnet this test process chose (kept across its relaunch)
+
+
 def subnet_of(pid: int) -> str:
-    """One /24 per test process: two runs at once never share a subnet."""
-    return f"198.18.{pid % 250 + 1}"
+    """One /24 per test process, two runs at once never sharing one: the first from `pid % 250` on that no interface
+    here has an address in (a subnet from the pid alone collided 1 time in 250 between concurrent runs), chosen once
+    and kept in the environment so the relaunched process and its hosts agree."""
+    if os.environ.get(SUBNET_MARK):
+        return os.environ[SUBNET_MARK]
+    used = set(re.findall(r"inet (198\.18\.\d+)\.", _run("ip", "-o", "-4", "addr", "show", check=False).stdout))
+    for step in range(250):
+        subnet = f"198.18.{(pid + step) % 250 + 1}"
+        if subnet not in used:
+            os.environ[SUBNET_MARK] = subnet
+            return subnet
+    raise RuntimeError("simulated hosts: every 198.18.N.0/24 subnet (N = 1..250) is in use on this machine")
 
 
 def relaunch_as_controller_host() -> None:
