@@ -14,6 +14,10 @@ class EnvironmentConfig:
     # Run the environments in their own actor process (forge.environments.actor): a crash or a blocking call
     # there costs its episodes (counted in env/failures), never the job.
     isolated: bool = False
+    # Chat mode (forge/environments/chat.py): the first prompt and each observation wrapped by the model's chat
+    # template, by token ids (task.chat_template_kwargs reach it); its end-of-turn token ends a turn, not the episode.
+    chat_template: bool = False
+    system_prompt: str | None = None  # chat mode: a system message before the first prompt
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens"):
@@ -21,3 +25,6 @@ class EnvironmentConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s={self.step_timeout_s}: must be > 0")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError(f"system_prompt={self.system_prompt!r}: a system message needs chat_template=true "
+                             "(plain-text episodes have no roles)")

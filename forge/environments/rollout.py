@@ -6,9 +6,13 @@ so the trainer scores exactly the tokens the generator sampled. The group's acti
 together, one call per turn, so a group of G episodes costs what one G-sample request did.
 
 An episode ends when its environment says done, when the model ends a turn with an end token (EOS: after the
-environment has scored that turn), at `max_turns` model turns or `max_total_tokens` tokens (truncated: reward
-`truncated_reward`), or when its environment fails (raises, or exceeds `step_timeout_s`: reward 0, counted in
-`env/failures` once per episode, each kind of failure printed once).
+environment has scored that turn; in chat mode the template's end-of-turn token ends the turn only), at `max_turns`
+model turns or `max_total_tokens` tokens (truncated: reward `truncated_reward`), or when its environment fails
+(raises, or exceeds `step_timeout_s`: reward 0, counted in `env/failures` once per episode, each kind of failure
+printed once).
+
+Chat mode (`chat`, forge.environments.chat): the first prompt and every observation are wrapped by the model's chat
+template, by token ids; each turn also stops at the template's end-of-turn token.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import traceback
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Sequence
 
+from forge.environments.chat import ChatTemplate
 from forge.environments.config import EnvironmentConfig
 from forge.environments.protocol import Environment, Observation, StepResult
 from forge.environments.trajectory import Trajectory
@@ -35,14 +40,19 @@ class EnvironmentFailure(RuntimeError):
 
 async def run_episodes(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
                        params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
-                       end_token_ids: Sequence[int] = ()) -> list[Trajectory]:
+                       end_token_ids: Sequence[int] = (), chat: ChatTemplate | None = None) -> list[Trajectory]:
     """One trajectory per environment, the i-th playing `tasks[i]` (a GRPO group: the same problem G times), all
-    played at once; `params.max_tokens` bounds each model turn."""
+    played at once; `params.max_tokens` bounds each model turn. With `chat`, turns are wrapped by its template (text
+    observations; `encode` is then unused) and its end-of-turn token ends a turn, never the episode."""
     if len(tasks) != len(environments):
         raise ValueError(f"run_episodes: {len(environments)} environments but {len(tasks)} tasks; one task each")
+    if chat is not None and chat.end_of_turn_id is not None:
+        end_token_ids = [t for t in end_token_ids if t != chat.end_of_turn_id]
+        if chat.end_of_turn_id not in params.stop_token_ids:
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, chat.end_of_turn_id])
     trajectories: list[Trajectory] = []
     try:
-        trajectories = await _play(generate, environments, tasks, params, limits, encode, end_token_ids)
+        trajectories = await _play(generate, environments, tasks, params, limits, encode, end_token_ids, chat)
     finally:  # an episode ends in many ways; each environment is closed once whichever it was
         # A failure counts once per episode: closing an environment whose step already failed (a host still blocked
         # in the step that timed out, or one that crashed) fails too, and is not a second failure.
@@ -55,12 +65,13 @@ async def run_episodes(generate: Generate, environments: Sequence[Environment], 
 
 async def _play(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
                 params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
-                end_token_ids: Sequence[int]) -> list[Trajectory]:
+                end_token_ids: Sequence[int], chat: ChatTemplate | None) -> list[Trajectory]:
     prompts = await _call_all([env.reset(task) for env, task in zip(environments, tasks)], limits, "reset")
     for prompt in prompts:
         if isinstance(prompt, BaseException):
             raise EnvironmentFailure(f"an environment's reset failed: {prompt!r}") from prompt
-    trajectories = [Trajectory(prompt_ids=_ids(prompt, encode)) for prompt in prompts]
+    trajectories = [Trajectory(prompt_ids=chat.first_prompt(prompt) if chat else _ids(prompt, encode))
+                    for prompt in prompts]
     while active := [i for i, t in enumerate(trajectories) if t.end == "running"]:
         completions = await _model_turns(generate, [trajectories[i] for i in active], params, limits)
         stepping = []
@@ -77,7 +88,7 @@ async def _play(generate: Generate, environments: Sequence[Environment], tasks: 
         results = await _call_all([environments[i].step(trajectories[i].actions[-1]) for i in stepping], limits,
                                   "step")
         for i, result in zip(stepping, results):
-            _advance(trajectories[i], result, limits, encode, end_token_ids)
+            _advance(trajectories[i], result, limits, encode, end_token_ids, chat)
     return trajectories
 
 
@@ -97,17 +108,19 @@ async def _model_turns(generate: Generate, trajectories: list[Trajectory], param
 
 
 def _advance(t: Trajectory, result: StepResult | BaseException, limits: EnvironmentConfig,
-             encode: Callable[[str], list[int]], end_token_ids: Sequence[int]) -> None:
+             encode: Callable[[str], list[int]], end_token_ids: Sequence[int], chat: ChatTemplate | None) -> None:
     if isinstance(result, BaseException):
         t.end, t.error = "environment_error", f"{type(result).__name__}: {result}"
         return
     t.reward += float(result.reward)
-    if result.done or (t.completion_ids and t.completion_ids[-1] in end_token_ids):
+    start, end = t.turns[-1]
+    last_token = t.completion_ids[end - 1] if end > start else None  # the turn's own; an empty turn has none
+    if result.done or last_token in end_token_ids:
         t.end = "done"
     elif len(t.turns) >= limits.max_turns:
         t.end = "max_turns"
     else:
-        observation = _ids(result.observation, encode)
+        observation = chat.after_turn(result.observation, last_token) if chat else _ids(result.observation, encode)
         if len(t.ids) + len(observation) >= limits.max_total_tokens:
             t.end = "max_total_tokens"  # no room left for a model token after it
         else:
