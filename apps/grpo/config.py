@@ -180,6 +180,11 @@ class GRPOConfig:
         if self.task.source == "openenv" and self.warm_start.enabled:
             raise ValueError("warm_start.enabled=true: task.source='openenv' has no correct episodes to warm start "
                              "from (an OpenEnv environment gives rewards, not answers); set warm_start.enabled=false")
+        lookup = (self.task.source, self.task.name) == ("forge", "lookup")
+        if self.environment.chat_template and self.warm_start.enabled and lookup:
+            raise ValueError("environment.chat_template=true: the multi-turn warm start trains and evaluates the "
+                             "task's plain-text transcripts, not episodes in the chat template; set "
+                             "warm_start.enabled=false")
         check_model_layout(self)  # last: it reads the model's config.json (a hub id's is fetched)
 
 

@@ -22,6 +22,7 @@ from apps.grpo.config import GRPOConfig
 from apps.grpo.launch import warm_started_model as single_turn_warm_start
 from apps.grpo.rewards import RewardScorer
 from forge.environments.actor import EnvironmentHost, RemoteEnvironment
+from forge.environments.chat import ChatTemplate
 from forge.environments.rollout import run_episodes
 from forge.environments.trajectory import Trajectory
 from forge.types import Completion, Episode, SamplingParams
@@ -70,6 +71,10 @@ class MultiTurn:
             lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))
         self.encode = lambda text: list(encoded(text))
         self.end_token_ids = [tokenizer.eos_token_id]
+        # environment.chat_template: turns wrapped by the model's chat template, by token ids (forge.environments.chat)
+        self.chat = (ChatTemplate(tokenizer, system_prompt=cfg.environment.system_prompt,
+                                  chat_template_kwargs=cfg.task.chat_template_kwargs)
+                     if cfg.environment.chat_template else None)
 
     def environments(self, n: int) -> list:
         """The group's environments: in this process, or on the environment host (environment.isolated)."""
@@ -85,7 +90,7 @@ class MultiTurn:
 
         async with self.generators.session(), (self.hosts.session() if self.hosts else contextlib.nullcontext()):
             return await run_episodes(generate, self.environments(len(problems)), problems, params,
-                                      self.cfg.environment, self.encode, self.end_token_ids)
+                                      self.cfg.environment, self.encode, self.end_token_ids, chat=self.chat)
 
     async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[list[Trajectory], list[float]]:
         trajectories = await self.play([problem] * params.n, params, version)
