@@ -17,42 +17,66 @@ LoRA versions. A LoRA trainer publishes only its adapter (`actors/engines/lora_w
 the base weights of the adapted layers the first time one arrives and sets each to `base + B @ A` at the swap,
 a new tensor computed from the kept base: version after version, the weights are always one merge away from
 the base, never an accumulation of merges. A full-weight version replaces the base.
+
+KV reuse across turns. A multi-turn episode's next prompt is its previous prompt, the model's tokens and the
+observation (by id), and its turns reach the same replica; the engine keeps the past key values of the sequences it
+generated (`actors/engines/kv_store.py`, at most `kv_reuse_tokens` tokens, least recently used out) and a prompt that
+starts with one of them prefills only its new suffix. In the batch, row r's kept KV sits right-aligned in the first
+P columns of the cache (P: the longest reused prefix), its new tokens right-aligned after them; the attention mask
+covers exactly the kept and the new tokens, and positions count them (so the gap between them changes nothing).
+Tokens and log-probs equal those without reuse within float rounding (the same arithmetic, in other batch shapes).
+Every weight change (load_weights, a staged swap, a LoRA version) drops the kept KV, and a batch during which the
+weights changed keeps none. Each prompt records `generator/prefix_cached_tokens` (sum) and
+`generator/prefix_cached_share`, as the vLLM engine does, and `generator/prefill_s` (the batch's first forward pass,
+cache assembly included).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from actors.engines import lora_weights
+from actors.engines.kv_store import KVStore, assemble_cache
 from actors.engines.weights import check_state_dict, hf_weight_specs
+from forge.metrics import record_metric
 from forge.types import Completion, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Tokens of kept KV (KV reuse across turns); a token costs layers x 2 x kv_heads x head_dim x dtype bytes: 1 KiB on
+# the tiny model, 25 KiB on the 50m one, 112 KiB on Qwen3-1.7B in bfloat16 (64 conversations of 1000 tokens fit).
+KV_REUSE_TOKENS = 65536
 
 
 class HFEngine:
     """Generation with a Hugging Face causal LM (a local checkpoint directory or a hub id)."""
 
-    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model: str | Path, *, dtype: str = "float32", device: str = "cpu", seed: int = 0,
+                 kv_reuse_tokens: int = KV_REUSE_TOKENS) -> None:
+        """`kv_reuse_tokens`: how many tokens of past key values to keep for later prompts that continue a
+        sequence (KV reuse across turns); 0 keeps none."""
         if dtype not in DTYPES:
             raise ValueError(f"HFEngine.dtype={dtype!r}: allowed {list(DTYPES)}")
+        if kv_reuse_tokens < 0:
+            raise ValueError(f"HFEngine.kv_reuse_tokens={kv_reuse_tokens}: must be >= 0 (0 = no KV reuse)")
         tokenizer = AutoTokenizer.from_pretrained(model)
         loaded = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype]).to(torch.device(device))
-        self._attach(loaded, tokenizer, seed=seed)
+        self._attach(loaded, tokenizer, seed=seed, kv_reuse_tokens=kv_reuse_tokens)
         self.model.requires_grad_(False)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer, *, seed: int = 0) -> HFEngine:
-        """An engine over a model already in memory (e.g. one being trained): no copy is made."""
+        """An engine over a model already in memory (e.g. one being trained): no copy is made. It keeps no KV
+        between calls: the model may be trained in place, which no weight swap of the engine's announces."""
         engine = cls.__new__(cls)
-        engine._attach(model, tokenizer, seed=seed)
+        engine._attach(model, tokenizer, seed=seed, kv_reuse_tokens=0)
         return engine
 
-    def _attach(self, model: torch.nn.Module, tokenizer, *, seed: int) -> None:
+    def _attach(self, model: torch.nn.Module, tokenizer, *, seed: int, kv_reuse_tokens: int) -> None:
         self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         self.model = model.eval()
@@ -74,6 +98,8 @@ class HFEngine:
         self._weights_lock = threading.Lock()  # held while the weights are used (generate) or written
         self._staged_lock = threading.Lock()  # guards _staged
         self._staged: tuple[dict[str, torch.Tensor], int] | None = None
+        self._kv = KVStore(kv_reuse_tokens) if kv_reuse_tokens else None  # used under the weights lock only
+        self._weight_changes = 0  # a batch keeps its KV only if no weight change came during it
 
     @property
     def policy_version(self) -> int:
@@ -115,7 +141,10 @@ class HFEngine:
     def _copy_in(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Caller holds the weights lock. Tensors that already have the parameter's dtype, device and layout
         are taken over by pointer (the engine owns them from now on): the swap then costs microseconds, not
-        a copy of the whole model under the lock. Others are copied."""
+        a copy of the whole model under the lock. Others are copied. Kept KV is dropped: new weights, new KV."""
+        self._weight_changes += 1
+        if self._kv is not None:
+            self._kv.clear()
         if lora_weights.is_adapter(state_dict):
             self._merge_adapter(state_dict, version)
             return
@@ -157,7 +186,7 @@ class HFEngine:
         if not prompt_ids:
             return []
         with self._weights_lock, torch.no_grad():
-            completions = self._generate([ids for ids in prompt_ids for _ in range(params.n)], params)
+            completions = self._generate(prompt_ids, params)
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
 
     def score(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
@@ -184,16 +213,31 @@ class HFEngine:
             raise ValueError(f"HFEngine.generate: prompt {index} has token ids outside the vocabulary [0, {vocab})")
         return ids
 
-    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
-        batch, width = len(rows), max(len(ids) for ids in rows)
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Every prompt `params.n` times, as one batch; its completions, prompt by prompt."""
+        start = time.perf_counter()
+        self._apply_staged()  # the start of a batch is a step boundary too; before the lookup: a swap drops the KV
+        weight_changes = self._weight_changes
+        matches = [self._kv.match(ids) if self._kv is not None else (None, 0) for ids in prompts]
+        for ids, (_, reused) in zip(prompts, matches):
+            record_metric("generator/prefix_cached_tokens", reused, "sum")
+            record_metric("generator/prefix_cached_share", reused / len(ids))
+        rows = [ids for ids in prompts for _ in range(params.n)]
+        hits = [match for match in matches for _ in range(params.n)]
+        # Row r: [pads, its reused KV] in the cache's `past` columns, then [pads, its new tokens] in the input's.
+        past = max(reused for _, reused in hits)
+        batch, width = len(rows), max(len(ids) - reused for ids, (_, reused) in zip(rows, hits))
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, ids in enumerate(rows):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention_mask[row, width - len(ids) :] = 1
+        attention_mask = torch.zeros((batch, past + width), dtype=torch.long)
+        for row, (ids, (_, reused)) in enumerate(zip(rows, hits)):
+            new = len(ids) - reused
+            input_ids[row, width - new :] = torch.tensor(ids[reused:])
+            attention_mask[row, past - reused : past] = 1
+            attention_mask[row, past + width - new :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        # Positions count real tokens only, so left padding does not shift a sequence's positions.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        # Positions count real tokens only, so padding (left, or between reused and new tokens) shifts none.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        cache = assemble_cache(hits, past) if past else DynamicCache()
         # A row stops at max_tokens or at the end of the model window, whichever comes first.
         budgets = [min(params.max_tokens, self.max_model_len - len(ids)) for ids in rows]
         budgets = torch.tensor(budgets, device=self.device)
@@ -202,11 +246,9 @@ class HFEngine:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
 
-        cache = DynamicCache()
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         stopped = torch.zeros_like(finished)
         step_tokens, step_logprobs, step_kept, step_versions, step_active = [], [], [], [], []
-        self._apply_staged()  # the start of a batch is a step boundary too
         for step in range(int(budgets.max())):
             version = self._version
             logits = self.model(
@@ -225,7 +267,11 @@ class HFEngine:
             step_active.append(~finished)
             stopped |= ~finished & torch.isin(tokens, stop_ids)
             finished = finished | stopped | (step + 1 >= budgets)
-            if bool(finished.all()):
+            done = bool(finished.all())  # waits for the step (on a GPU too)
+            if step == 0:
+                for _ in prompts:
+                    record_metric("generator/prefill_s", time.perf_counter() - start)
+            if done:
                 break
             self._apply_staged()  # between decode steps: the next token may come from new weights
             input_ids = tokens[:, None]
@@ -237,6 +283,12 @@ class HFEngine:
         lengths = torch.stack(step_active, dim=1).sum(dim=1).tolist()
         kept = torch.stack(step_kept, dim=1).cpu() if params.truncates else None  # [batch, steps, K]
         stopped = stopped.tolist()
+        if self._kv is not None and self._weight_changes == weight_changes:
+            # A row's KV covers its prompt and its tokens but the last step's (sampled, never fed back).
+            steps = len(step_tokens)
+            self._kv.keep_batch(cache, attention_mask,
+                                [ids + tokens[row][: min(lengths[row], steps - 1)] for row, ids in enumerate(rows)],
+                                [kept_sequence for kept_sequence, _ in hits])
         completions = []
         for row, ids in enumerate(rows):
             n = lengths[row]

@@ -1,5 +1,7 @@
 import math
+import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,10 +10,12 @@ from transformers import AutoModelForCausalLM
 from actors import engines
 from actors.engines import Engine, make_engine
 from actors.engines.hf import HFEngine
+from actors.engines.kv_store import BLOCK
 from actors.logprobs import token_logprobs
 from forge import sampling
+from forge.metrics import drain_local
 from forge.sampling import MAX_KEPT_TOKENS
-from forge.tiny_model import build_tiny_checkpoint
+from forge.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
 from forge.types import Episode, SamplingParams, TrainBatch
 
 PROMPTS = ["1+2=", "12+34=", "what is 99+1? 99+1="]  # different lengths: left padding in every batch
@@ -130,10 +134,21 @@ def test_top_p_keeps_at_most_max_kept_tokens(engine, checkpoint, monkeypatch):
         SamplingParams(top_k=4)
 
 
-def test_greedy_is_deterministic_and_independent_of_the_batch(engine):
+def assert_same_up_to_rounding(groups, expected):
+    """Equal completions, log-probs within float rounding: a repeated prompt is served from the KV the engine kept
+    (the same arithmetic in another batch shape)."""
+    for group, expected_group in zip(groups, expected, strict=True):
+        for completion, reference in zip(group, expected_group, strict=True):
+            torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(reference.logprobs),
+                                       atol=1e-5, rtol=0)
+            assert replace(completion, logprobs=reference.logprobs) == reference
+
+
+def test_greedy_is_deterministic_and_independent_of_the_batch(engine, checkpoint):
     greedy = SamplingParams(n=2, max_tokens=10, temperature=0.0)
     batched = engine.generate(PROMPTS, greedy)
-    assert engine.generate(PROMPTS, greedy) == batched
+    assert HFEngine(checkpoint, kv_reuse_tokens=0).generate(PROMPTS, greedy) == batched
+    assert_same_up_to_rounding(engine.generate(PROMPTS, greedy), batched)
     alone = engine.generate([PROMPTS[1]], greedy)[0]
     assert [c.token_ids for c in alone] == [c.token_ids for c in batched[1]]
     assert batched[0][0].token_ids == batched[0][1].token_ids
@@ -144,9 +159,9 @@ def test_n_samples_per_prompt_differ_and_a_request_seed_reproduces_them(engine):
     first = engine.generate(PROMPTS, params)
     assert [len(group) for group in first] == [5, 5, 5]
     assert len({tuple(c.token_ids) for c in first[2]}) > 1
-    assert engine.generate(PROMPTS, params) == first
+    assert_same_up_to_rounding(engine.generate(PROMPTS, params), first)
     token_id_prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    assert engine.generate(token_id_prompts, params) == first
+    assert_same_up_to_rounding(engine.generate(token_id_prompts, params), first)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (0, 1e-6), (50, 1e-6)])
@@ -264,3 +279,163 @@ def test_make_engine(checkpoint, monkeypatch):
     monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)  # as on a host without vllm
     with pytest.raises(ImportError, match="vllm package is not installed"):
         make_engine("vllm", model=checkpoint)
+
+
+# ----- KV reuse across turns: a prompt continuing a kept sequence prefills only its new tokens -----
+
+
+def random_ids(rng: random.Random, vocab_size: int, count: int) -> list[int]:
+    return [rng.randrange(len(SPECIAL_TOKENS), vocab_size) for _ in range(count)]
+
+
+def cached_tokens(engine: HFEngine, prompts: list[list[int]], params: SamplingParams):
+    """The completions and the generator/prefix_cached_tokens the call recorded."""
+    drain_local()
+    groups = engine.generate(prompts, params)
+    return groups, drain_local()["generator/prefix_cached_tokens"].total
+
+
+def kept_length(completions, prompt_ids: list[int], token_ids: list[int]) -> int:
+    """How many tokens of a finished row the engine keeps KV for: its prompt and its tokens but a last one that was
+    never fed back (the batch ran as many steps as its longest completion)."""
+    steps = max(len(c.token_ids) for c in completions)
+    return len(prompt_ids) + min(len(token_ids), steps - 1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_later_turns_reuse_kept_kv_and_match_a_full_prefill(checkpoint, temperature):
+    """Three turns of conversations of different lengths, each turn one batch (left padding, rows hitting
+    different prefix lengths, a new conversation that hits nothing, n=2 rows sharing a kept prefix, rows stopping
+    at different steps): tokens equal and log-probs within 1e-5 of an engine that prefills everything, and the
+    recorded cached tokens are exactly the kept prefixes."""
+    reuse, full = HFEngine(checkpoint, seed=0), HFEngine(checkpoint, seed=0, kv_reuse_tokens=0)
+    vocab, rng = reuse.model.config.vocab_size, random.Random(0)
+    prompts = [random_ids(rng, vocab, length) for length in (41, 23, 57)]
+    expected_cached = 0
+    for turn, n in enumerate([1, 1, 2]):
+        params = SamplingParams(n=n, max_tokens=10, temperature=temperature, seed=5 + turn)
+        # Stop at the third token conversation 0 would produce: rows end at different steps.
+        params = replace(params, stop_token_ids=[full.generate(prompts[:1], params)[0][0].token_ids[2]])
+        got, cached = cached_tokens(reuse, prompts, params)
+        want, not_cached = cached_tokens(full, prompts, params)
+        assert not_cached == 0
+        assert cached == expected_cached and (turn == 0) == (cached == 0)
+        for prompt, group, reference in zip(prompts, got, want):
+            assert len(group) == n
+            for completion, fresh in zip(group, reference):
+                assert completion.prompt_ids == prompt
+                assert completion.token_ids == fresh.token_ids
+                torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(fresh.logprobs),
+                                           atol=1e-5, rtol=0)
+        completions = [c for group in got for c in group]
+        assert len({len(c.token_ids) for c in completions}) > 1  # rows stopped at different steps
+        # The next turn: every conversation's first completion + an observation, and one new conversation.
+        prompts = [g[0].prompt_ids + g[0].token_ids + random_ids(rng, vocab, 5) for g in got]
+        expected_cached = sum(kept_length(completions, g[0].prompt_ids, g[0].token_ids) for g in got)
+        prompts.append(random_ids(rng, vocab, 30 + turn))
+
+
+def test_a_prompt_that_is_a_prefix_of_a_kept_sequence_reuses_all_but_its_last_token(checkpoint):
+    engine, full = HFEngine(checkpoint, seed=0), HFEngine(checkpoint, seed=0, kv_reuse_tokens=0)
+    prompt = random_ids(random.Random(1), engine.model.config.vocab_size, 40)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    [[first]], _ = cached_tokens(engine, [prompt], greedy)
+    for asked in (prompt, prompt[:33]):  # the same prompt again (a retry), and a prefix of it
+        [[again]], cached = cached_tokens(engine, [asked], greedy)
+        assert cached == len(asked) - 1
+        [[fresh]] = full.generate([asked], greedy)
+        assert again.token_ids == fresh.token_ids
+        torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
+    assert first.token_ids == full.generate([prompt], greedy)[0][0].token_ids
+
+
+def _scaled(engine: HFEngine, factor: float) -> dict[str, torch.Tensor]:
+    """Every weight times `factor`: new KV for the same tokens (RMSNorm undoes a scale, so the layers'
+    projections are changed, not the embeddings alone)."""
+    return {name: (t * factor if "proj" in name else t.clone()) for name, t in engine.model.state_dict().items()}
+
+
+def _lora(engine: HFEngine, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for module in ("model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"):
+        out_dim, in_dim = engine.model.state_dict()[f"{module}.weight"].shape
+        adapter[f"{module}.lora_A.weight"] = torch.randn(2, in_dim, generator=generator)
+        adapter[f"{module}.lora_B.weight"] = torch.randn(out_dim, 2, generator=generator)
+    return adapter
+
+
+@pytest.mark.parametrize("swap", ["load_weights", "stage_weights", "lora"])
+def test_a_weight_change_drops_the_kept_kv(checkpoint, swap):
+    """After a swap the next turn prefills everything, and equals an engine that got the same weights and kept
+    nothing (KV that the old weights computed would give other log-probs)."""
+    engine, full = HFEngine(checkpoint, seed=0), HFEngine(checkpoint, seed=0, kv_reuse_tokens=0)
+    rng = random.Random(2)
+    prompts = [random_ids(rng, engine.model.config.vocab_size, length) for length in (35, 50)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    first, _ = cached_tokens(engine, prompts, greedy)
+    weights = _lora(engine, 0) if swap == "lora" else _scaled(engine, 1.5)
+    for target in (engine, full):
+        (target.load_weights if swap == "load_weights" else target.stage_weights)(weights, 1)
+    assert len(engine._kv) == 0 and engine._kv.tokens == 0
+    following = [g[0].prompt_ids + g[0].token_ids + [7, 8, 9] for g in first]
+    got, cached = cached_tokens(engine, following, greedy)
+    assert cached == 0
+    want = full.generate(following, greedy)
+    for [a], [b] in zip(got, want):
+        assert a.token_ids == b.token_ids and a.policy_versions == [1] * len(a.token_ids)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    # ... and the new weights' KV is kept and reused from then on.
+    _, cached = cached_tokens(engine, [following[0] + got[0][0].token_ids + [5]], greedy)
+    assert cached == len(following[0]) + len(got[0][0].token_ids) - 1
+
+
+def test_a_batch_whose_weights_changed_mid_generation_keeps_no_kv(checkpoint):
+    engine = HFEngine(checkpoint, seed=0)
+    new_weights = _scaled(engine, 1.5)
+    forward, calls = engine.model.forward, []
+
+    def forward_then_stage(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # staged while the batch decodes: applied at the next step boundary
+            engine.stage_weights(new_weights, 1)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = forward_then_stage
+    prompt = random_ids(random.Random(3), engine.model.config.vocab_size, 40)
+    [[completion]] = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0))
+    engine.model.forward = forward
+    assert completion.policy_versions == [0, 0, 1, 1, 1]
+    assert len(engine._kv) == 0  # its KV mixes two versions' weights: not kept
+    _, cached = cached_tokens(engine, [prompt + completion.token_ids], SamplingParams(max_tokens=2))
+    assert cached == 0
+
+
+def test_kept_kv_is_bounded_least_recently_used_first(checkpoint):
+    bound = 130
+    engine = HFEngine(checkpoint, seed=0, kv_reuse_tokens=bound)
+    rng = random.Random(4)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    a, b, c = (random_ids(rng, engine.model.config.vocab_size, 40) for _ in range(3))
+    for prompt in (a, b):
+        engine.generate([prompt], greedy)  # keeps 40 + 3 tokens each (the 4th was never fed back)
+    assert len(engine._kv) == 2 and engine._kv.tokens == 86
+    _, cached = cached_tokens(engine, [a + [9] * BLOCK], greedy)
+    assert cached == len(a)  # a's kept sequence (a + its first 3 tokens) up to where the prompts part
+    # Its own 59 tokens pushed out b, added after a but used less recently.
+    assert engine._kv.tokens == 43 + 59
+    _, cached = cached_tokens(engine, [b + [9] * BLOCK], greedy)
+    assert cached == 0
+    engine.generate([c * 4], greedy)  # 163 tokens to keep: more than the bound, not kept
+    assert engine._kv.tokens <= bound and all(len(ids) < 100 for ids in engine._kv._sequences)
+
+
+def test_reuse_off_and_bad_bounds(checkpoint):
+    off = HFEngine(checkpoint, kv_reuse_tokens=0)
+    prompt = random_ids(random.Random(5), off.model.config.vocab_size, 40)
+    off.generate([prompt], SamplingParams(max_tokens=3))
+    _, cached = cached_tokens(off, [prompt + [9] * 4], SamplingParams(max_tokens=3))
+    assert cached == 0 and off._kv is None
+    with pytest.raises(ValueError, match=r"HFEngine.kv_reuse_tokens=-1: must be >= 0"):
+        HFEngine(checkpoint, kv_reuse_tokens=-1)
+    assert HFEngine.from_model(off.model, off.tokenizer)._kv is None  # a model trained in place: nothing kept
