@@ -8,6 +8,12 @@ by that host's relay (`SegmentServer`: one TCP connection, the kernel's sendfile
 messages at ~0.05-0.2 GB/s on CPU, a TCP stream at the link's speed). Then it advertises that copy under its host's
 keys; that host's generators read it there like on the trainer's host, checking every tensor's checksum.
 
+A relay learns of a new version from the other hosts' SegmentServers: each follows its host's shared-memory folder
+(inotify) and tells every other relay when a segment of the job starts, completes or goes there (`watch`), so an
+idle relay costs no CPU; it also polls torchstore every second for what no event announces (the namespaces, a
+version published without a segment on its host, a lost event). Polling torchstore every 50 ms instead, two idle
+relays with torchstore and Monarch's host processes took ~0.2 of a core of this 2-core host.
+
 The stream is pipelined: the publisher announces a version before writing it (`WeightStore.incoming`), the relay
 starts at once and the server sends each piece as soon as the publisher marked it ready (written and checksummed);
 the relay moves it from the socket into its host's new segment (splice: one copy, by the kernel), marks each piece
@@ -28,9 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
-import itertools
 import logging
 import os
 import re
@@ -42,6 +48,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from forge import compat
 from forge.actor import ForgeActor, endpoint
@@ -66,11 +73,16 @@ logger = logging.getLogger(__name__)
 ts = compat.import_torchstore()
 
 _CONCURRENT_GETS = 4  # tensors in flight from torchstore at once: overlaps the link with the shm writes
-SERVERS_KEY = "forge-weight-relay/servers"  # + "/<host>": that host's SegmentServer address
-# Polls between two that also read what rarely changes: the namespaces, and the published version while nothing newer
-# than this host's copy was announced (each torchstore call costs ~4 ms of CPU across the processes it involves
-# here: three per poll kept two idle relays, torchstore and the controller at ~0.5 of a core).
+SERVERS_KEY = "forge-weight-relay/servers"  # {host: that host's SegmentServer address}
+# Thorough polls (everything, also what no event announces) are _THOROUGH_EVERY * poll_s apart: each torchstore call
+# costs ~4 ms of CPU across the processes it involves here, and relays polling every 50 ms kept two idle relays,
+# torchstore and Monarch's host processes at ~0.2 of a core.
 _THOROUGH_EVERY = 20
+# After a `started` event: how long to poll for the publisher's announcement in torchstore (put right after it created
+# the segment; a version published without one, through torchstore, completes with a `changed` event), and how often
+# at first (doubling up to poll_s).
+_ANNOUNCEMENT_WAIT_S = 1.0
+_ANNOUNCEMENT_POLL_S = 0.005
 _PIPE_BYTES = 1 << 20  # the receiver's pipe (the most an unprivileged process may ask for): bytes per splice
 
 
@@ -78,10 +90,20 @@ class SegmentServer:
     """Serves this host's segments of this job to other hosts' relays: a request is a segment's name and a newline;
     the answer is its size (int64; -1: no such segment), its tensor bytes in order, each sent (by the kernel,
     sendfile) as soon as its writer marked it ready, and last its header once the segment is complete. A segment
-    abandoned, recycled or stalled for ARRIVAL_STALL_S ends the connection early: the receiver then fails."""
+    abandoned, recycled or stalled for ARRIVAL_STALL_S ends the connection early: the receiver then fails.
+
+    The request `watch` instead keeps the connection and sends a line `<kind> <namespace> <version>` whenever a
+    segment of this job appears, completes or goes on this host (inotify on its shared-memory folder): `started`
+    when a writer created it (the publisher announces its layout in torchstore right after), `changed` else.
+    Segments this process writes itself (`own`: its relay's copies) are left out. Other hosts' relays wait on these
+    lines instead of polling torchstore; a lost line costs only latency (they still poll, rarely)."""
 
     def __init__(self, address: str) -> None:
         self._names = re.compile(rf"forge-{re.escape(job_id())}-[A-Za-z0-9_.-]+-v([0-9]+)")
+        self._segments = re.compile(rf"forge-{re.escape(job_id())}-([A-Za-z0-9_.-]+)-v([0-9]+)(\.tmp)?")
+        self.own: set[str] = set()  # segments this process writes (names without .tmp)
+        self._watchers: list[socket.socket] = []
+        self._watchers_lock = threading.Lock()
         self._socket = socket.create_server((address, 0))
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
         threading.Thread(target=self._accept, daemon=True, name="segment-server").start()
@@ -89,11 +111,20 @@ class SegmentServer:
     def _accept(self) -> None:
         while True:
             connection, _ = self._socket.accept()
-            threading.Thread(target=self._send, args=(connection,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
 
-    def _send(self, connection: socket.socket) -> None:
-        with connection, contextlib.suppress(OSError, WeightVersionError):
-            name = connection.makefile("rb").readline(256).decode(errors="replace").strip()
+    def _serve(self, connection: socket.socket) -> None:
+        request = ""
+        with contextlib.suppress(OSError):
+            request = connection.makefile("rb").readline(256).decode(errors="replace").strip()
+            if request == "watch":
+                self._add_watcher(connection)
+                return
+        with connection:
+            self._send(connection, request)
+
+    def _send(self, connection: socket.socket, name: str) -> None:
+        with contextlib.suppress(OSError, WeightVersionError):
             match = self._names.fullmatch(name)
             try:
                 if match is None:
@@ -115,6 +146,63 @@ class SegmentServer:
                 connection.sendall(os.pread(fd, HEADER, 0))
             finally:
                 os.close(fd)
+
+    def _add_watcher(self, connection: socket.socket) -> None:
+        with self._watchers_lock:
+            first = not self._watchers
+            self._watchers.append(connection)
+        if first:  # the folder is watched from the first watcher on, for the life of the process
+            threading.Thread(target=self._watch_segments, daemon=True, name="segment-events").start()
+
+    def _watch_segments(self) -> None:
+        try:
+            for name, mask in _shared_memory_events():
+                match = self._segments.fullmatch(name)
+                if (match is None or f"forge-{job_id()}-{match.group(1)}-v{match.group(2)}" in self.own
+                        or (match.group(3) and mask & _IN_MOVED_FROM)):  # the commit's rename: told once, as moved in
+                    continue
+                started = match.group(3) is not None and mask & (_IN_CREATE | _IN_MOVED_TO)
+                self._tell_watchers(f"{'started' if started else 'changed'} {match.group(1)} {match.group(2)}\n")
+        except OSError:  # no inotify here (or its limits reached): the watchers poll instead
+            logger.exception("segment server: cannot watch %s; other hosts' relays poll torchstore instead", SHM_DIR)
+        with self._watchers_lock:
+            for watcher in self._watchers:
+                watcher.close()
+            self._watchers.clear()
+
+    def _tell_watchers(self, line: str) -> None:
+        with self._watchers_lock:
+            for watcher in list(self._watchers):
+                try:
+                    watcher.sendall(line.encode())
+                except OSError:  # that relay is gone
+                    watcher.close()
+                    self._watchers.remove(watcher)
+
+
+# inotify(7): this host's shared-memory folder's entries created, renamed in or out, or deleted.
+_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
+_INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (of the NUL-padded name that follows)
+
+
+def _shared_memory_events() -> Iterator[tuple[str, int]]:
+    """(name, mask) of every entry of SHM_DIR created, deleted or renamed in or out, as it happens (forever)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_CLOEXEC)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+    try:
+        if libc.inotify_add_watch(fd, bytes(SHM_DIR), _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {SHM_DIR}: {os.strerror(ctypes.get_errno())}")
+        while True:
+            data, at = os.read(fd, 1 << 16), 0
+            while at < len(data):
+                _, mask, _, length = _INOTIFY_EVENT.unpack_from(data, at)
+                at += _INOTIFY_EVENT.size
+                yield data[at : at + length].rstrip(b"\0").decode(errors="replace"), mask
+                at += length
+    finally:
+        os.close(fd)
 
 
 def receive_segment(address: tuple[str, int], manifest: Manifest, writer: SegmentWriter) -> None:
@@ -232,6 +320,10 @@ class WeightRelay(ForgeActor):
         self.last_copy: dict = {}  # the newest copy's wall-clock times (bench/weight_sync_hosts.py prints them)
         self._task: asyncio.Task | None = None
         self._reported: set[str] = set()
+        self._watching: dict[str, socket.socket | None] = {}  # host -> its server's event stream (None: connecting)
+        self._news = asyncio.Event()  # set by an event from another host
+        self._announced: dict[str, tuple[int, float]] = {}  # namespace -> (version started elsewhere, until when)
+        self._announcement_poll_s = _ANNOUNCEMENT_POLL_S
 
     @endpoint
     async def setup(self) -> None:
@@ -240,7 +332,8 @@ class WeightRelay(ForgeActor):
         started.wait(timeout=10)  # the first fork exits at once; the watchdog lives on, detached
         # Its host's name resolves to the host's own address (the per-host agent checks it, forge.compat 19).
         self.server = SegmentServer(socket.gethostbyname(self.host))
-        await ts.put(f"{SERVERS_KEY}/{self.host}", self.server.address)
+        self._loop = asyncio.get_running_loop()
+        await self._advertise_server()
         self._task = asyncio.ensure_future(self._follow())
 
     @endpoint
@@ -249,21 +342,36 @@ class WeightRelay(ForgeActor):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        for connection in self._watching.values():
+            if connection is not None:
+                connection.close()
 
     @endpoint
     async def status(self) -> dict:
-        """Where this relay runs, the newest version of each namespace readable on its host, and when its newest
-        copy started, was received, and was advertised (wall-clock times)."""
-        return {"host": self.host, "pid": os.getpid(), "relayed": dict(self.relayed), "last_copy": dict(self.last_copy)}
+        """Where this relay runs, the newest version of each namespace readable on its host, when its newest copy
+        started, was received, and was advertised (wall-clock times), and the hosts whose events it follows."""
+        return {"host": self.host, "pid": os.getpid(), "relayed": dict(self.relayed), "last_copy": dict(self.last_copy),
+                "watching": sorted(host for host, connection in self._watching.items() if connection is not None)}
 
     async def _follow(self) -> None:
+        """Relay every namespace's newest version, on each event from another host (a segment started, completed
+        or deleted there), and on a thorough poll every _THOROUGH_EVERY * poll_s that also reads what no event
+        announces (the namespaces, versions published without a segment, the other hosts' servers). Until another
+        host's events are followed, and for a moment after a `started` event whose announcement is not yet in
+        torchstore, it polls every poll_s instead."""
         namespaces: list[str] = []
-        for poll in itertools.count():
-            thorough = poll % _THOROUGH_EVERY == 0
+        thorough_at = 0.0
+        while True:
+            self._news.clear()  # an event from here on wakes the next wait
+            thorough = time.monotonic() >= thorough_at
+            if thorough:
+                thorough_at = time.monotonic() + self.poll_s * _THOROUGH_EVERY
             try:
+                if thorough:
+                    await self._advertise_server()
                 if thorough or not namespaces:
                     namespaces = await self._namespaces()
-                for namespace in namespaces:
+                for namespace in dict.fromkeys([*namespaces, *self._announced]):
                     await self._relay_newest(namespace, thorough)
             except Exception as error:  # counted every time, logged once per kind (a loop must not flood logs)
                 record_metric("relay/failures", 1, "sum")
@@ -272,7 +380,53 @@ class WeightRelay(ForgeActor):
                     self._reported.add(kind)
                     logger.exception("weight relay on %s: a copy failed (shown once; counted in relay/failures)",
                                      self.host)
-            await asyncio.sleep(self.poll_s)
+            now = time.monotonic()
+            self._announced = {namespace: (version, until) for namespace, (version, until) in self._announced.items()
+                               if now < until and self.relayed.get(namespace, -1) < version
+                               and self.abandoned.get(namespace) != version}
+            if self._announced:
+                wait, self._announcement_poll_s = self._announcement_poll_s, min(2 * self._announcement_poll_s,
+                                                                                 self.poll_s)
+            elif not any(self._watching.values()):
+                wait = self.poll_s
+            else:
+                wait = thorough_at - now
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._news.wait(), max(0.0, wait))
+
+    async def _advertise_server(self) -> None:
+        """Keep this host's SegmentServer in the job's list (one key: a concurrent update that lost it heals on the
+        next thorough poll) and follow the events of every other host's."""
+        servers = await get_if_exists(SERVERS_KEY) or {}
+        if servers.get(self.host) != self.server.address:
+            await ts.put(SERVERS_KEY, {**servers, self.host: self.server.address})
+        self.servers.update(servers)
+        for host, address in servers.items():
+            if host != self.host and host not in self._watching:
+                self._watching[host] = None
+                threading.Thread(target=self._watch, args=(host, tuple(address)), daemon=True,
+                                 name=f"relay-events-{host}").start()
+
+    def _watch(self, host: str, address: tuple[str, int]) -> None:
+        """Follow `host`'s SegmentServer events until its connection ends (then a thorough poll reconnects)."""
+        try:
+            with socket.create_connection(address, timeout=ARRIVAL_STALL_S) as connection:
+                connection.settimeout(None)
+                connection.sendall(b"watch\n")
+                self._watching[host] = connection
+                for line in connection.makefile("rb"):
+                    kind, namespace, version = line.decode().split()
+                    self._loop.call_soon_threadsafe(self._on_event, kind, namespace, int(version))
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._loop.call_soon_threadsafe(self._watching.pop, host, None)
+
+    def _on_event(self, kind: str, namespace: str, version: int) -> None:
+        if kind == "started":  # its announcement follows in torchstore: poll for it for a moment
+            self._announced[namespace] = (version, time.monotonic() + _ANNOUNCEMENT_WAIT_S)
+            self._announcement_poll_s = _ANNOUNCEMENT_POLL_S
+        self._news.set()
 
     async def _namespaces(self) -> list[str]:
         return await get_if_exists(RELAY_NAMESPACES_KEY) or []
@@ -314,7 +468,8 @@ class WeightRelay(ForgeActor):
         """The newest version past `have`: one still being published when another host's publisher streams it
         (its layout; a copy of it that failed is not retried from there), else the newest published one. While the
         newest announced version is not past `have`, the published one is read on `thorough` polls only: a version
-        published without an announcement (through torchstore) is noticed within _THOROUGH_EVERY polls."""
+        published without an announcement (through torchstore) is noticed on its host's `changed` event (its segment
+        completed) or on the next thorough poll."""
         incoming = await store.incoming()
         if (incoming is not None and incoming.host != self.host and incoming.version > have
                 and incoming.version != self.abandoned.get(store.namespace)):
@@ -333,6 +488,7 @@ class WeightRelay(ForgeActor):
         """`manifest`'s version into a new segment of this host, from torchstore where the publisher put it there,
         else streamed from its host's SegmentServer; returns the segment's name and the publisher's manifest."""
         name = store.segment_name(manifest.version)
+        self.server.own.add(name)  # other hosts' relays need no event for this host's copies
         try:
             writer = await asyncio.to_thread(create_segment, SHM_DIR / name, manifest.segment_size, manifest.version,
                                              store._spare_path())
@@ -356,8 +512,8 @@ class WeightRelay(ForgeActor):
         await ts.put(arriving, dataclasses.replace(manifest, host=self.host, segment=writer.path.name))
         try:
             if manifest.host not in self.servers:
-                self.servers[manifest.host] = tuple(await ts.get(f"{SERVERS_KEY}/{manifest.host}"))
-            await asyncio.to_thread(receive_segment, self.servers[manifest.host], manifest, writer)
+                await self._advertise_server()
+            await asyncio.to_thread(receive_segment, tuple(self.servers[manifest.host]), manifest, writer)
             self.last_copy["received"] = time.time()
             final = await store._published_manifest(manifest.version)
         except BaseException:
@@ -385,6 +541,7 @@ class WeightRelay(ForgeActor):
         live = set(await store.versions())
         for version in [v for v in copies if v != keep and v not in live]:
             segment = copies.pop(version)
+            self.server.own.discard(segment)
             await ts.delete(store.host_manifest_key(self.host, version))
             spare = store._spare_path()
             if spare.exists():

@@ -5,6 +5,7 @@ forge/shm_weights.py). The same path across simulated hosts is in tests/forge/te
 import dataclasses
 import errno
 import os
+import socket
 import threading
 import time
 
@@ -237,3 +238,23 @@ def test_pieces_are_marked_ready_where_the_pieces_readers_read_end(monkeypatch):
                      for start, view in zip(range(0, entry.nbytes, 1024),
                                             shm_weights._chunks(memoryview(bytes(entry.nbytes))))]
     assert [end for _, end in reader_pieces] == piece_ends(manifest)
+
+
+def test_the_server_tells_watchers_when_a_segment_starts_completes_and_goes_but_not_of_its_own_copies(server, weights):
+    with socket.create_connection(server.address, timeout=10) as watcher:
+        watcher.sendall(b"watch\n")
+        lines = watcher.makefile("rb")
+        time.sleep(0.2)  # the server follows its folder from the first watcher on
+        server.own.add(f"forge-{job_id()}-events-own-v1")  # a copy its own relay writes: nobody else needs to know
+        own = create_segment(SHM_DIR / f"forge-{job_id()}-events-own-v1", 64, 1, None)
+        own.commit()
+        publisher = Publisher(weights, 7, "events")
+        publisher.write(list(weights))
+        publisher.commit()
+        publisher.writer.path.unlink()  # deleted by the trainer
+        (SHM_DIR / f"forge-{job_id()}-events-own-v1").unlink()
+        got = [lines.readline().decode().strip() for _ in range(3)]
+        watcher.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # and nothing of its own copy's deletion
+            lines.readline()
+    assert got == ["started events 7", "changed events 7", "changed events 7"]  # created, committed, deleted
