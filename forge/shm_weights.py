@@ -53,7 +53,8 @@ _COMMITTED, _READY, _WRITING = 0, 8, 16  # header offsets: version once complete
 WRITING, ABANDONED = -1, -2  # the header's "complete" field until the segment is complete, or after a failed write
 ARRIVAL_STALL_S = 60.0  # a reader of a segment still being written gives up when no byte arrived for this long
 _ALIGN = 64
-_CHUNK = 32 << 20  # bytes per preadv call and per checksum: reading threads share big tensors evenly
+_CHUNK = 32 << 20  # bytes per checksum, and per task of the reading threads: they share big tensors evenly
+_HASH_STEP = 256 << 10  # bytes a reader reads, then hashes while they are in its core's cache (2 MB of L2 here)
 _THREADED_BYTES = 64 << 20  # below this one thread is faster than handing chunks to a pool
 _IO_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
 CHECKSUM = "xxh3_64" if xxhash is not None else "crc32"  # what this process publishes with
@@ -153,6 +154,27 @@ def hash_function(algorithm: str) -> Callable[[memoryview], int]:
                                       "reading process: pip install xxhash (the publisher had it)")
         return xxhash.xxh3_64_intdigest
     raise ValueError(f"checksum={algorithm!r}: must be 'xxh3_64' or 'crc32'")
+
+
+def _read_and_hash(fd: int, view: memoryview, offset: int, algorithm: str) -> int | None:
+    """preadv `view` from `fd` at `offset` in _HASH_STEP steps, hashing each step right after it is read (while it is
+    still in this core's cache: 1 GB read and hashed took ~0.29 core-s so, ~0.33 hashing each 32 MB piece after
+    reading it whole); the hash of all of it, the same as hash_function(algorithm)(view). None: the file ended
+    before `view` was full."""
+    digest = hash_function(algorithm)  # also refuses an unknown algorithm, or xxh3_64 without xxhash
+    state = xxhash.xxh3_64() if algorithm == "xxh3_64" else None
+    crc, done = 0, 0
+    while done < len(view):
+        step = view[done : done + _HASH_STEP]
+        got = os.preadv(fd, [step], offset + done)
+        if got == 0:
+            return None
+        if state is not None:
+            state.update(step[:got])
+        else:
+            crc = digest(step[:got], crc)
+        done += got
+    return state.intdigest() if state is not None else crc
 
 
 def check_compatible(manifest: Manifest, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -315,19 +337,16 @@ class SegmentRead:
                 direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
                 self.out[name] = target
                 self.staged[name] = target if direct else torch.empty(entry.shape, dtype=dtype)
-            digest = hash_function(manifest.checksum)
+            hash_function(manifest.checksum)  # an unknown algorithm fails here, before any read
 
             def read(piece: tuple[str, int, TensorEntry], view: memoryview) -> None:
                 name, index, entry = piece
                 offset = entry.offset + index * _CHUNK
                 progress.wait_until_ready(offset + len(view))
-                done = 0
-                while done < len(view):
-                    got = os.preadv(fd, [view[done:]], HEADER + offset + done)
-                    if got == 0:
-                        raise WeightVersionError(f"policy version {manifest.version}: segment {path.name} is truncated")
-                    done += got
-                self.found[name, index] = digest(view)  # on this thread, right after the read: still in its caches
+                found = _read_and_hash(fd, view, HEADER + offset, manifest.checksum)
+                if found is None:
+                    raise WeightVersionError(f"policy version {manifest.version}: segment {path.name} is truncated")
+                self.found[name, index] = found
 
             pieces = [((name, i, manifest.entries[name]), view) for name, buffer in self.staged.items()
                       for i, view in enumerate(_chunks(_bytes_of(buffer)))]

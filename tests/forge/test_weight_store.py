@@ -42,6 +42,7 @@ async def test_chunked_threaded_io_round_trips_every_byte(store, monkeypatch):
     """Large state dicts go through pwrite/preadv in chunks on a thread pool; force that path on a small dict
     with odd sizes, chunk edges inside tensors, and a bf16 tensor read into an fp32 receiver."""
     monkeypatch.setattr(shm_weights, "_CHUNK", 1000)
+    monkeypatch.setattr(shm_weights, "_HASH_STEP", 96)  # each piece read and hashed in steps, the last one short
     monkeypatch.setattr(shm_weights, "_THREADED_BYTES", 0)
     monkeypatch.setattr(shm_weights, "_IO_THREADS", 3)
     generator = torch.Generator().manual_seed(0)
@@ -111,6 +112,7 @@ def _flip_byte(path, offset: int) -> None:
 @pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])  # with the xxhash package, and without it
 async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(store, monkeypatch, algorithm):
     monkeypatch.setattr(shm_weights, "CHECKSUM", algorithm)
+    monkeypatch.setattr(shm_weights, "_HASH_STEP", 16)  # read and hashed in steps: the flipped byte is in the third
     manifest = await store.publish(_state_dict(70), version=70)
     assert manifest.checksum == algorithm
     up_proj = manifest.entries["model.layers.0.mlp.up_proj.weight"]
@@ -127,6 +129,7 @@ async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(sto
 
 async def test_corruption_in_a_later_chunk_read_on_a_thread_pool_is_caught(store, monkeypatch):
     monkeypatch.setattr(shm_weights, "_CHUNK", 1000)
+    monkeypatch.setattr(shm_weights, "_HASH_STEP", 96)
     monkeypatch.setattr(shm_weights, "_THREADED_BYTES", 0)
     monkeypatch.setattr(shm_weights, "_IO_THREADS", 3)
     weights = {"a": torch.randn(777), "b": torch.randn(5000)}
