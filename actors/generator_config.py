@@ -23,7 +23,9 @@ class GeneratorConfig:
     weight_poll_s: float = 0.05  # how often the weight store is checked for a newer version
     torch_threads: int = 1  # CPU threads per generator process (0 = torch's default)
     weight_namespace: str = "policy"
-    engine_args: dict = field(default_factory=dict)  # vllm only: AsyncEngineArgs fields (e.g. max_model_len)
+    # The engine's own arguments: vllm's AsyncEngineArgs fields (e.g. max_model_len); hf's kv_reuse_tokens (kept KV
+    # for later turns, 0 = none).
+    engine_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:

@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from actors.engines import lora_weights
-from actors.engines.kv_store import KVStore, assemble_cache
+from actors.engines.kv_store import KVStore
 from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.metrics import record_metric
 from forge.types import Completion, SamplingParams
@@ -219,6 +219,11 @@ class HFEngine:
         self._apply_staged()  # the start of a batch is a step boundary too; before the lookup: a swap drops the KV
         weight_changes = self._weight_changes
         matches = [self._kv.match(ids) if self._kv is not None else (None, 0) for ids in prompts]
+        if len({len(ids) for ids in prompts}) == 1 and all(reused for _, reused in matches):
+            # Equal lengths, all reused: the shortest reuse for every row leaves the batch without padding, so
+            # transformers drops the attention mask (SDPA's GQA and causal kernel, no per-step copy of the cache).
+            shortest = min(reused for _, reused in matches)
+            matches = [(kept, shortest) for kept, _ in matches]
         for ids, (_, reused) in zip(prompts, matches):
             record_metric("generator/prefix_cached_tokens", reused, "sum")
             record_metric("generator/prefix_cached_share", reused / len(ids))
@@ -237,7 +242,7 @@ class HFEngine:
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         # Positions count real tokens only, so padding (left, or between reused and new tokens) shifts none.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        cache = assemble_cache(hits, past) if past else DynamicCache()
+        cache = self._kv.assemble(hits, past) if past else DynamicCache()
         # A row stops at max_tokens or at the end of the model window, whichever comes first.
         budgets = [min(params.max_tokens, self.max_model_len - len(ids)) for ids in rows]
         budgets = torch.tensor(budgets, device=self.device)

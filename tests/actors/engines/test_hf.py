@@ -274,6 +274,7 @@ def test_bad_prompts_are_refused_naming_the_request(engine):
 def test_make_engine(checkpoint, monkeypatch):
     engine = make_engine("hf", model=checkpoint)
     assert isinstance(engine, HFEngine) and isinstance(engine, Engine)
+    assert make_engine("hf", model=checkpoint, kv_reuse_tokens=0)._kv is None  # generator.engine_args reach it
     with pytest.raises(ValueError, match=r"kind='sglang'.*\['hf', 'vllm'\]"):
         make_engine("sglang")
     monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)  # as on a host without vllm
@@ -347,6 +348,21 @@ def test_a_prompt_that_is_a_prefix_of_a_kept_sequence_reuses_all_but_its_last_to
         assert again.token_ids == fresh.token_ids
         torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
     assert first.token_ids == full.generate([prompt], greedy)[0][0].token_ids
+
+
+def test_equal_length_prompts_that_all_hit_reuse_the_shortest_prefix(checkpoint):
+    """Then the batch has no padding at all (transformers drops the mask: the fast kernels)."""
+    engine, full = HFEngine(checkpoint, seed=0), HFEngine(checkpoint, seed=0, kv_reuse_tokens=0)
+    rng = random.Random(6)
+    a, b = (random_ids(rng, engine.model.config.vocab_size, 40) for _ in range(2))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    [[first], _] = engine.generate([a, b], greedy)
+    prompts = [a + first.token_ids + [9, 9, 9], b[:30] + [9] * 17]  # 47 tokens each; 43 and 30 kept
+    got, cached = cached_tokens(engine, prompts, greedy)
+    assert cached == 2 * 30
+    for [completion], [fresh] in zip(got, full.generate(prompts, greedy)):
+        assert completion.token_ids == fresh.token_ids
+        torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
 
 
 def _scaled(engine: HFEngine, factor: float) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from actors.engines import kv_store
-from actors.engines.kv_store import BLOCK, KVStore, assemble_cache
+from actors.engines.kv_store import BLOCK, KVStore
 
 
 def kv_of(ids: list[int]) -> torch.Tensor:
@@ -46,6 +46,8 @@ def test_least_recently_used_out_and_too_long_never_in():
     store.match(a + [1])  # a is used: b is now the least recently used
     store.add(c, kv_of(c))
     assert store.tokens == 80 and store.match(b + [1]) == (None, 0) and store.match(a + [1])[1] == 40
+    for ids in (a, c):  # c went into b's pages: each reads back its own KV
+        assert torch.equal(store.kv(store.match(ids + [1])[0], 40), kv_of(ids))
     store.add(list(range(101)), kv_of(list(range(101))))
     assert store.tokens == 80 and len(store) == 2
     store.clear()
@@ -69,9 +71,9 @@ def test_a_batch_keeps_each_rows_unmasked_columns_and_drops_what_a_row_extended(
     assert sorted(len(ids) for ids in store._sequences) == [20, 23]  # `first` was dropped: `extended` serves it
     for ids in (extended, other):
         kept, n = store.match(ids + [1])
-        assert n == len(ids) and torch.equal(kept.kv, kv_of(ids))
+        assert n == len(ids) and torch.equal(store.kv(kept, n), kv_of(ids))
 
     # Assembled back into a batch: right-aligned, zeros before (masked by the engine).
-    cache = assemble_cache([(store.match(extended + [1])[0], 21), (None, 0)], width=25)
+    cache = store.assemble([(store.match(extended + [1])[0], 21), (None, 0)], width=25)
     assert cache.layers[1].values[0, 0, :, 0].tolist() == [0] * 4 + extended[:21]
     assert cache.layers[0].keys[1].abs().sum() == 0
