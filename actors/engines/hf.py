@@ -274,8 +274,9 @@ class HFEngine:
             finished = finished | stopped | (step + 1 >= budgets)
             done = bool(finished.all())  # waits for the step (on a GPU too)
             if step == 0:
+                prefill_s = time.perf_counter() - start
                 for _ in prompts:
-                    record_metric("generator/prefill_s", time.perf_counter() - start)
+                    record_metric("generator/prefill_s", prefill_s)
             if done:
                 break
             self._apply_staged()  # between decode steps: the next token may come from new weights
