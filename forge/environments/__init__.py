@@ -6,6 +6,7 @@
 
 Tools are environments: a tool call is an action, the tool's output the next observation.
 `forge.environments.rollout.run_episodes` plays a group of episodes against a generator, token in / token out;
-`config.EnvironmentConfig` (plain Python, no torch) holds its limits. This package file imports nothing, so the
+`config.EnvironmentConfig` (plain Python, no torch) holds its limits; with `chat_template`, `chat.ChatTemplate` wraps
+each turn in the model's chat template, by token ids. This package file imports nothing, so the
 config can be read before the training stack is imported.
 """

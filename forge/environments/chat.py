@@ -47,7 +47,8 @@ class ChatTemplate:
         self._first = functools.lru_cache(maxsize=1 << 16)(self._render_first)
         self._after = functools.lru_cache(maxsize=1 << 16)(self._render_after)
         # The token the template writes right after an answer, when it is a special token: the model's end of turn.
-        following = self._after("")[0] if self._after("") else None
+        between = self._after("")
+        following = between[0] if between else None
         special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
         self.end_of_turn_id: int | None = following if following in special else None
 

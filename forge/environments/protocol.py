@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-Observation = str | list[int]  # text (encoded once, by the rollout's tokenizer) or token ids (appended as they are)
+# Text (encoded once, by the rollout's tokenizer; in chat mode as a user message of the model's chat template) or token
+# ids (appended as they are, in chat mode too).
+Observation = str | list[int]
 
 
 @dataclass
