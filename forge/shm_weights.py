@@ -10,8 +10,8 @@ the version being written. The writer pwrites the tensors one piece at a time in
 when complete. Readers preadv straight into their tensors: large state dicts in 32 MB pieces on up to 8 threads
 (1 GB: 0.27 s on one thread, 0.15 s on two). A reader may start while the segment is still being written (a
 version streamed to another host, forge/weight_relay.py; read on one thread then): each piece is read once "ready"
-covers it, and the version is returned only once its segment is complete and every piece matches the publisher's checksum, so no
-caller ever gets half a version.
+covers it, and the version is returned only once its segment is complete and every piece matches the publisher's
+checksum, so no caller ever gets half a version.
 
 Checksums: a hash of each 32 MB piece of a tensor's bytes, computed once when it is published and checked by
 every reader right after it reads that piece, on the same thread: a reader never returns bytes that differ from
