@@ -11,8 +11,8 @@ keys; that host's generators read it there like on the trainer's host, checking 
 A relay learns of a new version from the other hosts' SegmentServers: each follows its host's shared-memory folder
 (inotify) and tells every other relay when a segment of the job starts, completes or goes there (`watch`), so an
 idle relay costs no CPU; it also polls torchstore every second for what no event announces (the namespaces, a
-version published without a segment on its host, a lost event). Polling torchstore every 50 ms instead, two idle
-relays with torchstore and Monarch's host processes took ~0.2 of a core of this 2-core host.
+version published without a segment on its host, a lost event). An idle 2-host job (relays, torchstore, Monarch's
+host processes, the controller) took ~0.34 of a core of this 2-core host with relays polling every 50 ms; ~0.1 so.
 
 The stream is pipelined: the publisher announces a version before writing it (`WeightStore.incoming`), the relay
 starts at once and the server sends each piece as soon as the publisher marked it ready (written and checksummed);
@@ -75,8 +75,8 @@ ts = compat.import_torchstore()
 _CONCURRENT_GETS = 4  # tensors in flight from torchstore at once: overlaps the link with the shm writes
 SERVERS_KEY = "forge-weight-relay/servers"  # {host: that host's SegmentServer address}
 # Thorough polls (everything, also what no event announces) are _THOROUGH_EVERY * poll_s apart: each torchstore call
-# costs ~4 ms of CPU across the processes it involves here, and relays polling every 50 ms kept two idle relays,
-# torchstore and Monarch's host processes at ~0.2 of a core.
+# costs ~4 ms of CPU across the processes it involves here, and an idle 2-host job whose relays polled every 50 ms
+# took ~0.34 of a core.
 _THOROUGH_EVERY = 20
 # After a `started` event: how long to poll for the publisher's announcement in torchstore (put right after it created
 # the segment; a version published without one, through torchstore, completes with a `changed` event), and how often
