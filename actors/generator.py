@@ -22,7 +22,7 @@ from actors.engines import make_engine
 from actors.generator_config import GeneratorConfig  # noqa: F401  (re-exported: `from actors.generator import GeneratorConfig`)
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.types import Completion, SamplingParams
+from forge.types import Completion, CompletionBatch, SamplingParams
 from forge.weight_store import RELAY_WAIT_S, WeightStore, WeightVersionError
 
 logger = logging.getLogger(__name__)
@@ -78,10 +78,12 @@ class Generator(ForgeActor):
 
     @endpoint
     async def generate_batch(self, prompts: list, params: SamplingParams | None = None,
-                             min_policy_version: int = 0) -> list[list[Completion]]:
-        """Several prompts in one call (one engine batch)."""
+                             min_policy_version: int = 0) -> CompletionBatch:
+        """Several prompts in one call (one engine batch); their completions travel packed (`batch[i]` is prompt i's
+        list, as from `generate`)."""
         params = params or SamplingParams()
-        return list(await asyncio.gather(*(self._submit(p, params, min_policy_version) for p in prompts)))
+        groups = await asyncio.gather(*(self._submit(p, params, min_policy_version) for p in prompts))
+        return CompletionBatch.pack(groups)
 
     @endpoint
     async def score(self, prompt_ids: list[int], token_ids: list[int], policy_version: int) -> tuple[list[float], int]:

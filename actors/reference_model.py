@@ -17,7 +17,7 @@ from actors.model_builder import build_job_config, build_model, parallel_dims, r
 from actors.model_config import ModelConfig, is_int, require_field
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import DataParallel, init_from_environment, local_device
-from forge.types import Episode, TrainBatch
+from forge.types import EpisodeBatch, TrainBatch
 
 
 @dataclass
@@ -81,12 +81,8 @@ class ReferenceActor(ForgeActor):
         self.model = ReferenceModel(self.config, rank=rank, world_size=world_size)
 
     @endpoint
-    async def logprobs(self, episodes: list[Episode], pad_id: int) -> list[list[float]]:
-        """log pi_ref of each episode's completion tokens."""
+    async def logprobs(self, episodes: EpisodeBatch, pad_id: int) -> torch.Tensor:
+        """log pi_ref of the episodes' completion tokens, flat like `episodes.completion_ids` (its `ref_logprobs`)."""
         batch = TrainBatch.from_episodes(episodes, pad_id)
         logprobs = self.model.logprobs(batch.input_ids, batch.kept_token_ids)
-        out = []
-        for row, e in enumerate(episodes):
-            start = len(e.prompt_ids) - 1
-            out.append(logprobs[row, start : start + len(e.completion_ids)].tolist())
-        return out
+        return logprobs[episodes.response_index()].float().cpu()

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from actors.replay_buffer_config import ReplayBufferConfig, check_int
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.types import Episode, TrainBatch
+from forge.types import Episode, EpisodeBatch, TrainBatch
 
 __all__ = ["ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
 
@@ -282,8 +282,12 @@ class ReplayBufferActor(ForgeActor):
         self.buffer.release(count)
 
     @endpoint
-    async def add(self, episodes: list[Episode], reserved: bool = False) -> int:
-        self.buffer.add(episodes, reserved)
+    async def add(self, episodes: EpisodeBatch, reserved: bool = False) -> int:
+        """Store a packed batch of episodes (see `ReplayBuffer.add`)."""
+        if not isinstance(episodes, EpisodeBatch):
+            raise ValueError(f"ReplayBufferActor.add: episodes must be a forge.types.EpisodeBatch "
+                             f"(EpisodeBatch.pack(episodes)), got {type(episodes).__name__}")
+        self.buffer.add(episodes.unpack(), reserved)
         record_metric("buffer/size", len(self.buffer), "max")
         return len(self.buffer)
 

@@ -5,8 +5,10 @@
 Every actor call pickles its arguments and its answer with Monarch's own pickler (`flatten` on the sender,
 `unflatten` on the receiver). This times that round trip, in CPU seconds of this process, for one batch of
 episodes carried three ways, side by side:
-- as `Episode`s holding Python lists (how rollouts reach the replay buffer);
+- as `Episode`s holding Python lists (how rollouts reached the replay buffer before `EpisodeBatch`);
 - as `Episode`s holding one small tensor per field (what "a tensor per episode" would cost);
+- as one `EpisodeBatch`, a flat tensor per field (how rollouts reach the replay buffer), and the CPU of packing the
+  lists into it and unpacking them again (what the sender and the buffer pay besides the message);
 - as one `TrainBatch` of padded tensors (how the replay buffer hands a batch to the controller and the trainer).
 Best of `--repeats` runs; ratios against the lists.
 """
@@ -21,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 import forge.compat  # noqa: F401  (Monarch's native libraries on a host without a GPU)
-from forge.types import Episode, TrainBatch
+from forge.types import Episode, EpisodeBatch, TrainBatch
 from monarch._src.actor.pickle import flatten, unflatten
 
 
@@ -37,15 +39,18 @@ def make_episodes(count: int, prompt_tokens: int, completion_tokens: int, *, as_
             for i in range(count)]
 
 
-def round_trip_cpu_s(value: Any, repeats: int) -> float:
-    """The best CPU time of pickling `value` for an actor message and unpickling it again."""
+def best_cpu_s(work: Callable[[], Any], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         started = time.process_time()
-        saved, buffer = flatten(value, lambda _: False)
-        unflatten(buffer, saved)
+        work()
         best = min(best, time.process_time() - started)
     return best
+
+
+def round_trip_cpu_s(value: Any, repeats: int) -> float:
+    """The best CPU time of pickling `value` for an actor message and unpickling it again."""
+    return best_cpu_s(lambda: unflatten(*reversed(flatten(value, lambda _: False))), repeats)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,15 +62,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(f"{args.episodes} episodes, {args.prompt_tokens} prompt tokens each; pickle + unpickle, CPU ms "
           f"(best of {args.repeats})")
-    print(f"{'completion tokens':>18} | {'lists':>8} | {'tensor per episode':>18} | {'one TrainBatch':>14} | "
-          f"{'lists / TrainBatch':>18}")
+    print(f"{'completion tokens':>18} | {'lists':>8} | {'tensor per episode':>18} | {'one EpisodeBatch':>16} | "
+          f"{'+ pack, unpack':>14} | {'one TrainBatch':>14} | {'lists / EpisodeBatch':>20} | "
+          f"{'lists / (EpisodeBatch + pack, unpack)':>37}")
     for tokens in args.completion_tokens:
         lists = make_episodes(args.episodes, args.prompt_tokens, tokens, as_tensors=False)
         tensors = make_episodes(args.episodes, args.prompt_tokens, tokens, as_tensors=True)
-        batch = TrainBatch.from_episodes(lists, pad_id=0)
-        times = [round_trip_cpu_s(value, args.repeats) * 1e3 for value in (lists, tensors, batch)]
-        print(f"{tokens:>18} | {times[0]:>8.1f} | {times[1]:>18.1f} | {times[2]:>14.1f} | "
-              f"{times[0] / times[2]:>17.1f}x")
+        packed, batch = EpisodeBatch.pack(lists), TrainBatch.from_episodes(lists, pad_id=0)
+        times = [round_trip_cpu_s(value, args.repeats) * 1e3 for value in (lists, tensors, packed, batch)]
+        packing = best_cpu_s(lambda: EpisodeBatch.pack(lists).unpack(), args.repeats) * 1e3
+        print(f"{tokens:>18} | {times[0]:>8.1f} | {times[1]:>18.1f} | {times[2]:>16.1f} | {packing:>14.1f} | "
+              f"{times[3]:>14.1f} | {times[0] / times[2]:>19.1f}x | {times[0] / (times[2] + packing):>36.1f}x")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,18 @@ Multi-turn episodes. An episode of several turns keeps the exact token sequence 
 the environment's observation tokens, appended by id). `completion_mask` is 1 on the model's tokens and 0 on the
 environment's; those carry log-prob 0 and policy version -1, and `TrainBatch.response_mask` is 0 there, so every
 loss scores the model's tokens only.
+
+On the wire. Every actor message pickles its arguments, and a tensor costs far more to pickle than a short list
+while one flat tensor per field costs far less than a list per episode (`python -m bench.episode_transport`). So
+completions and episodes cross actor boundaries packed: `CompletionBatch` (generator -> controller),
+`EpisodeBatch` (controller -> replay buffer and reference model) and `TrainBatch` (replay buffer -> trainer), each a
+few flat tensors for the whole message. `Completion` and `Episode` are the per-item views of the first two.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +95,178 @@ class Episode:
 
 
 @dataclass
+class CompletionBatch:
+    """The completions of several prompts, packed for the wire ("On the wire" above). It reads like the
+    `list[list[Completion]]` it packs (`CompletionBatch.pack`): `len(batch)` prompts, `batch[i]` prompt i's
+    completions, `batch[i:j]` the CompletionBatch of prompts i..j-1, and iterating yields each prompt's list."""
+
+    prompt_ids: torch.Tensor  # [sum of prompt lengths] int32: each prompt once, one after another
+    prompt_lengths: torch.Tensor  # [P] long
+    samples: torch.Tensor  # [P] long: how many completions each prompt has
+    token_ids: torch.Tensor  # [sum of completion lengths] int32: prompt by prompt, completion by completion
+    lengths: torch.Tensor  # [N] long: each completion's tokens
+    logprobs: torch.Tensor  # float32, like token_ids
+    policy_versions: torch.Tensor  # int32, like token_ids
+    texts: list[str]
+    finish_reasons: list[str]
+    kept_token_ids: torch.Tensor | None = None  # [sum of completion lengths, K] int32, -1 padded
+    kept_widths: torch.Tensor | None = None  # [N] long: each completion's K (0: it sampled the full vocabulary)
+
+    @classmethod
+    def pack(cls, groups: Sequence[Sequence[Completion]]) -> CompletionBatch:
+        completions = [c for group in groups for c in group]
+        prompts = [group[0].prompt_ids if group else [] for group in groups]
+        lengths = [len(c.token_ids) for c in completions]
+        kept, widths = _pack_kept([c.kept_token_ids for c in completions], lengths,
+                                  [f"Completion {i}" for i in range(len(completions))])
+        return cls(prompt_ids=_flat(prompts, torch.int32), prompt_lengths=_lengths(prompts),
+                   samples=torch.tensor([len(group) for group in groups], dtype=torch.long),
+                   token_ids=_flat([c.token_ids for c in completions], torch.int32),
+                   lengths=torch.tensor(lengths, dtype=torch.long),
+                   logprobs=_flat([c.logprobs for c in completions], torch.float32),
+                   policy_versions=_flat([c.policy_versions for c in completions], torch.int32),
+                   texts=[c.text for c in completions], finish_reasons=[c.finish_reason for c in completions],
+                   kept_token_ids=kept, kept_widths=widths)
+
+    def unpack(self) -> list[list[Completion]]:
+        lengths = self.lengths.tolist()
+        prompts = _rows(self.prompt_ids, self.prompt_lengths.tolist())
+        columns = zip(_rows(self.token_ids, lengths), _rows(self.logprobs, lengths),
+                      _rows(self.policy_versions, lengths), _unpack_kept(self.kept_token_ids, self.kept_widths, lengths),
+                      self.texts, self.finish_reasons)
+        groups = []
+        for prompt, count in zip(prompts, self.samples.tolist()):
+            groups.append([Completion(prompt_ids=list(prompt), token_ids=ids, text=text, logprobs=logprobs,
+                                      finish_reason=finish, policy_versions=versions, kept_token_ids=kept)
+                           for ids, logprobs, versions, kept, text, finish in itertools.islice(columns, count)])
+        return groups
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self) -> Iterator[list[Completion]]:
+        return iter(self.unpack())
+
+    def __getitem__(self, index: int | slice) -> list[Completion] | CompletionBatch:
+        if not isinstance(index, slice):
+            return self.unpack()[index]
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError(f"CompletionBatch[{index}]: only contiguous slices (step 1)")
+        stop = max(start, stop)
+        prompts = _span(self.prompt_lengths, start, stop)
+        first, last = _span(self.samples, start, stop)
+        tokens = _span(self.lengths, first, last)
+        return CompletionBatch(
+            prompt_ids=self.prompt_ids[slice(*prompts)], prompt_lengths=self.prompt_lengths[start:stop],
+            samples=self.samples[start:stop], token_ids=self.token_ids[slice(*tokens)],
+            lengths=self.lengths[first:last], logprobs=self.logprobs[slice(*tokens)],
+            policy_versions=self.policy_versions[slice(*tokens)], texts=self.texts[first:last],
+            finish_reasons=self.finish_reasons[first:last],
+            kept_token_ids=None if self.kept_token_ids is None else self.kept_token_ids[slice(*tokens)],
+            kept_widths=None if self.kept_widths is None else self.kept_widths[first:last])
+
+
+@dataclass
+class EpisodeBatch:
+    """Scored episodes, packed for the wire ("On the wire" above): what rollouts hand the replay buffer and the
+    reference model. `EpisodeBatch.pack(episodes)` and `batch.unpack()` convert from and to `Episode`s."""
+
+    episode_ids: torch.Tensor  # [N] long
+    group_ids: torch.Tensor  # [N] long
+    rewards: torch.Tensor  # [N] float32
+    advantages: torch.Tensor  # [N] float32
+    prompt_lengths: torch.Tensor  # [N] long
+    completion_lengths: torch.Tensor  # [N] long
+    prompt_ids: torch.Tensor  # [sum of prompt lengths] int32, episode after episode
+    completion_ids: torch.Tensor  # [sum of completion lengths] int32, episode after episode
+    behaviour_logprobs: torch.Tensor  # float32, like completion_ids
+    policy_versions: torch.Tensor  # int32, like completion_ids
+    completion_mask: torch.Tensor | None = None  # int8, like completion_ids; None: every token is the model's
+    ref_logprobs: torch.Tensor | None = None  # float32, like completion_ids
+    kept_token_ids: torch.Tensor | None = None  # [sum of completion lengths, K] int32, -1 padded
+    kept_widths: torch.Tensor | None = None  # [N] long: each episode's K (0: it sampled the full vocabulary)
+
+    @classmethod
+    def pack(cls, episodes: Sequence[Episode]) -> EpisodeBatch:
+        lengths = [len(e.completion_ids) for e in episodes]
+        for e, length in zip(episodes, lengths):
+            _check_token_fields(e, length)
+            for name in ("episode_id", "group_id"):
+                if not -(1 << 63) <= getattr(e, name) < 1 << 63:
+                    raise ValueError(f"Episode {e.episode_id}: {name}={getattr(e, name)} must fit in int64 (it travels "
+                                     "as a tensor)")
+        masked = any(e.completion_mask is not None for e in episodes)
+        has_ref = bool(episodes) and all(e.ref_logprobs is not None for e in episodes)
+        kept, widths = _pack_kept([e.kept_token_ids for e in episodes], lengths,
+                                  [f"Episode {e.episode_id}" for e in episodes])
+        return cls(
+            episode_ids=torch.tensor([e.episode_id for e in episodes], dtype=torch.long),
+            group_ids=torch.tensor([e.group_id for e in episodes], dtype=torch.long),
+            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            advantages=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
+            prompt_lengths=_lengths([e.prompt_ids for e in episodes]),
+            completion_lengths=torch.tensor(lengths, dtype=torch.long),
+            prompt_ids=_flat([e.prompt_ids for e in episodes], torch.int32),
+            completion_ids=_flat([e.completion_ids for e in episodes], torch.int32),
+            behaviour_logprobs=_flat([e.behaviour_logprobs for e in episodes], torch.float32),
+            policy_versions=_flat([e.policy_versions for e in episodes], torch.int32),
+            completion_mask=_flat([[1] * n if e.completion_mask is None else e.completion_mask
+                                   for e, n in zip(episodes, lengths)], torch.int8) if masked else None,
+            ref_logprobs=_flat([e.ref_logprobs for e in episodes], torch.float32) if has_ref else None,
+            kept_token_ids=kept, kept_widths=widths)
+
+    @classmethod
+    def cat(cls, batches: Sequence[EpisodeBatch]) -> EpisodeBatch:
+        """One batch of all of `batches`' episodes, in order (an optional field is kept only if every batch has it,
+        except the mask and the kept sets, whose absence means "all the model's" and "the full vocabulary")."""
+        if len(batches) == 1:
+            return batches[0]
+
+        def joined(name: str, fill=None) -> torch.Tensor | None:
+            parts = [getattr(b, name) for b in batches]
+            if all(p is None for p in parts) or (fill is None and any(p is None for p in parts)):
+                return None
+            return torch.cat([fill(b) if p is None else p for b, p in zip(batches, parts)])
+
+        width = max((b.kept_token_ids.shape[1] for b in batches if b.kept_token_ids is not None), default=0)
+
+        def kept_rows(b: EpisodeBatch) -> torch.Tensor:
+            rows = torch.full((len(b.completion_ids), width), -1, dtype=torch.int32)
+            if b.kept_token_ids is not None:
+                rows[:, : b.kept_token_ids.shape[1]] = b.kept_token_ids
+            return rows
+
+        return cls(**{name: joined(name) for name in (
+            "episode_ids", "group_ids", "rewards", "advantages", "prompt_lengths", "completion_lengths", "prompt_ids",
+            "completion_ids", "behaviour_logprobs", "policy_versions", "ref_logprobs")},
+            completion_mask=joined("completion_mask", lambda b: torch.ones(len(b.completion_ids), dtype=torch.int8)),
+            kept_token_ids=torch.cat([kept_rows(b) for b in batches]) if width else None,
+            kept_widths=joined("kept_widths", lambda b: torch.zeros(len(b), dtype=torch.long)) if width else None)
+
+    def unpack(self) -> list[Episode]:
+        lengths = self.completion_lengths.tolist()
+        columns = [_rows(self.prompt_ids, self.prompt_lengths.tolist()), _rows(self.completion_ids, lengths),
+                   _rows(self.behaviour_logprobs, lengths), _rows(self.policy_versions, lengths),
+                   [None] * len(lengths) if self.completion_mask is None else _rows(self.completion_mask, lengths),
+                   [None] * len(lengths) if self.ref_logprobs is None else _rows(self.ref_logprobs, lengths),
+                   _unpack_kept(self.kept_token_ids, self.kept_widths, lengths)]
+        return [Episode(episode_id=i, group_id=g, prompt_ids=p, completion_ids=c, behaviour_logprobs=b,
+                        policy_versions=v, reward=r, advantage=a, ref_logprobs=ref, kept_token_ids=k, completion_mask=m)
+                for i, g, r, a, p, c, b, v, m, ref, k in zip(
+                    self.episode_ids.tolist(), self.group_ids.tolist(), self.rewards.tolist(),
+                    self.advantages.tolist(), *columns)]
+
+    def __len__(self) -> int:
+        return len(self.episode_ids)
+
+    def response_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, position) in a `TrainBatch`'s token-aligned [B, T-1] tensors of each completion token, in the flat
+        order of `completion_ids`: completion token i of an episode with a p-token prompt is predicted at p-1+i."""
+        return _ragged_index(self.completion_lengths, self.prompt_lengths - 1)
+
+
+@dataclass
 class TrainBatch:
     """Right-padded tensors for a batch of episodes (see the module docstring for alignment)."""
 
@@ -126,58 +306,110 @@ class TrainBatch:
         )
 
     @classmethod
-    def from_episodes(cls, episodes: list[Episode], pad_id: int) -> TrainBatch:
-        if not episodes:
+    def from_episodes(cls, episodes: Sequence[Episode] | EpisodeBatch, pad_id: int) -> TrainBatch:
+        """Right-padded rows, one per episode: each scattered into place with one indexed write per field."""
+        packed = episodes if isinstance(episodes, EpisodeBatch) else EpisodeBatch.pack(episodes)
+        if not len(packed):
             raise ValueError("TrainBatch.from_episodes: no episodes")
-        length = max(len(e.prompt_ids) + len(e.completion_ids) for e in episodes)
-        batch = len(episodes)
+        prompts, completions = packed.prompt_lengths, packed.completion_lengths
+        batch, length = len(packed), int((prompts + completions).max())
+        # Row r's prompt fills columns [0, p), its completion [p, p + c), predicted at positions [p - 1, p - 1 + c).
+        prompt_rows, prompt_cols = _ragged_index(prompts, torch.zeros_like(prompts))
+        rows, positions = packed.response_index()
         input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-        response_mask = torch.zeros(batch, length - 1)
-        behaviour = torch.zeros(batch, length - 1)
-        versions = torch.full((batch, length - 1), -1, dtype=torch.long)
-        has_ref = all(e.ref_logprobs is not None for e in episodes)
-        ref = torch.zeros(batch, length - 1) if has_ref else None
-        kept = _kept_token_ids(episodes, length - 1)
-        for row, e in enumerate(episodes):
-            p, c = len(e.prompt_ids), len(e.completion_ids)
-            for name in ("behaviour_logprobs", "policy_versions", "completion_mask"):
-                values = getattr(e, name)
-                if values is not None and len(values) != c:
-                    raise ValueError(f"Episode {e.episode_id}: {name} has {len(values)} entries; must have one per "
-                                     f"completion token ({c})")
-            input_ids[row, : p + c] = torch.tensor(e.prompt_ids + e.completion_ids, dtype=torch.long)
-            # Target token p+i (the i-th generated one) is predicted at position p+i-1.
-            span = slice(p - 1, p - 1 + c)
-            response_mask[row, span] = 1.0 if e.completion_mask is None else torch.tensor(e.completion_mask,
-                                                                                         dtype=torch.float32)
-            behaviour[row, span] = torch.tensor(e.behaviour_logprobs, dtype=torch.float32)
-            versions[row, span] = torch.tensor(e.policy_versions, dtype=torch.long)
-            if ref is not None:
-                ref[row, span] = torch.tensor(e.ref_logprobs, dtype=torch.float32)
-            if kept is not None and e.kept_token_ids is not None:
-                kept[row, span, : e.kept_token_ids.shape[1]] = e.kept_token_ids
+        input_ids[prompt_rows, prompt_cols] = packed.prompt_ids.long()
+        input_ids[rows, positions + 1] = packed.completion_ids.long()
+
+        def response(values: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+            out = torch.full((batch, length - 1), fill, dtype=dtype)
+            out[rows, positions] = values.to(dtype)
+            return out
+
+        mask = packed.completion_mask if packed.completion_mask is not None else torch.ones(len(rows))
+        kept = None
+        if packed.kept_token_ids is not None:
+            kept = torch.full((batch, length - 1, packed.kept_token_ids.shape[1]), -1, dtype=torch.int32)
+            kept[rows, positions] = packed.kept_token_ids
         return cls(
             input_ids=input_ids,
-            response_mask=response_mask,
-            behaviour_logprobs=behaviour,
-            policy_versions=versions,
-            advantages=torch.tensor([e.advantage for e in episodes], dtype=torch.float32),
-            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
-            ref_logprobs=ref,
+            response_mask=response(mask, 0.0, torch.float32),
+            behaviour_logprobs=response(packed.behaviour_logprobs, 0.0, torch.float32),
+            policy_versions=response(packed.policy_versions, -1, torch.long),
+            advantages=packed.advantages.clone(),
+            rewards=packed.rewards.clone(),
+            ref_logprobs=None if packed.ref_logprobs is None else response(packed.ref_logprobs, 0.0, torch.float32),
             kept_token_ids=kept,
         )
 
 
-def _kept_token_ids(episodes: list[Episode], positions: int) -> torch.Tensor | None:
-    """An all -1 [B, positions, K] int32 tensor, K the widest episode's kept set; None if no episode has one."""
+def _check_token_fields(e: Episode, length: int) -> None:
+    """Every per-token field has one entry per completion token."""
+    for name in ("behaviour_logprobs", "policy_versions", "completion_mask", "ref_logprobs"):
+        values = getattr(e, name)
+        if values is not None and len(values) != length:
+            raise ValueError(f"Episode {e.episode_id}: {name} has {len(values)} entries; must have one per "
+                             f"completion token ({length})")
+
+
+def _flat(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> torch.Tensor:
+    """The rows one after another in one 1-D tensor: one conversion for all of them, not one per row."""
+    return torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype)
+
+
+def _lengths(rows: Sequence[Sequence]) -> torch.Tensor:
+    return torch.tensor([len(row) for row in rows], dtype=torch.long)
+
+
+def _rows(flat: torch.Tensor, lengths: Sequence[int]) -> list[list]:
+    """`_flat`'s rows again, as lists (one `tolist` for all of them)."""
+    values, rows, start = flat.tolist(), [], 0
+    for length in lengths:
+        rows.append(values[start : start + length])
+        start += length
+    return rows
+
+
+def _span(lengths: torch.Tensor, start: int, stop: int) -> tuple[int, int]:
+    """Where items start..stop-1 of a flat tensor of items of these lengths begin and end."""
+    begin = int(lengths[:start].sum())
+    return begin, begin + int(lengths[start:stop].sum())
+
+
+def _ragged_index(lengths: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every element of rows of `lengths` elements that start at column `offsets[row]`."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths  # where each row begins in the flat order
+    cols = torch.arange(int(lengths.sum())) - starts[rows] + offsets[rows]
+    return rows, cols
+
+
+def _pack_kept(kept: Sequence[torch.Tensor | None], lengths: Sequence[int],
+               names: Sequence[str]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Items' kept sets as one [sum of lengths, K] int32 tensor (-1 padded) and each item's K; (None, None) if no item
+    has one."""
     widths = []
-    for e in episodes:
-        if e.kept_token_ids is None:
-            continue
-        if e.kept_token_ids.dim() != 2 or e.kept_token_ids.shape[0] != len(e.completion_ids):
-            raise ValueError(f"Episode {e.episode_id}: kept_token_ids has shape {tuple(e.kept_token_ids.shape)}; "
-                             f"must be [{len(e.completion_ids)}, K] (one row per completion token)")
-        widths.append(e.kept_token_ids.shape[1])
-    if not widths:
-        return None
-    return torch.full((len(episodes), positions, max(widths)), -1, dtype=torch.int32)
+    for rows, length, name in zip(kept, lengths, names):
+        if rows is not None and (rows.dim() != 2 or rows.shape[0] != length):
+            raise ValueError(f"{name}: kept_token_ids has shape {tuple(rows.shape)}; must be [{length}, K] (one row "
+                             "per completion token)")
+        widths.append(0 if rows is None else rows.shape[1])
+    if not any(widths):
+        return None, None
+    packed, start = torch.full((sum(lengths), max(widths)), -1, dtype=torch.int32), 0
+    for rows, length in zip(kept, lengths):
+        if rows is not None:
+            packed[start : start + length, : rows.shape[1]] = rows
+        start += length
+    return packed, torch.tensor(widths, dtype=torch.long)
+
+
+def _unpack_kept(packed: torch.Tensor | None, widths: torch.Tensor | None,
+                 lengths: Sequence[int]) -> list[torch.Tensor | None]:
+    if packed is None:
+        return [None] * len(lengths)
+    out, start = [], 0
+    for width, length in zip(widths.tolist(), lengths):
+        # A copy, not a view: a view would keep (and pickle) the whole packed tensor.
+        out.append(packed[start : start + length, :width].clone() if width else None)
+        start += length
+    return out

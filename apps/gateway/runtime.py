@@ -40,7 +40,7 @@ from apps.server.runtime import endpoint_failure
 from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.types import SamplingParams
+from forge.types import EpisodeBatch, SamplingParams
 
 logger = logging.getLogger(__name__)
 WEIGHTS = "policy"
@@ -146,7 +146,7 @@ class Gateway:
             self.counts["history_breaks"] += breaks
             if episodes:
                 try:
-                    self.held = await self._buffer_call(self.buffer.add.call_one(episodes))
+                    self.held = await self._buffer_call(self.buffer.add.call_one(EpisodeBatch.pack(episodes)))
                 except Exception:
                     self.counts["export_failures"] += len(episodes)
                     logger.exception("session %s: export to the replay buffer failed", session.session_id)

@@ -35,7 +35,7 @@ from forge.lifecycle import run_job
 from forge.metrics import MetricLogger, record_metric
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.types import Episode, SamplingParams, TrainBatch
+from forge.types import EpisodeBatch, SamplingParams, TrainBatch
 from losses.advantages import group_advantages
 
 
@@ -55,7 +55,7 @@ class GRPOJob:
         # to ask it again: `room` when something may have freed room (a batch sampled, a version published, a group
         # finished), `arrived` when episodes reached the buffer (the training loop may find a batch).
         self.room, self.arrived = asyncio.Event(), asyncio.Event()
-        self._scored: list[Episode] = []  # scored, on their way to the buffer
+        self._scored: list[EpisodeBatch] = []  # scored groups, on their way to the buffer
         self._buffer_writer = asyncio.Lock()  # one add in flight at a time
         self._unreleased, self._buffer_releaser = 0, asyncio.Lock()  # reserved room to give back; one release at a time
         self.rewards_this_step: list[float] = []
@@ -152,7 +152,7 @@ class GRPOJob:
         else:
             await self._add_to_buffer(episodes)
 
-    async def scored_group(self, params: SamplingParams, version: int) -> list[Episode] | None:
+    async def scored_group(self, params: SamplingParams, version: int) -> EpisodeBatch | None:
         """The group's episodes with rewards and advantages; None when generation failed or the group was dropped."""
         (problem,) = self.task.sample_prompts(1, self.rng)
         try:  # completions, or multi-turn trajectories (apps/grpo/rollouts.py), and their rewards
@@ -175,14 +175,12 @@ class GRPOJob:
             return None
         advantages, _ = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
                                          normalize_std=self.cfg.rollout.normalize_advantages)
-        group_id = self.rng.getrandbits(62)
-        episodes = [self.rollout.to_episode(c, episode_id=group_id * 64 + i, group_id=group_id, reward=r,
-                                            advantage=float(a))
-                    for i, (c, r, a) in enumerate(zip(completions, rewards, advantages))]
+        group_id = self.rng.getrandbits(56)  # episode ids (group_id * 64 + i) travel as int64
+        episodes = EpisodeBatch.pack([
+            self.rollout.to_episode(c, episode_id=group_id * 64 + i, group_id=group_id, reward=r, advantage=float(a))
+            for i, (c, r, a) in enumerate(zip(completions, rewards, advantages))])
         if self.actors.reference is not None:
-            ref = rank0(await self.actors.reference.logprobs.call(episodes, self.actors.pad_id))
-            for episode, logprobs in zip(episodes, ref):
-                episode.ref_logprobs = logprobs
+            episodes.ref_logprobs = rank0(await self.actors.reference.logprobs.call(episodes, self.actors.pad_id))
         return episodes
 
     async def _release(self, count: int) -> None:
@@ -195,14 +193,14 @@ class GRPOJob:
                 count, self._unreleased = self._unreleased, 0
                 await self.actors.buffer.release.call_one(count)
 
-    async def _add_to_buffer(self, episodes: list[Episode]) -> None:
-        """Returns once `episodes` are in the buffer. Groups that finish while an add is in flight go in one call
-        after it: a generator batch finishes many groups at once, and one call per group cost the controller more
-        CPU than everything else it does."""
-        self._scored.extend(episodes)
+    async def _add_to_buffer(self, group: EpisodeBatch) -> None:
+        """Returns once `group` is in the buffer. Groups that finish while an add is in flight go in one call (one
+        packed batch) after it: a generator batch finishes many groups at once, and one call per group cost the
+        controller more CPU than everything else it does."""
+        self._scored.append(group)
         async with self._buffer_writer:
             if self._scored:  # else an earlier caller's add took these
-                episodes, self._scored = self._scored, []
+                episodes, self._scored = EpisodeBatch.cat(self._scored), []
                 # Counted as they are sent: a job that stops with scored groups not yet sent counts them nowhere.
                 self.counters.generated += len(episodes)
                 await self.actors.buffer.add.call_one(episodes, reserved=True)
