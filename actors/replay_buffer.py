@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+
+import torch
 
 from actors.replay_buffer_config import ReplayBufferConfig, check_int
 from forge.actor import ForgeActor, endpoint
@@ -26,7 +28,9 @@ DROP_REASONS = ("too_old", "buffer_full")
 
 @dataclass
 class _Entry:
-    episode: Episode
+    batch: EpisodeBatch  # the packed batch the episode arrived in (held until all its episodes have left)
+    row: int  # the episode's row in it
+    oldest_policy_version: int
     seq: int  # insertion order, breaks ties between episodes of the same version
     times_sampled: int = 0
 
@@ -143,23 +147,27 @@ class ReplayBuffer:
                              "(the episodes reserved, not yet added or released)")
         self._in_flight -= count
 
-    def add(self, episodes: list[Episode], reserved: bool = False) -> None:
-        """Store episodes; if this overflows `max_buffer_size`, drop the oldest ("buffer_full").
+    def add(self, episodes: Sequence[Episode] | EpisodeBatch, reserved: bool = False) -> None:
+        """Store episodes (held packed, as they arrive from rollouts); if this overflows `max_buffer_size`, drop the
+        oldest ("buffer_full").
 
         `reserved=True`: the episodes fill room reserved by `reserve` (they leave `in_flight`)."""
         if reserved and len(episodes) > self._in_flight:
             raise ValueError(f"ReplayBuffer.add: reserved=True for {len(episodes)} episodes but only "
                              f"in_flight={self._in_flight} are reserved")
-        for episode in episodes:
-            if not isinstance(episode, Episode):
-                raise ValueError(f"ReplayBuffer.add: expected forge.types.Episode, got {type(episode).__name__}")
-            if not episode.policy_versions:
-                raise ValueError(
-                    f"ReplayBuffer.add: episode_id={episode.episode_id} has policy_versions=[]: "
-                    "an episode needs at least one generated token"
-                )
-        for episode in episodes:
-            self._entries.append(_Entry(episode, self._next_seq))
+        if not isinstance(episodes, EpisodeBatch):
+            for episode in episodes:
+                if not isinstance(episode, Episode):
+                    raise ValueError(f"ReplayBuffer.add: expected forge.types.Episode, got {type(episode).__name__}")
+            episodes = EpisodeBatch.pack(episodes)
+        empty = (episodes.completion_lengths == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"ReplayBuffer.add: episode_id={int(episodes.episode_ids[empty[0]])} has policy_versions=[]: "
+                "an episode needs at least one generated token"
+            )
+        for row, oldest in enumerate(episodes.oldest_policy_versions().tolist()):
+            self._entries.append(_Entry(episodes, row, oldest, self._next_seq))
             self._next_seq += 1
         self._counts["added"] += len(episodes)
         if reserved:
@@ -167,7 +175,7 @@ class ReplayBuffer:
 
         overflow = len(self._entries) - (self.max_buffer_size or len(self._entries))
         if overflow > 0:
-            oldest = sorted(self._entries, key=lambda e: (e.episode.oldest_policy_version, e.seq))[:overflow]
+            oldest = sorted(self._entries, key=lambda e: (e.oldest_policy_version, e.seq))[:overflow]
             drop = {id(e) for e in oldest}
             self._entries = [e for e in self._entries if id(e) not in drop]
             self._count_drop("buffer_full", overflow)
@@ -176,7 +184,7 @@ class ReplayBuffer:
         """Drop the episodes too old to train the policy at `policy_version`; return how many."""
         self._check_version(policy_version)
         min_version = policy_version - self.max_policy_age
-        kept = [e for e in self._entries if e.episode.oldest_policy_version >= min_version]
+        kept = [e for e in self._entries if e.oldest_policy_version >= min_version]
         dropped = len(self._entries) - len(kept)
         self._entries = kept
         self._count_drop("too_old", dropped)
@@ -187,6 +195,14 @@ class ReplayBuffer:
 
         Returns None (and hands nothing out) when fewer than `batch_size` usable episodes are held.
         """
+        batch = self.sample_batch(policy_version)
+        if batch is None:
+            return None
+        episodes, per_rank = batch.unpack(), self.batch_size // self.dp_size
+        return [episodes[rank * per_rank : (rank + 1) * per_rank] for rank in range(self.dp_size)]
+
+    def sample_batch(self, policy_version: int) -> EpisodeBatch | None:
+        """`sample`, packed: its slices one after another in one EpisodeBatch (each rank takes its contiguous rows)."""
         self.evict(policy_version)
         if len(self._entries) < self.batch_size:
             return None
@@ -194,27 +210,24 @@ class ReplayBuffer:
             picked = self._rng.sample(range(len(self._entries)), self.batch_size)
         else:
             by_age = sorted(range(len(self._entries)),
-                            key=lambda i: (self._entries[i].episode.oldest_policy_version, self._entries[i].seq))
+                            key=lambda i: (self._entries[i].oldest_policy_version, self._entries[i].seq))
             picked = by_age[: self.batch_size]
-        batch = []
         for index in picked:
-            entry = self._entries[index]
-            entry.times_sampled += 1
-            batch.append(entry.episode)
+            self._entries[index].times_sampled += 1
+        batch = _gather_rows([self._entries[index] for index in picked])
         consumed = {index for index in picked if self._entries[index].times_sampled >= self.max_resample_count}
         self._entries = [e for i, e in enumerate(self._entries) if i not in consumed]
         self._counts["sampled"] += self.batch_size
         self._counts["consumed"] += len(consumed)
         self._next_batch_version = policy_version + 1  # one batch per trainer version
-        per_rank = self.batch_size // self.dp_size
-        return [batch[rank * per_rank : (rank + 1) * per_rank] for rank in range(self.dp_size)]
+        return batch
 
     def state_dict(self) -> dict:
         """Plain Python values only (episodes as dicts), so `torch.save(..., weights_only=True)` works."""
         return {
             "entries": [
-                {"episode": dataclasses.asdict(e.episode), "seq": e.seq, "times_sampled": e.times_sampled}
-                for e in self._entries
+                {"episode": dataclasses.asdict(episode), "seq": e.seq, "times_sampled": e.times_sampled}
+                for e, episode in zip(self._entries, _gather_rows(self._entries).unpack() if self._entries else [])
             ],
             "next_seq": self._next_seq,
             "last_policy_version": self._last_policy_version,
@@ -230,8 +243,10 @@ class ReplayBuffer:
         missing = keys - state.keys()
         if missing:
             raise ValueError(f"ReplayBuffer.load_state_dict: state is missing keys {sorted(missing)}")
+        held = EpisodeBatch.pack([Episode(**e["episode"]) for e in state["entries"]])
         self._entries = [
-            _Entry(Episode(**e["episode"]), seq=e["seq"], times_sampled=e["times_sampled"]) for e in state["entries"]
+            _Entry(held, row, oldest, seq=e["seq"], times_sampled=e["times_sampled"])
+            for row, (e, oldest) in enumerate(zip(state["entries"], held.oldest_policy_versions().tolist()))
         ]
         self._next_seq = state["next_seq"]
         self._last_policy_version = state["last_policy_version"]
@@ -257,6 +272,20 @@ class ReplayBuffer:
         self._counts[f"dropped_{reason}"] += count
         if self._on_drop is not None:
             self._on_drop(reason, count)
+
+
+def _gather_rows(entries: list[_Entry]) -> EpisodeBatch:
+    """The entries' episodes in one batch, in order: one `select` per packed batch they came in, not one per row."""
+    by_batch: dict[int, tuple[EpisodeBatch, list[int], list[int]]] = {}
+    for position, entry in enumerate(entries):
+        _, rows, positions = by_batch.setdefault(id(entry.batch), (entry.batch, [], []))
+        rows.append(entry.row)
+        positions.append(position)
+    parts = list(by_batch.values())
+    joined = EpisodeBatch.cat([batch.select(rows) for batch, rows, _ in parts])
+    order = torch.empty(len(entries), dtype=torch.long)
+    order[torch.tensor([p for _, _, positions in parts for p in positions])] = torch.arange(len(entries))
+    return joined.select(order)
 
 
 class ReplayBufferActor(ForgeActor):
@@ -287,7 +316,7 @@ class ReplayBufferActor(ForgeActor):
         if not isinstance(episodes, EpisodeBatch):
             raise ValueError(f"ReplayBufferActor.add: episodes must be a forge.types.EpisodeBatch "
                              f"(EpisodeBatch.pack(episodes)), got {type(episodes).__name__}")
-        self.buffer.add(episodes.unpack(), reserved)
+        self.buffer.add(episodes, reserved)
         record_metric("buffer/size", len(self.buffer), "max")
         return len(self.buffer)
 
@@ -296,13 +325,12 @@ class ReplayBufferActor(ForgeActor):
         """The next batch for `policy_version` as padded tensors (None: not enough usable episodes yet). The
         episodes leave the buffer as a few tensors, not as Python lists per episode, so the controller that passes
         them on to the trainer pickles and unpickles a handful of buffers per step."""
-        shards = self.buffer.sample(policy_version)
-        if shards is None:
+        episodes = self.buffer.sample_batch(policy_version)  # the ranks' shards are contiguous rows
+        if episodes is None:
             return None
-        episodes = [e for shard in shards for e in shard]  # shards are contiguous: the trainer slices its rows
-        ages = [policy_version - e.oldest_policy_version for e in episodes]
-        record_metric("buffer/sampled_age_mean", sum(ages) / len(ages))
-        record_metric("buffer/sampled_age_max", max(ages), "max")
+        ages = (policy_version - episodes.oldest_policy_versions()).double()
+        record_metric("buffer/sampled_age_mean", float(ages.mean()))
+        record_metric("buffer/sampled_age_max", float(ages.max()), "max")
         return TrainBatch.from_episodes(episodes, pad_id)
 
     @endpoint

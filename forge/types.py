@@ -244,6 +244,49 @@ class EpisodeBatch:
             kept_token_ids=torch.cat([kept_rows(b) for b in batches]) if width else None,
             kept_widths=joined("kept_widths", lambda b: torch.zeros(len(b), dtype=torch.long)) if width else None)
 
+    @classmethod
+    def from_completions(cls, completions: CompletionBatch, *, episode_ids: Sequence[int], group_ids: Sequence[int],
+                         rewards: Sequence[float], advantages: Sequence[float]) -> EpisodeBatch:
+        """One episode per completion (in order), its prompt repeated for each: tensor operations only, no list."""
+        prompt_of = torch.repeat_interleave(torch.arange(len(completions)), completions.samples)
+        return cls(episode_ids=torch.tensor(episode_ids, dtype=torch.long),
+                   group_ids=torch.tensor(group_ids, dtype=torch.long),
+                   rewards=torch.tensor(rewards, dtype=torch.float32),
+                   advantages=torch.tensor(advantages, dtype=torch.float32),
+                   prompt_lengths=completions.prompt_lengths[prompt_of],
+                   completion_lengths=completions.lengths.clone(),
+                   prompt_ids=_gather(completions.prompt_ids, completions.prompt_lengths, prompt_of),
+                   completion_ids=completions.token_ids.clone(), behaviour_logprobs=completions.logprobs.clone(),
+                   policy_versions=completions.policy_versions.clone(), kept_token_ids=completions.kept_token_ids,
+                   kept_widths=completions.kept_widths)
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> EpisodeBatch:
+        """The episodes at `rows`, in that order."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+
+        def tokens(values: torch.Tensor | None) -> torch.Tensor | None:
+            return None if values is None else _gather(values, self.completion_lengths, rows)
+
+        return EpisodeBatch(
+            episode_ids=self.episode_ids[rows], group_ids=self.group_ids[rows], rewards=self.rewards[rows],
+            advantages=self.advantages[rows], prompt_lengths=self.prompt_lengths[rows],
+            completion_lengths=self.completion_lengths[rows],
+            prompt_ids=_gather(self.prompt_ids, self.prompt_lengths, rows),
+            completion_ids=tokens(self.completion_ids), behaviour_logprobs=tokens(self.behaviour_logprobs),
+            policy_versions=tokens(self.policy_versions), completion_mask=tokens(self.completion_mask),
+            ref_logprobs=tokens(self.ref_logprobs), kept_token_ids=tokens(self.kept_token_ids),
+            kept_widths=None if self.kept_widths is None else self.kept_widths[rows])
+
+    def oldest_policy_versions(self) -> torch.Tensor:
+        """[N] long: each episode's oldest version among the model's tokens (`Episode.oldest_policy_version`)."""
+        none = torch.iinfo(torch.long).max
+        versions = self.policy_versions.long()
+        versions = versions.masked_fill(versions < 0, none)
+        oldest = torch.full((len(self),), none, dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(self)), self.completion_lengths)
+        oldest.scatter_reduce_(0, rows, versions, "amin")
+        return oldest.masked_fill(oldest == none, -1)
+
     def unpack(self) -> list[Episode]:
         lengths = self.completion_lengths.tolist()
         columns = [_rows(self.prompt_ids, self.prompt_lengths.tolist()), _rows(self.completion_ids, lengths),
@@ -381,6 +424,14 @@ def _ragged_index(lengths: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.T
     starts = torch.cumsum(lengths, 0) - lengths  # where each row begins in the flat order
     cols = torch.arange(int(lengths.sum())) - starts[rows] + offsets[rows]
     return rows, cols
+
+
+def _gather(flat: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The items at `rows` of a flat tensor of items of `lengths`, one after another."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    picked = lengths[rows]
+    within = torch.arange(int(picked.sum())) - torch.repeat_interleave(torch.cumsum(picked, 0) - picked, picked)
+    return flat[torch.repeat_interleave(starts[rows], picked) + within]
 
 
 def _pack_kept(kept: Sequence[torch.Tensor | None], lengths: Sequence[int],

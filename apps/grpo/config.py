@@ -44,8 +44,9 @@ class RolloutConfig:
     max_dropped_groups_per_step: int | None = None
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size={self.group_size}: must be >= 2 (advantages are relative to the group)")
+        if not 2 <= self.group_size <= 1 << 16:
+            raise ValueError(f"group_size={self.group_size}: must be from 2 (advantages are relative to the group) "
+                             "to 65536")
         for name in ("max_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")

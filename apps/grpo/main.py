@@ -169,16 +169,15 @@ class GRPOJob:
         if (self.cfg.rollout.drop_zero_variance_groups and all(r == rewards[0] for r in rewards)
                 and (budget is None or self.groups_dropped_this_step < budget)):
             self.groups_dropped_this_step += 1
-            self.counters.generated += len(completions)
-            self.counters.zero_variance_dropped += len(completions)
-            record_metric("rollout/zero_variance_dropped", len(completions), "sum")
+            self.counters.generated += len(rewards)
+            self.counters.zero_variance_dropped += len(rewards)
+            record_metric("rollout/zero_variance_dropped", len(rewards), "sum")
             return None
         advantages, _ = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
                                          normalize_std=self.cfg.rollout.normalize_advantages)
-        group_id = self.rng.getrandbits(56)  # episode ids (group_id * 64 + i) travel as int64
-        episodes = EpisodeBatch.pack([
-            self.rollout.to_episode(c, episode_id=group_id * 64 + i, group_id=group_id, reward=r, advantage=float(a))
-            for i, (c, r, a) in enumerate(zip(completions, rewards, advantages))])
+        group_id = self.rng.getrandbits(46)  # its episode ids (apps/grpo/rollouts.py) travel as int64
+        episodes = self.rollout.to_episodes(completions, group_id=group_id, rewards=rewards,
+                                            advantages=advantages.tolist())
         if self.actors.reference is not None:
             episodes.ref_logprobs = rank0(await self.actors.reference.logprobs.call(episodes, self.actors.pad_id))
         return episodes

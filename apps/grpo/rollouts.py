@@ -1,7 +1,7 @@
 """How the GRPO job plays a group and evaluates, for a single-turn task and for a multi-turn one.
 
 Both have `group(problem, params, version) -> (samples, rewards)`, `evaluate(problems, params) -> rewards` and
-`to_episode(sample, ...)`. Single-turn: one completion per episode, scored by the task's reward (or the user's).
+`to_episodes(samples, ...)` (the group packed for the buffer). Single-turn: one completion per episode, scored by the task's reward (or the user's).
 Multi-turn (a task with `environment()`): G episodes of one problem, played against the task's environments
 (forge.environments), token in / token out, scored by the environments. A multi-turn group's turns all go to one
 generator replica (a service session), so each turn continues a sequence that replica has just generated. Groups
@@ -25,8 +25,16 @@ from forge.environments.actor import EnvironmentHost, RemoteEnvironment
 from forge.environments.chat import ChatTemplate
 from forge.environments.rollout import run_episodes
 from forge.environments.trajectory import Trajectory
-from forge.types import Completion, Episode, SamplingParams
+from forge.types import Completion, CompletionBatch, EpisodeBatch, SamplingParams
 from forge.warm_start_multiturn import warm_start_multiturn
+
+
+EPISODE_BITS = 16  # an episode id is its group id, then its index in the group in this many bits
+
+
+def episode_ids(group_id: int, n: int) -> list[int]:
+    """Unique across groups (rollout.group_size is at most 2**EPISODE_BITS)."""
+    return [(group_id << EPISODE_BITS) + i for i in range(n)]
 
 
 def is_multi_turn(task: Any) -> bool:
@@ -41,15 +49,21 @@ async def _split_across_replicas(generators: Any, problems: list, play) -> list:
 
 
 class SingleTurn:
-    to_episode = staticmethod(Episode.from_completion)
-
     def __init__(self, generators: Any, rewards: RewardScorer) -> None:
         self.generators, self.rewards = generators, rewards
 
-    async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[list[Completion], list[float]]:
-        (completions,) = await self.generators.generate_batch.route_batch([problem.prompt], params,
-                                                                          min_policy_version=version)
-        return completions, await self.rewards.score([c.text for c in completions], problem.answer)
+    async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[CompletionBatch, list[float]]:
+        completions = await self.generators.generate_batch.route_batch([problem.prompt], params,
+                                                                       min_policy_version=version)
+        return completions, await self.rewards.score(completions.texts, problem.answer)
+
+    @staticmethod
+    def to_episodes(completions: CompletionBatch, *, group_id: int, rewards: list[float],
+                    advantages: list[float]) -> EpisodeBatch:
+        """The group's episodes, straight from the generator's tensors."""
+        n = len(rewards)
+        return EpisodeBatch.from_completions(completions, episode_ids=episode_ids(group_id, n),
+                                             group_ids=[group_id] * n, rewards=rewards, advantages=advantages)
 
     async def evaluate(self, problems: list, params: SamplingParams) -> list[float]:
         async def play(part: list) -> list[Completion]:
@@ -61,7 +75,13 @@ class SingleTurn:
 
 
 class MultiTurn:
-    to_episode = staticmethod(Trajectory.to_episode)
+    @staticmethod
+    def to_episodes(trajectories: list[Trajectory], *, group_id: int, rewards: list[float],
+                    advantages: list[float]) -> EpisodeBatch:
+        """The group's episodes, packed once the trajectories (built turn by turn) are complete."""
+        return EpisodeBatch.pack([t.to_episode(episode_id=i, group_id=group_id, reward=r, advantage=a)
+                                  for t, i, r, a in zip(trajectories, episode_ids(group_id, len(trajectories)),
+                                                        rewards, advantages)])
 
     def __init__(self, cfg: GRPOConfig, task: Any, tokenizer: Any, generators: Any, hosts: Any | None) -> None:
         self.cfg, self.task, self.generators, self.hosts = cfg, task, generators, hosts

@@ -529,6 +529,7 @@ class TrainingService:
             raise endpoint_failure(e) from None
         except NoHealthyReplicaError as e:
             raise ServiceError(503, str(e)) from None
+        outputs = list(outputs)  # a generator's CompletionBatch unpacked once: each prompt's completions
         versions = [v for out in outputs for c in out for v in c.policy_versions]
         return SampleResponse(
             policy_version=0 if adapter is not None else max(versions) if versions else self.version,

@@ -58,7 +58,7 @@ def test_yaml_and_override_errors_answer_before_the_heavy_imports(args, message)
 
 @pytest.mark.parametrize("override, message", [
     ("trainer.lr=-1", "config error: trainer.lr=-1.0: must be a number > 0"),
-    ("rollout.group_size=1", "config error: rollout.group_size=1: must be >= 2"),
+    ("rollout.group_size=1", "config error: rollout.group_size=1: must be from 2"),
     ("trainer.loss=ppo", "config error: trainer.loss='ppo': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo"),
     ("++trainer.loss_params.clip_eps=0", "clip_eps=0: must be a number > 0"),
     ("++trainer.loss_params.nope=1", "['nope'] not taken by loss 'grpo'"),
