@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 ENGINE_KINDS = ("hf", "vllm")
 
 
+# The hf engine's arguments a config may set (actors.engines.hf.HFEngine); vllm's are checked by vllm_args.
+HF_ENGINE_ARGS = ("kv_reuse_tokens",)
+
+
 @dataclass
 class GeneratorConfig:
     model: str = "???"  # HF checkpoint directory or hub id
@@ -39,3 +43,11 @@ class GeneratorConfig:
         if self.batch_wait_s < 0 or self.weight_poll_s <= 0:
             raise ValueError(f"batch_wait_s={self.batch_wait_s}, weight_poll_s={self.weight_poll_s}: "
                              "batch_wait_s must be >= 0 and weight_poll_s > 0")
+        if self.engine == "hf":
+            unknown = sorted(set(self.engine_args) - set(HF_ENGINE_ARGS))
+            if unknown:
+                raise ValueError(f"engine_args={self.engine_args}: the hf engine has no {unknown}; it takes "
+                                 f"{sorted(HF_ENGINE_ARGS)}")
+            reuse = self.engine_args.get("kv_reuse_tokens", 0)
+            if not isinstance(reuse, int) or isinstance(reuse, bool) or reuse < 0:
+                raise ValueError(f"engine_args.kv_reuse_tokens={reuse!r}: must be an int >= 0 (0 = no KV reuse)")
