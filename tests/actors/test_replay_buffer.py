@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.replay_buffer import ReplayBuffer, ReplayBufferConfig
-from forge.types import Episode
+from forge.types import Episode, EpisodeBatch, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -384,3 +384,36 @@ def test_nothing_reserved_ages_out_and_in_flight_work_stays_within_the_age_bound
         assert buffer.in_flight == len(pending) * group_size
         # Work under way never exceeds what the batches within the age bound can take.
         assert len(buffer) + buffer.in_flight <= (age + 1) * batch_size
+
+
+def test_episodes_held_packed_come_out_in_the_sampled_order_from_the_batches_they_arrived_in():
+    # Rollouts add packed groups; a sample gathers rows from several of them. The same seed over the same episodes
+    # added in one call must give the same batches, row for row, and the trainer's tensors must match.
+    arrivals = [[make_episode(10 * g + i, [g, g + i % 2]) for i in range(1 + g % 3)] for g in range(10)]
+    packed = ReplayBuffer(batch_size=8, max_policy_age=10, dp_size=2, seed=7)
+    listed = ReplayBuffer(batch_size=8, max_policy_age=10, dp_size=2, seed=7)
+    for group in arrivals:
+        packed.add(EpisodeBatch.pack(group))
+    listed.add([e for group in arrivals for e in group])
+    for version in (5, 6):
+        expected = listed.sample(version)
+        batch = packed.sample_batch(version)
+        assert [e.episode_id for e in batch.unpack()] == [e.episode_id for shard in expected for e in shard]
+        assert batch.unpack() == [e for shard in expected for e in shard]
+        train = TrainBatch.from_episodes(batch, pad_id=0)
+        assert train.rewards.tolist() == [e.reward for shard in expected for e in shard]
+    # What is left is held as before, and survives a checkpoint.
+    assert held_ids(packed) == held_ids(listed)
+    restored = ReplayBuffer(batch_size=8, max_policy_age=10, dp_size=2, seed=7)
+    restored.load_state_dict(packed.state_dict())
+    assert held_ids(restored) == held_ids(listed) and len(restored) == 3
+    restored.add(arrivals[0] + arrivals[1] + arrivals[2])
+    listed.add(arrivals[0] + arrivals[1] + arrivals[2])
+    assert ids(restored.sample(7)) == ids(listed.sample(7))
+
+
+def test_a_packed_episode_without_generated_tokens_is_refused_by_id():
+    buffer = ReplayBuffer(batch_size=2, max_policy_age=1)
+    with pytest.raises(ValueError, match=r"episode_id=8 has policy_versions=\[\]"):
+        buffer.add(EpisodeBatch.pack([make_episode(7, [0]), make_episode(8, [])]))
+    assert len(buffer) == 0

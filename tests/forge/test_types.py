@@ -205,3 +205,26 @@ def test_an_episode_id_beyond_int64_is_refused_by_name():
                       policy_versions=[0], reward=0.0)
     with pytest.raises(ValueError, match=r"episode_id=9223372036854775808 must fit in int64"):
         EpisodeBatch.pack([episode])
+
+
+def test_a_group_becomes_episodes_straight_from_the_generators_tensors():
+    rng = random.Random(4)
+    group = [Completion(prompt_ids=[5, 6, 7], token_ids=[rng.randrange(50) for _ in range(n)], text="",
+                        logprobs=[-0.25] * n, finish_reason="stop", policy_versions=[2] * n) for n in (3, 0, 5)]
+    other = [Completion(prompt_ids=[9], token_ids=[1, 2], text="", logprobs=[-1.0, -2.0], finish_reason="length",
+                        policy_versions=[1, 3])]
+    completions = CompletionBatch.pack([other, group])[1:]  # as route_batch hands one caller its slice
+    packed = EpisodeBatch.from_completions(completions, episode_ids=[10, 11, 12], group_ids=[1] * 3,
+                                           rewards=[1.0, 0.0, 0.5], advantages=[1.0, -1.0, 0.0])
+    expected = [Episode.from_completion(c, episode_id=10 + i, group_id=1, reward=r, advantage=a)
+                for i, (c, r, a) in enumerate(zip(group, [1.0, 0.0, 0.5], [1.0, -1.0, 0.0]))]
+    assert packed.unpack() == expected
+
+
+def test_selected_rows_and_oldest_versions_match_the_episodes():
+    rng = random.Random(5)
+    episodes = [random_episode(rng, i, masked=True, kept=True, ref=True) for i in range(8)]
+    packed = EpisodeBatch.pack(episodes)
+    rows = [6, 1, 1, 4]
+    assert all(same_episode(a, episodes[r]) for a, r in zip(packed.select(rows).unpack(), rows))
+    assert packed.oldest_policy_versions().tolist() == [e.oldest_policy_version for e in episodes]
