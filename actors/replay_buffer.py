@@ -292,6 +292,7 @@ class ReplayBufferActor(ForgeActor):
     """The replay buffer as an actor: rollouts `reserve` room and `add`, the training loop `sample`s."""
 
     def __init__(self, config: ReplayBufferConfig | dict | None = None, **overrides) -> None:
+        torch.set_num_threads(1)  # its tensor work is gathers and scatters: extra threads only spin-wait (OpenMP)
         if isinstance(config, dict) or config is None:
             config = ReplayBufferConfig(**{**(config or {}), **overrides})
         self.buffer = ReplayBuffer(**asdict(config), on_drop=self._on_drop)

@@ -73,6 +73,9 @@ class GRPOJob:
     async def run(self) -> None:
         cfg, wall_start = self.cfg, time.perf_counter()
         model_path, self.summary.warm_start_accuracy = await asyncio.to_thread(warm_started_model, cfg, self.task)
+        # From here the controller's tensor work is small (packing episodes): intra-op threads would only spin-wait
+        # after each op (OpenMP), which tripled its CPU per step on the tiny job.
+        torch.set_num_threads(1)
         self.actors = await start_actors(cfg, model_path)
         self.rollout = await make_rollout(cfg, self.task, self.actors, self.rewards)  # single-turn or multi-turn episodes
         if self.resume:
