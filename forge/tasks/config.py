@@ -27,8 +27,8 @@ class TaskConfig:
     dataset_config: str | None = "main"
     train_split: str = "train"
     eval_split: str = "test"
-    # gsm8k and reasoning_gym ask in the model's chat template when its tokenizer has one; these reach the
-    # template (e.g. Qwen3's enable_thinking).
+    # gsm8k and reasoning_gym ask in the model's chat template when its tokenizer has one, and multi-turn tasks do
+    # with environment.chat_template; these reach the template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The reward: "package.module:function" taking (completion_text, answer) -> float; None = the task's own.
     reward: str | None = None
