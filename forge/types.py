@@ -158,7 +158,8 @@ class CompletionBatch:
 
     def __getitem__(self, index: int | slice) -> list[Completion] | CompletionBatch:
         if not isinstance(index, slice):
-            return self.unpack()[index]
+            position = range(len(self))[index]  # negative indices, and IndexError past the end
+            return self[position : position + 1].unpack()[0]
         start, stop, step = index.indices(len(self))
         if step != 1:
             raise ValueError(f"CompletionBatch[{index}]: only contiguous slices (step 1)")

@@ -192,7 +192,9 @@ def test_completions_packed_for_the_wire_read_like_the_lists_they_pack():
                               or torch.equal(x.kept_token_ids, y.kept_token_ids)
                               for ga, gb in zip(a, b) for x, y in zip(ga, gb))
 
-    assert len(packed) == 5 and same(list(packed), groups) and same([packed[3]], [groups[3]])
+    assert len(packed) == 5 and same(list(packed), groups) and same([packed[3], packed[-1]], [groups[3], groups[-1]])
+    with pytest.raises(IndexError):
+        packed[5]
     # route_batch hands each caller its slice of a merged call's answer.
     for start, stop in [(0, 2), (2, 5), (1, 4), (4, 4)]:
         assert isinstance(packed[start:stop], CompletionBatch) and same(list(packed[start:stop]), groups[start:stop])
