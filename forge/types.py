@@ -258,7 +258,9 @@ class EpisodeBatch:
     @classmethod
     def from_completions(cls, completions: CompletionBatch, *, episode_ids: Sequence[int], group_ids: Sequence[int],
                          rewards: Sequence[float], advantages: Sequence[float]) -> EpisodeBatch:
-        """One episode per completion (in order), its prompt repeated for each: tensor operations only, no list."""
+        """One episode per completion (in order), its prompt repeated for each: tensor operations only, no list. The
+        tensors are copied: `completions` may be one caller's slice of a merged answer, and a view would carry the
+        whole answer's storage to the buffer."""
         prompt_of = torch.repeat_interleave(torch.arange(len(completions)), completions.samples)
         return cls(episode_ids=torch.tensor(episode_ids, dtype=torch.long),
                    group_ids=torch.tensor(group_ids, dtype=torch.long),
@@ -268,8 +270,8 @@ class EpisodeBatch:
                    completion_lengths=completions.lengths.clone(),
                    prompt_ids=_gather(completions.prompt_ids, completions.prompt_lengths, prompt_of),
                    completion_ids=completions.token_ids.clone(), behaviour_logprobs=completions.logprobs.clone(),
-                   policy_versions=completions.policy_versions.clone(), kept_token_ids=completions.kept_token_ids,
-                   kept_widths=completions.kept_widths)
+                   policy_versions=completions.policy_versions.clone(), kept_token_ids=None if completions.kept_token_ids is None else completions.kept_token_ids.clone(),
+                   kept_widths=None if completions.kept_widths is None else completions.kept_widths.clone())
 
     def select(self, rows: Sequence[int] | torch.Tensor) -> EpisodeBatch:
         """The episodes at `rows`, in that order."""
