@@ -53,6 +53,17 @@ def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
     assert not processes_with_mark(str(run_dir))
 
 
+def test_the_reference_model_scores_the_tokens_the_trainer_trains(tmp_path):
+    # Episodes reach the reference model packed and its log-probs come back flat, one per completion token. At step
+    # 1 (one optimizer step, on policy) the policy is the reference, so their KL is 0 only if every log-prob landed on
+    # its own token.
+    run_dir = tmp_path / "run"
+    _run_grpo(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "trainer.minibatches=1", "reference.enabled=true",
+              "trainer.loss_params.kl_coef=0.1", "eval.at_start=false", "eval.at_end=false")
+    kl = [r["kl"] for r in _metrics(run_dir)]
+    assert len(kl) == 3 and abs(kl[0]) < 1e-4, kl
+
+
 def test_grpo_with_the_vllm_engine_trains_on_versioned_tokens_and_stops_every_process(tmp_path):
     run_dir = tmp_path / "vllm"
     result = _run_grpo(run_dir, "steps=3", "generator.engine=vllm", "generator.engine_args.enforce_eager=true",
