@@ -27,7 +27,7 @@ from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
 from apps.grpo.launch import make_task, reward_function, start_actors
 from apps.grpo.rewards import RewardHangError, RewardScorer
-from apps.grpo.rollouts import make_rollout, warm_started_model
+from apps.grpo.rollouts import EPISODE_BITS, make_rollout, warm_started_model
 from apps.grpo.summary import EpisodeCounters, RunSummary
 from forge import weight_store
 from forge.actor import rank0
@@ -178,7 +178,7 @@ class GRPOJob:
             return None
         advantages, _ = group_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
                                          normalize_std=self.cfg.rollout.normalize_advantages)
-        group_id = self.rng.getrandbits(46)  # its episode ids (apps/grpo/rollouts.py) travel as int64
+        group_id = self.rng.getrandbits(62 - EPISODE_BITS)  # its episode ids (episode_ids) travel as int64
         episodes = self.rollout.to_episodes(completions, group_id=group_id, rewards=rewards,
                                             advantages=advantages.tolist())
         if self.actors.reference is not None:

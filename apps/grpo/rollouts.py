@@ -1,11 +1,12 @@
 """How the GRPO job plays a group and evaluates, for a single-turn task and for a multi-turn one.
 
 Both have `group(problem, params, version) -> (samples, rewards)`, `evaluate(problems, params) -> rewards` and
-`to_episodes(samples, ...)` (the group packed for the buffer). Single-turn: one completion per episode, scored by the task's reward (or the user's).
-Multi-turn (a task with `environment()`): G episodes of one problem, played against the task's environments
-(forge.environments), token in / token out, scored by the environments. A multi-turn group's turns all go to one
-generator replica (a service session), so each turn continues a sequence that replica has just generated. Groups
-generating at once share actor calls (`route_batch`): one message per replica and turn, not one per group.
+`to_episodes(samples, ...)` (the group packed for the buffer). Single-turn: one completion per episode, scored by the
+task's reward (or the user's). Multi-turn (a task with `environment()`): G episodes of one problem, played against the
+task's environments (forge.environments), token in / token out, scored by the environments. A multi-turn group's turns
+all go to one generator replica (a service session), so each turn continues a sequence that replica has just
+generated. Groups generating at once share actor calls (`route_batch`): one message per replica and turn, not one per
+group.
 """
 
 from __future__ import annotations
