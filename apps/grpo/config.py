@@ -14,8 +14,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.engines.vllm_args import check_engine_args
+from actors.engines.vllm_args import check_engine_args, lora_engine_args
 from actors.generator_config import GeneratorConfig
+from actors.lora_config import check_lora_for_model
 from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
@@ -174,8 +175,15 @@ class GRPOConfig:
                                       normalize_field="rollout.normalize_advantages")
         if self.trainer.max_steps < self.steps:
             raise ValueError(f"trainer.max_steps={self.trainer.max_steps}: must be >= steps={self.steps}")
+        if self.trainer.lora is not None and self.trainer.init_checkpoint is not None:
+            raise ValueError(f"trainer.init_checkpoint={self.trainer.init_checkpoint!r} with trainer.lora: a LoRA "
+                             f"version publishes the adapter only, and the generators merge it onto model="
+                             f"{self.model!r}'s weights, not the trainer's base from init_checkpoint; export that "
+                             "checkpoint as a Hugging Face folder and set model to it, or train without lora")
         if self.generator.engine == "vllm":
             _check_vllm_engine_args(self.generator)
+            if self.trainer.lora is not None:  # every version is a LoRA request: what vLLM cannot serve, refused now
+                lora_engine_args(self.trainer.lora.rank, self.trainer.lora.target_modules)
         if self.task.reward:
             load_callable(self.task.reward, field="task.reward")  # importable, before any process starts
         if self.task.source == "openenv" and self.warm_start.enabled:
@@ -223,6 +231,9 @@ def check_model_layout(cfg: GRPOConfig) -> None:
             check_parallel_layout(hf_config, procs, tp)
         except ValueError as e:
             raise ValueError(f"{name}={procs}: {e} ({model})") from None
+    if cfg.trainer.lora is not None:  # TrainerConfig checked it against a local folder only; a hub id's is here now
+        check_lora_for_model(cfg.trainer.lora, cfg.trainer.family, hf_config, field_prefix="trainer.lora",
+                             tensor_parallel_degree=cfg.trainer.tensor_parallel_degree)
     if cfg.generator.engine == "vllm":
         _check_vllm_layout(cfg, hf_config)
 

@@ -54,6 +54,15 @@ def warm_started_model(cfg: GRPOConfig, task) -> tuple[str, float | None]:
     return str(path), accuracy
 
 
+def reference_config(cfg: GRPOConfig, model_path: str) -> ReferenceConfig:
+    """The frozen reference: the policy's initial weights, the trainer's `init_checkpoint` when it starts from one
+    (with LoRA, the base the adapters train on), scored as the trainer scores."""
+    t = cfg.trainer
+    return ReferenceConfig(model_path=model_path, family=t.family, dtype=t.dtype, device=t.device,
+                           init_checkpoint=t.init_checkpoint, temperature=t.temperature,
+                           chunk_rows=cfg.reference.chunk_rows)
+
+
 @dataclass
 class JobActors:
     trainer: Any  # TrainerActor mesh: train_step, publish_weights, checkpoints, export_hf
@@ -84,11 +93,8 @@ async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
                           gpus_per_proc=cfg.generator_gpus_per_proc, mesh_name="generator").as_service(generator_cfg),
     ]
     if cfg.reference.enabled:
-        ref_cfg = ReferenceConfig(model_path=model_path, family=cfg.trainer.family, dtype=cfg.trainer.dtype,
-                                  device=cfg.trainer.device, temperature=cfg.trainer.temperature,
-                                  chunk_rows=cfg.reference.chunk_rows)
         spawns.append(ReferenceActor.options(procs=r.reference_procs, with_gpus=r.with_gpus,
-                                             mesh_name="reference").as_actor(ref_cfg))
+                                             mesh_name="reference").as_actor(reference_config(cfg, model_path)))
     trainer, buffer, generators, *reference = await asyncio.gather(*spawns)
     for mesh in provisioner.meshes.values():  # which process is which, for ps/top/py-spy and fault reports
         print(f"provisioned mesh {mesh.name}: {len(mesh.processes)} procs (pids [{', '.join(map(str, mesh.processes))}])"

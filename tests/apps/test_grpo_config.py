@@ -152,6 +152,66 @@ def test_vllm_samples_at_temperatures_other_than_one():
     assert cfg.generator.engine == "vllm" and cfg.rollout.temperature == 0.7 == cfg.trainer.temperature
 
 
+# LoRA with the vLLM engine: every version is a LoRA request, so what vLLM cannot serve is refused with the config,
+# before the task is built and the warm start runs (it was found in apps/grpo/launch.py, after both).
+VLLM_LORA_REFUSALS = [
+    (ROOT / "configs/grpo_tiny_lora.yaml", ["generator.engine=vllm"],
+     r"trainer\.lora\.target_modules=\['q_proj', .*'lm_head'\]: vLLM 0\.13 has no LoRA on lm_head; use the hf engine "
+     r"or drop it from target_modules"),
+    (QWEN3_8B, ["+trainer.lora.rank=1024"], r"trainer\.lora\.rank=1024: vLLM serves LoRA ranks up to 512"),
+]
+
+
+@pytest.mark.parametrize("path,overrides,message", VLLM_LORA_REFUSALS, ids=["lm_head", "rank"])
+def test_lora_that_vllm_cannot_serve_is_refused_with_the_config(path, overrides, message, real_models, monkeypatch):
+    import apps.grpo.launch as launch
+
+    def started(*args, **kwargs):
+        raise AssertionError("the job started before its LoRA settings were checked")
+
+    monkeypatch.setattr(launch, "warm_start", started)
+    with pytest.raises(ConfigError, match=message):
+        if path == QWEN3_8B:
+            load_with_real_model(path, real_models, *overrides)
+        else:
+            load_job_config(["--config", str(path), *overrides])
+
+
+def test_lora_that_vllm_serves_is_accepted(real_models):
+    cfg = load_with_real_model(QWEN3_8B, real_models, "+trainer.lora.rank=24")
+    assert cfg.generator.engine == "vllm" and cfg.trainer.lora.rank == 24
+
+
+def test_lora_on_a_hub_models_tied_lm_head_is_refused_before_anything_starts(monkeypatch):
+    # A hub id has no local config.json for TrainerConfig to read: the job's check reads the fetched one.
+    import apps.grpo.config as grpo_config
+
+    monkeypatch.setattr(grpo_config, "read_hf_config", lambda model: REAL_CONFIGS["Qwen/Qwen3-1.7B"])
+    with pytest.raises(ConfigError, match=r"trainer\.lora\.target_modules=\['q_proj', 'lm_head'\]: 'lm_head' is tied "
+                                          r"to the input embedding in this model"):
+        load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "model=Qwen/Qwen3-1.7B",
+                         "+trainer.lora.target_modules=[q_proj,lm_head]"])
+
+
+def test_lora_from_an_init_checkpoint_is_refused(tmp_path):
+    # The generators merge each adapter onto `model`'s weights: a trainer base from init_checkpoint would not be it.
+    (tmp_path / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"trainer\.init_checkpoint='.*' with trainer\.lora: a LoRA version publishes "
+                                          r"the adapter only, and the generators merge it onto model="):
+        load_job_config(["--config", str(ROOT / "configs/grpo_tiny_lora.yaml"), f"trainer.init_checkpoint={tmp_path}"])
+
+
+def test_the_reference_model_starts_from_the_trainers_init_checkpoint(tmp_path):
+    from apps.grpo.launch import reference_config
+
+    (tmp_path / ".metadata").write_bytes(b"")
+    cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "reference.enabled=true",
+                              f"trainer.init_checkpoint={tmp_path}"])
+    ref = reference_config(cfg, cfg.model)
+    assert ref.init_checkpoint == str(tmp_path) and ref.model_path == cfg.model
+    assert (ref.family, ref.dtype, ref.temperature) == (cfg.trainer.family, cfg.trainer.dtype, cfg.trainer.temperature)
+
+
 def test_gsm8k_job_asks_in_the_models_chat_template_and_stops_at_its_end_of_turn(real_models, tmp_path):
     from apps.grpo.launch import make_task
     from forge.tiny_model import build_tokenizer
