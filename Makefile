@@ -18,7 +18,6 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
-	$(PY) -m forge.native install
 	@touch $(STAMP)
 	@echo "forge: installed"
 

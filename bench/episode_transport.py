@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import torch
 
-import forge.compat  # noqa: F401  (Monarch's native libraries on a host without a GPU)
 from forge.types import Episode, EpisodeBatch, TrainBatch
 from monarch._src.actor.pickle import flatten, unflatten
 

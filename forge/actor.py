@@ -28,7 +28,7 @@ from forge.compat import EndpointError, raise_if_failed
 from monarch._src.actor.endpoint import EndpointProperty  # noqa: E402
 from monarch.actor import Actor, endpoint  # noqa: E402
 
-from forge.provisioner import ProvisionedMesh, get_provisioner  # noqa: E402
+from forge.provisioner import ProvisionedMesh, actor_mesh_name, get_provisioner  # noqa: E402
 
 T = TypeVar("T", bound="ForgeActor")
 
@@ -136,7 +136,8 @@ class ForgeActor(Actor):
         try:
             # Shutdown lets a set-up under way finish before it stops the mesh (forge.compat, 10).
             async with provisioner.busy(f"spawning {cls.__name__} on mesh {mesh.name!r}"):
-                actor = ActorHandle(mesh.procs.spawn(cls.__name__.lower(), cls, *args, **kwargs))
+                name = actor_mesh_name(mesh.name, cls.__name__.lower())
+                actor = ActorHandle(mesh.procs.spawn(name, cls, *args, **kwargs))
                 if "teardown" in {n for c in cls.__mro__ if c is not ForgeActor for n in vars(c)}:
                     mesh.actors.append(actor)  # only actors with background work get a teardown call
                 await actor.setup.call()

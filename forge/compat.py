@@ -1,12 +1,11 @@
-"""Every workaround forge needs for torchmonarch 0.1.2 and torchstore 0.1.2, and nothing else.
+"""Every workaround forge needs for torchmonarch 0.7.0 and torchstore 0.1.2, and nothing else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).
-Nothing here runs at import, except making Monarch importable for the modules that import Monarch.
+Nothing here runs at import. Entries keep their numbers; those that went with the move from Monarch 0.1.2
+to 0.7.0 are listed after the table with the check that retired them.
 
- #  behaviour of 0.1.2                                     forge's answer (where)
- 1  `_rust_bindings.so` links libcuda/libcudart/libnccl/   preload CPU stand-ins (`import_monarch`; the
-    libibverbs/libmlx5 even on a host without a GPU        stand-ins are built by `python -m forge.native install`)
+ #  behaviour (Monarch 0.7.0 unless it says torchstore)   forge's answer (where)
  2  a process that misses proc-state queries for 60 s is   raise the deadline to 300 s (`configure_job_environment`);
     declared dead, live but starved ones included          the provisioner watches pids to report real deaths fast
  3  torchstore sets HYPERACTOR_CODEC_MAX_FRAME_LENGTH at   set it first, quietly (`configure_job_environment`,
@@ -71,12 +70,16 @@ Nothing here runs at import, except making Monarch importable for the modules th
     before its constructor ran, and fails the job's start  with `init` retried on exactly that error; can go when
     ("Actor object is missing when executing method init", 20 job starts in a row never print that error
     Monarch's own comment: out-of-order delivery)          (tests/apps/test_grpo.py under `make test`)
-24  1 in a child of a process that imported Monarch: vLLM  a job's processes inherit the stand-ins' path from the
-    inspects a model in a subprocess that unpickles its    controller (`configure_job_environment`); a process that
-    payload, which imports Monarch there; without the      runs an engine outside a job exports it first
-    stand-ins' path it dies on libcuda.so.1 and the        (`export_library_path_for_children`: the test session,
-    engine never starts (until vLLM's model-info cache     tests/conftest.py; the engines themselves import no
-    holds the model: only a first run on a machine fails)  Monarch); can go with 1
+25  torchstore 0.1.2's Controller mixes sync and async     `TorchstoreController`: its sync endpoints re-declared
+    endpoints, which Monarch 0.7 refuses to spawn          async, spawned under torchstore's own controller name
+    ("mixes both async and sync endpoints")                (`torchstore_controller`); can go when a torchstore
+                                                           release accepts Monarch >= 0.2
+
+Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
+ 1  CPU stand-ins for libcuda/libcudart/libnccl/libibverbs/libmlx5 (`forge/native`): 0.7.0's `_rust_bindings`
+    links only libc, libm, libgcc_s, libdl, librt and libpthread; `import monarch.actor` works with nothing on
+    LD_LIBRARY_PATH.
+24  the stand-ins' LD_LIBRARY_PATH exported to children (vLLM's model-inspection subprocess): went with 1.
 """
 
 from __future__ import annotations
@@ -95,29 +98,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from forge import native
+from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: F401 (11)
 
 logger = logging.getLogger(__name__)
-
-# -- 1. native libraries ----------------------------------------------------------------------------------
-# Can go when `python -c "import monarch.actor"` works on a host without CUDA or verbs libraries.
-
-
-def import_monarch() -> None:
-    """Make `import monarch` work in this process (idempotent; changes no environment variable)."""
-    native.preload()
-
-
-def export_library_path_for_children() -> None:
-    """Let child processes that this one starts import Monarch too (24): the stand-ins' folders on
-    LD_LIBRARY_PATH; nothing on a host with the real libraries."""
-    native.export_library_path()
-
-
-import_monarch()  # every module that imports this one goes on to import Monarch
-
-from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env  # noqa: E402
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402,F401 (11)
 
 # -- 2, 3, 16. the environment of a job's processes ---------------------------------------------------------
 # 2 can go when a busy process is no longer declared dead at the default deadline (run tests/forge with
@@ -130,24 +114,66 @@ JOB_ENVIRONMENT = {
 
 
 def configure_job_environment() -> None:
-    """Set what every process of the job needs before the first mesh is spawned (values the user set win):
-    the deadlines above, and the library path of the CPU stand-ins for the processes Monarch spawns."""
+    """Set what every process of the job needs before the first mesh is spawned (values the user set win)."""
     for key, value in JOB_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    export_library_path_for_children()
     reload_config_from_env()
 
 
 def import_torchstore() -> Any:
-    """torchstore, imported quietly, with its actors dropping replies to callers that are gone (8)."""
+    """torchstore, imported quietly, with its storage volumes dropping replies to callers that are gone (8)."""
     os.environ.setdefault("HYPERACTOR_CODEC_MAX_FRAME_LENGTH", JOB_ENVIRONMENT["HYPERACTOR_CODEC_MAX_FRAME_LENGTH"])
     import torchstore
-    from torchstore.controller import Controller
     from torchstore.storage_volume import StorageVolume
 
-    Controller._handle_undeliverable_message = drop_undeliverable
     StorageVolume._handle_undeliverable_message = drop_undeliverable
     return torchstore
+
+
+# -- 25. torchstore's controller on Monarch 0.7 ---------------------------------------------------------------
+# Can go when a torchstore release accepts Monarch >= 0.2 (its Controller declares no sync endpoint next to
+# its async ones: `TorchstoreController` below is then torchstore's Controller unchanged).
+
+
+def _torchstore_controller_class() -> type:
+    """torchstore's Controller with each sync endpoint re-declared async (Monarch 0.7 refuses an actor that
+    mixes both), dropping replies to callers that are gone (8)."""
+    from monarch._src.actor.endpoint import EndpointProperty
+    from monarch.actor import endpoint
+    from torchstore.controller import Controller
+
+    def as_async(method: Callable) -> Callable:
+        @functools.wraps(method)
+        async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return method(self, *args, **kwargs)
+        return run
+
+    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": "TorchstoreController",
+                                 "_handle_undeliverable_message": drop_undeliverable}
+    for name in dir(Controller):
+        value = getattr(Controller, name)
+        if isinstance(value, EndpointProperty) and not inspect.iscoroutinefunction(value._method):
+            namespace[name] = endpoint(as_async(value._method))
+    return type("TorchstoreController", (Controller,), namespace)
+
+
+def __getattr__(name: str) -> Any:
+    """`TorchstoreController` built on first use (importing this module imports no torchstore), under this
+    module's name, so that the process Monarch spawns it in unpickles it from here."""
+    if name == "TorchstoreController":
+        globals()[name] = _torchstore_controller_class()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+async def torchstore_controller() -> Any:
+    """The job's torchstore controller, spawned (once) under torchstore's own name as `TorchstoreController`,
+    which every later `torchstore` call by that name then reaches."""
+    from monarch.actor import get_or_spawn_controller
+    from torchstore.api import DEFAULT_TORCHSTORE_NAME
+
+    import_torchstore()
+    return await get_or_spawn_controller(DEFAULT_TORCHSTORE_NAME, __getattr__("TorchstoreController"))
 
 
 _INIT_BEFORE_CONSTRUCTOR = "Actor object is missing when executing method init"
@@ -157,13 +183,12 @@ async def initialize_torchstore(mesh: Any, attempts: int = 5, retry_s: float = 0
     """`torchstore.initialize(mesh=mesh)` with one storage volume, its controller's `init` retried while it fails
     only because it overtook the controller's constructor (23)."""
     import_torchstore()
-    from torchstore.api import DEFAULT_TORCHSTORE_NAME, _controller
     from torchstore.storage_volume import StorageVolume
     from torchstore.strategy import SingletonStrategy
 
     strategy = SingletonStrategy()  # what initialize picks for one volume
     volumes = await StorageVolume.spawn(num_volumes=1, mesh=mesh, id_func=strategy.get_volume_id)
-    controller = await _controller(DEFAULT_TORCHSTORE_NAME)
+    controller = await torchstore_controller()
     for attempt in range(1, attempts + 1):
         try:
             await controller.init.call(strategy=strategy, num_storage_volumes=1, storage_volumes=volumes)

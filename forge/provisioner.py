@@ -93,6 +93,15 @@ def _visible_gpus() -> list[int]:
         return []
 
 
+# Every proc mesh runs Monarch's log forwarder, an actor mesh Monarch names `logger-<id>`.
+MONARCH_LOG_FORWARDER = "logger-"
+
+
+def actor_mesh_name(proc_mesh: str, actor: str) -> str:
+    """The name of an actor mesh forge spawns on a proc mesh: Monarch reports a failure by that name."""
+    return f"{proc_mesh}_{actor}"
+
+
 HOST_SILENT_POLLS = 10  # a host whose watch agent misses this many polls in a row (~10 s) is reported lost
 REMOTE_SPAWN_TIMEOUT_S = 120.0  # a proc mesh on other hosts not up by then is an error naming it
 SPAWN_WAIT_S = 120.0  # how long shutdown waits for spawns already under way (a loaded host is slow)
@@ -255,8 +264,8 @@ class Provisioner:
             if placement:
                 # On other hosts a mesh that never comes up would block the first spawn on it for ever.
                 await asyncio.wait_for(proc_mesh.initialized, timeout=REMOTE_SPAWN_TIMEOUT_S)
-            agents = proc_mesh.spawn("proc_agent", ProcAgent, os.getpid(), psutil.Process().create_time(),
-                                     weight_store.job_id(), name)
+            agents = proc_mesh.spawn(actor_mesh_name(name, "proc_agent"), ProcAgent, os.getpid(),
+                                     psutil.Process().create_time(), weight_store.job_id(), name)
             found = sorted((await agents.identify.call()).values(), key=lambda p: p["rank"])
             master = found[0]
             shared = {
@@ -372,15 +381,18 @@ class Provisioner:
         self.fatal_failures.append(event)
 
     def on_supervision_event(self, failure: Any) -> None:
-        # Called by Monarch on its own thread (forge.compat, 4); must never raise.
+        # Called by Monarch on its own thread (forge.compat, 4); must never raise. Monarch names the actor mesh
+        # that failed; forge's actor meshes are named `<proc mesh>_<actor>` (`actor_mesh_name`).
         try:
-            message = str(failure)
-            if any(f"{name}_" in message for name in self._retired):
+            source = getattr(failure, "mesh_name", None) or str(failure)
+            if source.startswith(MONARCH_LOG_FORWARDER):
+                return  # the same process's death reaches us through its ProcAgent's actor mesh too
+            if any(source.startswith(f"{name}_") for name in self._retired):
                 return
-            mesh = next((m for m in self.meshes.values() if f"{m.name}_" in message), None)
+            mesh = next((m for m in self.meshes.values() if source.startswith(f"{m.name}_")), None)
             if mesh is not None and mesh.stopped:
                 return
-            self._report(mesh, message)
+            self._report(mesh, str(failure))
         except Exception:  # pragma: no cover - defensive
             logger.exception("error while handling a mesh failure")
 

@@ -6,17 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from forge import compat, provisioner
+from forge import provisioner
 
 # The processes a test starts (Monarch's proc meshes, apps run as subprocesses) import `tests.support` by
 # name, like the tests themselves; only the test run puts the repository root on their path.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                      if p and p != _ROOT]])
-
-
-# Engines that tests run outside a job start children that import Monarch (forge.compat, 24).
-compat.export_library_path_for_children()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -105,7 +105,6 @@ class _Endpoint:
 ])
 async def test_torchstore_init_is_retried_only_when_it_overtook_the_controllers_constructor(
         monkeypatch, first_error, expected_calls, raises):
-    import torchstore.api
     from torchstore.storage_volume import StorageVolume
 
     init = _Endpoint([AssertionError(first_error)])
@@ -113,11 +112,11 @@ async def test_torchstore_init_is_retried_only_when_it_overtook_the_controllers_
     async def spawn(**kwargs):
         return "volumes"
 
-    async def controller(name):
+    async def controller():
         return type("Controller", (), {"init": init})()
 
     monkeypatch.setattr(StorageVolume, "spawn", spawn)
-    monkeypatch.setattr(torchstore.api, "_controller", controller)
+    monkeypatch.setattr(compat, "torchstore_controller", controller)
     if raises:
         with pytest.raises(AssertionError, match=first_error):
             await compat.initialize_torchstore("mesh", retry_s=0)

@@ -1,5 +1,0 @@
-import sys
-
-from forge.native import main
-
-sys.exit(main())
