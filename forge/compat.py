@@ -14,9 +14,10 @@ to 0.7.0 are listed after the table with the check that retired them.
  5  the host process forwards children's output, and the   every process writes straight to the controller's
     first forwarded line can deadlock it (a re-entrant     stdout/stderr (`route_output_to_controller`)
     lock in hyperactor's `Named::typename` cache)
- 6  the host process outlives a SIGKILLed controller       each process's agent kills the tree (`exit_with_controller`)
- 7  an endpoint that raises can wedge or crash the caller  endpoints return their error; handles re-raise
-    (a reply with a remote traceback racing its ack)       (`report_endpoint_errors`)
+ 7  (0.1.2: an endpoint that raised could wedge or crash  endpoints return their error; handles re-raise it as
+    the caller; 0.7.0 passes the check below, 1,000       `EndpointError` (`report_endpoint_errors`, which also makes
+    raises in a row in 2.4 s) Monarch 0.7 refuses an       a ForgeActor's sync endpoints async); kept as forge's
+    actor mixing sync and async endpoints                  error API until its callers take Monarch's ActorError
  8  a reply to an actor that is gone is a supervision      forge's and torchstore's actors drop such messages
     failure of the sender                                  (`drop_undeliverable`, `import_torchstore`)
  9  torchstore's `keys(prefix)` returns [] for any prefix  filter all keys by hand (`keys_with_prefix`)
@@ -34,9 +35,6 @@ to 0.7.0 are listed after the table with the check that retired them.
     every process down                                     instead of stopping its mesh (`apps/server/runtime.py`,
                                                            `idle_trainers`); can go when stopping one trainer mesh
                                                            of several leaves the others answering
-15  a call awaited from asyncio and then cancelled gets    the loop's exception handler drops exactly that error
-    its result set anyway: asyncio logs InvalidStateError  (`ignore_results_of_cancelled_calls`, provisioner)
-    with a traceback for each (`monarch/_src/actor/future.py`, `mark_complete`)
 16  a message sent to a process that has just died (a     wait an hour before giving up on delivery
     reply to a SIGKILLed generator's in-flight weight-     (`configure_job_environment`): forge learns of a dead
     store call) bounces after 30 s to the sending          process from its pid within a second anyway (2), and
@@ -44,24 +42,18 @@ to 0.7.0 are listed after the table with the check that retired them.
     coordinator in the controller, which panics ("could    replica SIGKILLed mid-run never aborts the controller
     not propagate supervision event: coordinator port      with the variable unset (tests/apps/test_grpo_faults)
     is not set") and aborts the job
-17  across hosts, the default transport is unix sockets:   `enable_tcp_transport` before the first Monarch call
-    a proc mesh on a remote host never answers ("error     (forge.hosts_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
-    spawning proc mesh: statuses: Timeout(30s)")           in the per-host agents' environment (forge.host_agent)
-18  a remote host mesh's extent must have 2 dimensions     hosts x 1 (`HOST_EXTENT_LABELS`, forge.hosts_mesh)
-    ("invalid extent: {hosts: 2}, expected at least 2")
+17  the default transport is unix sockets (enabled on      `enable_tcp_transport` before the first Monarch call
+    the first Monarch call): a proc mesh on a remote host  (forge.hosts_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
+    never answers                                          in the per-host agents' environment (forge.host_agent)
 19  every process listens on the address its host's name   the per-host agent refuses to start when its name does
     resolves to (127.0.0.1 on a stock Debian /etc/hosts:   not resolve to its configured IP (forge.host_agent); the
     the controller then hangs silently)                    controller's name is checked the same way (forge.hosts_mesh)
 20  5 on a remote host: a remote process that prints one   every remote process writes to a file on its host under
     line through Monarch's pipe can deadlock its host      FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent);
     process (4 runs in 12 with one warning line)           can go with 5
-21  the controller's remote allocator listens for the      HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR set to the
-    hosts' answers on 127.0.0.1 whatever its host name     controller's own address (`remote_alloc_bootstrap_address`,
-    resolves to: the hosts' allocators cannot answer       forge.hosts_mesh); can go when a host mesh comes up with
-    ("failed to send Allocated message"), nothing starts   the variable unset (tests/forge/test_multihost.py)
-22  6 on another host: a SIGKILLed controller's remote    each host's watch process holds a TCP "lifeline" to the
-    processes live on for minutes (with 2 and 16's long    controller; when it closes, it kills its host process's
-    deadlines), its /dev/shm segments with them; and on    tree (`kill_host_tree_when_closed`, forge.hosts_mesh);
+22  (0.1.2) a SIGKILLed controller's remote processes    each host's watch process holds a TCP "lifeline" to the
+    lived on for minutes (with 2 and 16's long             controller; when it closes, it kills what its host's
+    deadlines), its /dev/shm segments with them; and on    worker started (`kill_host_tree_when_closed`, forge.hosts_mesh);
     the controller's own host, where no mesh of a multi-   a detached guard process kills the controller's Monarch
     host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
     (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
@@ -80,6 +72,14 @@ Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
     links only libc, libm, libgcc_s, libdl, librt and libpthread; `import monarch.actor` works with nothing on
     LD_LIBRARY_PATH.
 24  the stand-ins' LD_LIBRARY_PATH exported to children (vLLM's model-inspection subprocess): went with 1.
+ 6  each process's agent killing its host process's tree once the controller is gone (`exit_with_controller`):
+    with Monarch 0.7 a proc on the controller's host is the controller's own child (no host process) and is gone
+    within 2 s of a SIGKILLed controller, with no forge code.
+15  dropping asyncio's InvalidStateError for the result of a cancelled call: a call cancelled while its reply is in
+    flight logs nothing on 0.7.
+18  a host mesh extent of hosts x 1, and
+21  HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR: 0.7 has no remote allocator; the controller attaches to a Monarch worker
+    on every host (`attach_to_workers`, a 1-D `hosts` mesh; forge.hosts_mesh, forge.host_agent).
 """
 
 from __future__ import annotations
@@ -135,18 +135,23 @@ def import_torchstore() -> Any:
 # its async ones: `TorchstoreController` below is then torchstore's Controller unchanged).
 
 
+def as_async(method: Callable) -> Callable:
+    """`method` as a coroutine function that runs it inline (itself if it is one already)."""
+    if inspect.iscoroutinefunction(method):
+        return method
+
+    @functools.wraps(method)
+    async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+    return run
+
+
 def _torchstore_controller_class() -> type:
     """torchstore's Controller with each sync endpoint re-declared async (Monarch 0.7 refuses an actor that
     mixes both), dropping replies to callers that are gone (8)."""
     from monarch._src.actor.endpoint import EndpointProperty
     from monarch.actor import endpoint
     from torchstore.controller import Controller
-
-    def as_async(method: Callable) -> Callable:
-        @functools.wraps(method)
-        async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return method(self, *args, **kwargs)
-        return run
 
     namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": "TorchstoreController",
                                  "_handle_undeliverable_message": drop_undeliverable}
@@ -213,9 +218,8 @@ def install_fault_hook(handler: Callable[[Any], None]) -> None:
     monarch.actor.unhandled_fault_hook = handler
 
 
-# -- 5, 6. process output and orphans -----------------------------------------------------------------------
-# 5 can go when 20 starts in a row of a job whose processes print at start-up all finish (tests/apps);
-# 6 when SIGKILLing the controller leaves no Monarch process behind within a few seconds.
+# -- 5. process output -----------------------------------------------------------------------
+# 5 can go when 20 starts in a row of a job whose processes print at start-up all finish (tests/apps).
 
 
 def append_mode_for_file_output() -> None:
@@ -243,29 +247,15 @@ def route_output_to_controller(controller_pid: int) -> None:
         os.close(opened)
 
 
-def exit_with_controller(controller_pid: int, poll_s: float = 1.0) -> None:
-    """A daemon thread that, once the controller is gone, kills the host process's tree and this process."""
-    import psutil
-
-    def watch() -> None:
-        while psutil.pid_exists(controller_pid):
-            time.sleep(poll_s)
-        _kill_host_tree_and_exit()
-
-    threading.Thread(target=watch, daemon=True, name="exit-with-controller").start()
-
-
 def _kill_host_tree_and_exit() -> None:
-    """Kill this process's host process (Monarch's, for this job on this host), everything it started, and this
-    process."""
+    """Kill the job's other processes on this host (everything this host's Monarch worker, `forge.host_agent`,
+    started; the worker itself stays for the next job) and this process."""
     import psutil
 
     me = psutil.Process()
-    host = me.parent()
-    # This host's Monarch host process: `bootstrap_main` on the controller's host, `monarch_bootstrap` (started by
-    # the host's process_allocator, which lives on for the next job) on another host.
-    is_host = host is not None and any(m in " ".join(host.cmdline()) for m in ("bootstrap_main", "monarch_bootstrap"))
-    for proc in [host, *host.children(recursive=True)] if is_host else []:
+    worker = me.parent()
+    is_worker = worker is not None and "forge.host_agent" in worker.cmdline()
+    for proc in worker.children(recursive=True) if is_worker else []:
         if proc.pid != me.pid:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
@@ -296,25 +286,16 @@ class RaisedInEndpoint:
 
 
 def report_endpoint_errors(cls_name: str, name: str, method: Callable) -> Callable:
-    """`method`, returning a `RaisedInEndpoint` instead of raising across the wire."""
+    """`method` as a coroutine function returning a `RaisedInEndpoint` instead of raising across the wire. A
+    sync method runs inline: Monarch 0.7 refuses an actor that mixes sync and async endpoints."""
+    method = as_async(method)
 
-    def report(error: Exception) -> RaisedInEndpoint:
-        return RaisedInEndpoint(cls_name, name, f"{type(error).__name__}: {error}", traceback.format_exc())
-
-    if inspect.iscoroutinefunction(method):
-        @functools.wraps(method)
-        async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return await method(self, *args, **kwargs)
-            except Exception as error:
-                return report(error)
-    else:
-        @functools.wraps(method)
-        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as error:
-                return report(error)
+    @functools.wraps(method)
+    async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(self, *args, **kwargs)
+        except Exception as error:
+            return RaisedInEndpoint(cls_name, name, f"{type(error).__name__}: {error}", traceback.format_exc())
     wrapped._forge_reports_errors = True
     return wrapped
 
@@ -346,61 +327,24 @@ async def keys_with_prefix(torchstore: Any, prefix: str) -> list[str]:
     return [key for key in await torchstore.keys() if key.startswith(prefix)]
 
 
-# -- 15. results of cancelled calls -------------------------------------------------------------------------
-# Can go when cancelling `await actor.endpoint.call()` and letting the reply arrive logs nothing.
-
-
-def ignore_results_of_cancelled_calls(loop: asyncio.AbstractEventLoop) -> None:
-    """On `loop`, drop the InvalidStateError of a result set on a call its caller had cancelled (every other
-    error still reaches the handler that was there before)."""
-    previous = loop.get_exception_handler()
-    if getattr(previous, "_forge_ignores_cancelled_results", False):
-        return
-
-    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        handle = repr(context.get("handle", ""))
-        if isinstance(context.get("exception"), asyncio.InvalidStateError) and (
-                "Future.set_result" in handle or "Future.set_exception" in handle):
-            return
-        if previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
-
-    handler._forge_ignores_cancelled_results = True
-    loop.set_exception_handler(handler)
-
-
-# -- 17, 18. several hosts ------------------------------------------------------------------------------------
-# 17 can go when a controller that never names a transport spawns a proc mesh on a remote host's allocator
-# (tests/forge/test_multihost.py with `enable_tcp_transport` removed); 18 when `Extent(["hosts"], [2])`
-# allocates on a RemoteAllocator.
+# -- 17. several hosts ------------------------------------------------------------------------------------------
+# Can go when a controller that never names a transport spawns a proc mesh on a remote host's worker
+# (tests/forge/test_multihost.py with `enable_tcp_transport` removed).
 
 TRANSPORT_VARIABLE = "HYPERACTOR_MESH_DEFAULT_TRANSPORT"
-HOST_EXTENT_LABELS = ("hosts", "gpus")  # 18: hosts x 1
 
 
 def use_tcp_transport_in_environment() -> None:
-    """Processes started from this one (a host's allocator and what it spawns) use tcp (17)."""
+    """Processes started from this one (a host's worker and what it spawns) use tcp (17)."""
     os.environ[TRANSPORT_VARIABLE] = "tcp"
 
 
 def enable_tcp_transport() -> None:
-    """This process talks tcp to other hosts (17); must run before its first Monarch call."""
-    from monarch._src.actor import actor_mesh
+    """This process talks tcp to other hosts (17); must run before its first Monarch call (again: no-op)."""
+    from monarch.actor import enable_transport
 
     use_tcp_transport_in_environment()
-    if actor_mesh._transport is None or actor_mesh._context.get(None) is None:  # a second job in one process
-        actor_mesh.enable_transport("tcp")
-
-
-# -- 21. the remote allocator's own address -------------------------------------------------------------------
-
-
-def remote_alloc_bootstrap_address(address: str) -> None:
-    """The controller's remote allocator takes the hosts' answers on `address` (an IP of this host), any port."""
-    os.environ["HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR"] = f"tcp!{address}:0"
-    reload_config_from_env()
+    enable_transport("tcp")
 
 
 # -- 20. output of remote processes ---------------------------------------------------------------------------

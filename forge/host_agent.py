@@ -1,14 +1,13 @@
-"""The per-host agent of a multi-host job: Monarch's `process_allocator`, started with forge's environment.
+"""The per-host agent of a multi-host job: a Monarch worker (`run_worker_loop_forever`) with forge's environment.
 
-Run once on every host of the job, before the controller starts (same port on every host: Monarch's
-remote allocator dials one port):
+Run once on every host of the job, before the controller starts (the same port on every host):
 
     python -m forge.host_agent --addr 10.0.0.2 --port 26600 [--log-dir /tmp/forge-logs]
 
-The allocator spawns the job's processes on this host when the controller asks. They inherit this
-environment: the CPU stand-ins' library path, forge's job deadlines and the tcp transport (forge.compat),
-and FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output (a remote
-process never prints through Monarch's log pipe: forge.compat, 5 and 17).
+The worker spawns the job's processes on this host when the controller, attached to every host's worker
+(forge.hosts_mesh), asks. They inherit this environment: forge's job deadlines and the tcp transport
+(forge.compat), and FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output
+(a remote process never prints through Monarch's log pipe: forge.compat, 5 and 20).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -39,20 +37,13 @@ def own_address_problem(address: str) -> str | None:
     return None
 
 
-def agent_command(address: str, port: int) -> list[str]:
-    """Monarch's allocator listening on `address:port`, spawning `monarch_bootstrap` from this environment."""
-    bin_dir = Path(sys.executable).parent
-    allocator = shutil.which("process_allocator", path=str(bin_dir)) or "process_allocator"
-    bootstrap = shutil.which("monarch_bootstrap", path=str(bin_dir)) or "monarch_bootstrap"
-    return [allocator, "--addr", f"tcp!{address}:{port}", "--program", bootstrap]
-
-
-def agent_environment(log_dir: str) -> dict[str, str]:
+def configure_agent_environment(log_dir: str) -> None:
+    """What the processes this host's worker spawns inherit (set before the worker starts)."""
     from forge import compat
 
-    compat.configure_job_environment()  # deadlines, the stand-ins' library path
+    os.environ[LOG_DIR_VARIABLE] = log_dir
+    compat.configure_job_environment()  # deadlines
     compat.use_tcp_transport_in_environment()
-    return {**os.environ, LOG_DIR_VARIABLE: log_dir}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,15 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ipaddress.ip_address(args.addr)
     except ValueError:
-        parser.error(f"--addr {args.addr!r}: must be an IP address (Monarch's allocator does not take host names)")
+        parser.error(f"--addr {args.addr!r}: must be an IP address (Monarch's worker does not take host names)")
     problem = own_address_problem(args.addr)
     if problem:
         parser.error(problem)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    command = agent_command(args.addr, args.port)
-    print(f"forge host agent: {' '.join(command)} (process output in {args.log_dir})", flush=True)
-    os.execve(command[0], command, agent_environment(args.log_dir))
-    return 1  # not reached
+    configure_agent_environment(args.log_dir)
+    from forge.hosts import worker_address
+    from monarch.actor import run_worker_loop_forever
+
+    address = worker_address(args.addr, args.port)
+    print(f"forge host agent: Monarch worker on {address} (process output in {args.log_dir})", flush=True)
+    run_worker_loop_forever(address=address, ca="trust_all_connections")
+    return 0
 
 
 if __name__ == "__main__":

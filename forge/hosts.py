@@ -7,22 +7,20 @@ no Monarch: a bad section is refused before anything starts).
       procs_per_host: 8                 # optional: refuse a placement that needs more
       roles: {trainer: [0], generator: [1]}
 
-or, for an allocation made by a scheduler (`monarch create -s slurm ...`), `scheduler: slurm:///1234` with
-`num_hosts: 2` instead of `addresses`. A role is a mesh's name (an actor's `mesh_name`, or its class name
-in lower case); roles not listed run on the first host. Empty (the default): everything on this host.
+A role is a mesh's name (an actor's `mesh_name`, or its class name in lower case); roles not listed run on the
+first host. Empty (the default): everything on this host.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-# What Monarch's TorchX initializer accepts: `{scheduler}://{namespace}/{job_id}` (the namespace may be empty).
-_SERVER_HANDLE = re.compile(r"^(?P<scheduler>[a-z_]+)://(?P<namespace>[^/]*)/(?P<job>[^/]+)$")
-SCHEDULERS = ("slurm", "kubernetes", "k8s", "mast", "local_cwd")
+def worker_address(address: str, port: int) -> str:
+    """Where the Monarch worker of the host agent at `address` listens (forge.host_agent)."""
+    return f"tcp://{address}:{port}"
 
 
 class HostsError(ValueError):
@@ -32,25 +30,21 @@ class HostsError(ValueError):
 @dataclass
 class HostsConfig:
     addresses: list[str] = field(default_factory=list)  # IPs where the per-host agents listen
-    port: int = 26600  # the agents' port, the same on every host (Monarch's remote allocator dials one)
-    scheduler: str | None = None  # a TorchX server handle ("slurm:///1234"), instead of `addresses`
-    num_hosts: int | None = None  # with `scheduler`: how many hosts the allocation has
+    port: int = 26600  # the agents' port, the same on every host
     procs_per_host: int | None = None  # how many processes a host offers (None: not checked)
     roles: dict[str, list[int]] = field(default_factory=dict)  # role -> indices of its hosts
     connect_timeout_s: float = 3.0  # the reachability check's bound per host
 
     @property
     def enabled(self) -> bool:
-        return bool(self.addresses) or self.scheduler is not None
+        return bool(self.addresses)
 
     @property
     def count(self) -> int:
-        return len(self.addresses) if self.addresses else (self.num_hosts or 0)
+        return len(self.addresses)
 
     def validate(self, path: str = "hosts") -> HostsConfig:
         """Everything that can be checked without the network; raises HostsError naming the field."""
-        if self.addresses and self.scheduler is not None:
-            raise HostsError(f"{path}.addresses and {path}.scheduler={self.scheduler!r}: give one of them, not both")
         if not 0 < self.port < 65536:
             raise HostsError(f"{path}.port={self.port}: must be a TCP port (1..65535)")
         if self.connect_timeout_s <= 0:
@@ -63,7 +57,7 @@ class HostsConfig:
             try:
                 ip = ipaddress.ip_address(address)
             except ValueError:
-                raise HostsError(f"{where}: must be an IP address; Monarch's allocators take no host names "
+                raise HostsError(f"{where}: must be an IP address; Monarch's workers take no host names "
                                  f"(resolve it first, e.g. `getent hosts {address}`)") from None
             if ip.is_loopback or ip.is_unspecified:
                 raise HostsError(f"{where}: a loopback or unspecified address cannot name a host of a multi-host "
@@ -71,17 +65,6 @@ class HostsConfig:
             if str(ip) in seen:
                 raise HostsError(f"{where}: duplicate of {path}.addresses[{seen[str(ip)]}]; each host once")
             seen[str(ip)] = i
-        if self.scheduler is not None:
-            match = _SERVER_HANDLE.match(self.scheduler)
-            if match is None or match["scheduler"] not in SCHEDULERS:
-                raise HostsError(f"{path}.scheduler={self.scheduler!r}: must be a TorchX server handle "
-                                 f"'SCHEDULER://[NAMESPACE]/JOB_ID' with SCHEDULER one of {', '.join(SCHEDULERS)}")
-            if self.num_hosts is None or self.num_hosts < 1:
-                raise HostsError(f"{path}.num_hosts={self.num_hosts}: with {path}.scheduler, say how many hosts "
-                                 "the allocation has (>= 1)")
-        elif self.num_hosts is not None and self.num_hosts != len(self.addresses):
-            raise HostsError(f"{path}.num_hosts={self.num_hosts}: {path}.addresses lists {len(self.addresses)} "
-                             "hosts; leave num_hosts unset with addresses")
         for role, indices in self.roles.items():
             if not indices:
                 raise HostsError(f"{path}.roles.{role}=[]: list at least one host index")
@@ -104,7 +87,7 @@ class HostsConfig:
                              f"{host} ({self.describe(host)}), which already runs {used.get(host, 0)}")
 
     def describe(self, host: int) -> str:
-        return self.addresses[host] if self.addresses else f"{self.scheduler} host {host}"
+        return self.addresses[host]
 
     def check_reachable(self, path: str = "hosts") -> None:
         """A bounded TCP connect to every host's agent, all at once; raises naming every host that failed."""

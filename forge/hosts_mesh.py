@@ -1,26 +1,18 @@
-"""A Monarch host mesh over the hosts of a `hosts` config section (forge.hosts): one Monarch remote
-allocator dialling every host's agent (`python -m forge.host_agent`), or a scheduler's allocation through
-TorchX. Everything that can be refused is refused before the first Monarch call."""
+"""A Monarch host mesh over the hosts of a `hosts` config section (forge.hosts): the controller attaches to
+the Monarch worker that every host's agent runs (`python -m forge.host_agent`). Everything that can be
+refused is refused before the first Monarch call."""
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import threading
 
 from forge import compat
 from forge.actor import ForgeActor
-from forge.hosts import HostsConfig, HostsError
+from forge.hosts import HostsConfig, HostsError, worker_address
 
-from monarch._src.actor.allocator import (  # noqa: E402 (after forge.compat)
-    RemoteAllocator,
-    RemoteAllocInitializer,
-    StaticRemoteAllocInitializer,
-    TorchXRemoteAllocInitializer,
-)
-from monarch._src.actor.v1.host_mesh import BootstrapCommand, HostMesh, _bootstrap_cmd  # noqa: E402
-from monarch._rust_bindings.monarch_hyperactor.shape import Extent  # noqa: E402
+from monarch.actor import HostMesh, attach_to_workers
 
 
 def controller_address() -> str:
@@ -38,22 +30,14 @@ def controller_address() -> str:
     return reachable[0]
 
 
-def initializer(hosts: HostsConfig) -> RemoteAllocInitializer:
-    """Where Monarch's remote allocator finds the hosts' agents."""
-    if hosts.scheduler is not None:
-        return TorchXRemoteAllocInitializer(hosts.scheduler, transport="tcp", port=hosts.port)
-    return StaticRemoteAllocInitializer(*(f"tcp!{address}:{hosts.port}" for address in hosts.addresses))
-
-
 def check_hosts(hosts: HostsConfig) -> None:
     """Check the section (fields, reachable agents, this controller's own address) and switch this process to
     tcp (forge.compat, 17); raises HostsError naming the field."""
     hosts.validate()
     if not hosts.enabled:
-        raise HostsError("hosts: no addresses and no scheduler: a host mesh needs one of them")
-    if hosts.addresses:
-        hosts.check_reachable()
-    compat.remote_alloc_bootstrap_address(controller_address())
+        raise HostsError("hosts: no addresses: a host mesh needs at least one")
+    hosts.check_reachable()
+    controller_address()  # refuses a host name other hosts could not reach this controller at (19)
     compat.guard_controller_host()  # nothing of the job outlives a SIGKILLed controller here either (22)
     try:
         compat.enable_tcp_transport()
@@ -62,20 +46,11 @@ def check_hosts(hosts: HostsConfig) -> None:
 
 
 def allocate_host_mesh(hosts: HostsConfig, name: str = "hosts") -> HostMesh:
-    """The host mesh over `hosts` (checked by `check_hosts`); returns at once, Monarch connects in the background."""
-    allocator = RemoteAllocator(world_id=f"forge-{name}", initializer=initializer(hosts))
-    extent = Extent(list(compat.HOST_EXTENT_LABELS), [hosts.count, 1])  # forge.compat, 18
-    return HostMesh.allocate_nonblocking(name, extent, allocator, bootstrap_cmd=bootstrap_command())
-
-
-def bootstrap_command() -> BootstrapCommand:
-    """How each host starts Monarch's host process: this interpreter's path (the same environment installed at
-    the same path on every host), with the job's environment (forge.compat, 1, 2, 3, 17) passed along."""
+    """The host mesh over `hosts` (checked by `check_hosts`), one dimension `hosts`; returns at once, Monarch
+    connects to the hosts' workers in the background."""
     compat.configure_job_environment()
-    command = _bootstrap_cmd()
-    passed = [*compat.JOB_ENVIRONMENT, compat.TRANSPORT_VARIABLE, "LD_LIBRARY_PATH", "PYTHONPATH"]
-    env = {**command.env, **{key: os.environ[key] for key in passed if key in os.environ}}
-    return BootstrapCommand(command.program, command.arg0, command.args, env)
+    return attach_to_workers(ca="trust_all_connections", name=name,
+                             workers=[worker_address(address, hosts.port) for address in hosts.addresses])
 
 
 # -- the lifeline (forge.compat, 22) ----------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 Each host is a network namespace joined to a bridge in the root namespace by a veth pair, with its own
 hostname, /etc/hosts, resolv.conf (pointing at 127.0.0.1, so no name query leaves the machine), a private
 tmpfs /dev/shm, and its own PID namespace (a remote pid means nothing to the controller, as on real
-machines). Inside it runs forge's per-host agent (`python -m forge.host_agent`, Monarch's
-process_allocator). The test process is the controller, on the bridge's address: it runs again in a
+machines). Inside it runs forge's per-host agent (`python -m forge.host_agent`, a Monarch
+worker). The test process is the controller, on the bridge's address: it runs again in a
 hostname and hosts file of its own (`relaunch_as_controller_host`) so that Monarch listens there.
 
 Addresses come from 198.18.0.0/15 only; traffic stays between the bridge and these namespaces. Every
@@ -168,7 +168,7 @@ class SimulatedHost:
         with contextlib.suppress(psutil.Error):
             for proc in psutil.Process(init).children(recursive=True) if init else []:
                 with contextlib.suppress(psutil.Error):
-                    if proc.status() != psutil.STATUS_ZOMBIE and "process_allocator" not in proc.name():
+                    if proc.status() != psutil.STATUS_ZOMBIE and "forge.host_agent" not in proc.cmdline():
                         found.append(proc)
         return found
 
@@ -264,9 +264,8 @@ class SimulatedHosts:
             time.sleep(0.2)
 
     def restart_agents(self) -> None:
-        """Every host as freshly booted: its processes killed, a new agent, an empty /dev/shm. After a job that failed
-        on a host, Monarch 0.1.2's process_allocator there can refuse every later allocation ("no process has ever
-        been allocated on <address>"), so one failed test would fail every later one."""
+        """Every host as freshly booted: its processes killed, a new agent, an empty /dev/shm, so that one failed
+        test cannot fail every later one through what it left on a host."""
         self._stop_hosts()
         self._start_agents()
 

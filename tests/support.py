@@ -64,6 +64,16 @@ class EchoActor(ForgeActor):
         record_metric(name, value, reduce)
 
 
+class SyncEndpointActor(ForgeActor):
+    """Plain `def` endpoints next to ForgeActor's async `setup` and `teardown`."""
+
+    @endpoint
+    def half(self, value: int) -> int:
+        if value % 2:
+            raise ValueError(f"{value} is odd")
+        return value // 2
+
+
 def constant_state_dict(version: int) -> dict[str, torch.Tensor]:
     """A small HF-named state dict whose values are derived from `version` (easy to check after a fetch)."""
     return {

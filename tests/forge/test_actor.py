@@ -5,10 +5,10 @@ import os
 import psutil
 import pytest
 
-from forge.actor import ForgeActor
+from forge.actor import EndpointError, ForgeActor
 from forge.metrics import drain_local, merge_partials
 from forge.provisioner import Provisioner, get_provisioner
-from tests.support import EchoActor
+from tests.support import EchoActor, SyncEndpointActor
 
 
 async def test_two_process_actor_gets_distributed_environment_and_setup():
@@ -36,6 +36,17 @@ async def test_an_endpoint_may_return_a_bare_tensor():
         assert torch.equal(await actor.identity.call_one(torch.arange(3.0)), torch.arange(3.0))
         (only,) = (await actor.identity.call(torch.ones(2))).values()
         assert torch.equal(only, torch.ones(2))
+    finally:
+        await ForgeActor.shutdown(actor)
+
+
+async def test_an_actor_with_sync_endpoints_serves_them_and_reports_their_errors():
+    """Monarch 0.7 refuses an actor mixing sync and async endpoints; a ForgeActor's run as async ones."""
+    actor = await SyncEndpointActor.options(mesh_name="sync").as_actor()
+    try:
+        assert await actor.half.call_one(42) == 21
+        with pytest.raises(EndpointError, match=r"SyncEndpointActor.half raised ValueError: 3 is odd"):
+            await actor.half.call_one(3)
     finally:
         await ForgeActor.shutdown(actor)
 

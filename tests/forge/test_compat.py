@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import subprocess
 import sys
@@ -56,37 +57,16 @@ async def test_keys_with_prefix_filters_what_torchstore_returns():
     assert await compat.keys_with_prefix(FakeStore(), "policy/") == ["policy/v1/w", "policy/v2/w"]
 
 
-def test_a_reported_endpoint_error_is_raised_again_in_the_caller():
+async def test_a_reported_endpoint_error_of_a_sync_method_is_raised_again_in_the_caller():
     def broken(self, x):
         raise ValueError(f"bad x={x}")
 
     wrapped = compat.report_endpoint_errors("Thing", "broken", broken)
-    reported = wrapped(None, 3)
+    assert inspect.iscoroutinefunction(wrapped)  # Monarch 0.7 refuses an actor mixing sync and async endpoints
+    reported = await wrapped(None, 3)
     with pytest.raises(compat.EndpointError, match=r"Thing.broken raised ValueError: bad x=3"):
         compat.raise_if_failed(reported)
     assert compat.raise_if_failed(5) == 5
-
-
-async def test_a_result_set_on_a_cancelled_call_is_not_reported_and_other_errors_are():
-    loop = asyncio.get_running_loop()
-    reported: list[dict] = []
-    before = loop.get_exception_handler()
-    loop.set_exception_handler(lambda loop, context: reported.append(context))
-    try:
-        compat.ignore_results_of_cancelled_calls(loop)
-        compat.ignore_results_of_cancelled_calls(loop)  # once is enough
-        cancelled = loop.create_future()
-        cancelled.cancel()
-        loop.call_soon(cancelled.set_result, 1)  # what Monarch's reply does to a call its caller cancelled
-
-        def broken() -> None:
-            raise RuntimeError("a real error")
-
-        loop.call_soon(broken)
-        await asyncio.sleep(0.05)
-    finally:
-        loop.set_exception_handler(before)
-    assert [type(c.get("exception")).__name__ for c in reported] == ["RuntimeError"]
 
 
 class _Endpoint:

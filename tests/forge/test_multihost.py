@@ -81,8 +81,6 @@ async def _until(condition, timeout: float, what: str) -> None:
     (dict(addresses=["hostb.example"]), "hosts.addresses[0]='hostb.example': must be an IP address"),
     (dict(addresses=["127.0.0.1"]), "hosts.addresses[0]='127.0.0.1': a loopback"),
     (dict(addresses=["198.18.0.2"], roles={"trainer": [1]}), "hosts.roles.trainer: host index 1 is out of range"),
-    (dict(scheduler="slurm:/1234", num_hosts=2), "hosts.scheduler='slurm:/1234': must be a TorchX server handle"),
-    (dict(scheduler="slurm:///1234"), "hosts.num_hosts=None: with hosts.scheduler"),
     (dict(addresses=["198.18.0.2"], port=0), "hosts.port=0"),
 ])
 def test_a_bad_section_is_refused_naming_the_field(section, field):
@@ -110,17 +108,12 @@ def test_more_processes_than_a_host_offers_are_refused():
         section.check_capacity({1: 1}, 1, 2, "mesh 'generator'")
 
 
-def test_the_scheduler_route_builds_monarchs_torchx_initializer():
-    from monarch._src.actor.allocator import StaticRemoteAllocInitializer, TorchXRemoteAllocInitializer
+def test_the_host_mesh_attaches_to_every_hosts_worker():
+    from forge.hosts import worker_address
 
-    from forge.hosts_mesh import initializer
-
-    made = initializer(HostsConfig(scheduler="slurm:///1234", num_hosts=2, port=26601).validate())
-    assert isinstance(made, TorchXRemoteAllocInitializer)
-    assert (made.server_handle, made.transport, made.port) == ("slurm:///1234", "tcp", 26601)
-    static = initializer(HostsConfig(addresses=["198.18.0.2", "198.18.0.3"]).validate())
-    assert isinstance(static, StaticRemoteAllocInitializer)
-    assert static.addrs == ["tcp!198.18.0.2:26600", "tcp!198.18.0.3:26600"]
+    section = HostsConfig(addresses=["198.18.0.2", "198.18.0.3"], port=26601).validate()
+    assert [worker_address(a, section.port) for a in section.addresses] == ["tcp://198.18.0.2:26601",
+                                                                             "tcp://198.18.0.3:26601"]
 
 
 # -- a job across two hosts ---------------------------------------------------------------------------------
