@@ -30,6 +30,7 @@ class ProcAgent(Actor):
     def __init__(self, controller_pid: int, controller_started: float, job_id: str, mesh_name: str) -> None:
         # On another host the controller's pid means nothing: its create time tells the hosts apart.
         self.local = processes.is_this_host(controller_pid, controller_started)
+        compat.plain_log_messages()
         self.log_file = ""
         if self.local:
             compat.route_output_to_controller(controller_pid)
