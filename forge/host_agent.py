@@ -1,4 +1,5 @@
-"""The per-host agent of a multi-host job: a Monarch worker (`run_worker_loop_forever`) with forge's environment.
+"""The per-host agent of a multi-host job: a Monarch worker (`run_worker_loop_forever`) for each job in turn, with
+forge's environment.
 
 Run once on every host of the job, before the controller starts (the same port on every host):
 
@@ -62,12 +63,29 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     configure_agent_environment(args.log_dir)
     from forge.hosts import worker_address
-    from monarch.actor import run_worker_loop_forever
 
     address = worker_address(args.addr, args.port)
     print(f"forge host agent: Monarch worker on {address} (process output in {args.log_dir})", flush=True)
-    run_worker_loop_forever(address=address, ca="trust_all_connections")
-    return 0
+    serve_jobs(address)
+    return 1  # not reached
+
+
+WORKER_RESTART_PAUSE_S = 0.5  # a worker that cannot start (port taken) is retried, not spun on
+
+
+def serve_jobs(address: str) -> None:
+    """One Monarch worker per job, for ever: a job's end (`HostMesh.shutdown`) ends its worker's process, and the
+    next job needs a fresh one on the same address."""
+    import subprocess
+    import time
+
+    serve = ("from monarch.actor import run_worker_loop_forever; "
+             f"run_worker_loop_forever(address={address!r}, ca='trust_all_connections')")
+    while True:
+        # `forge.host_agent` in its command line: how a job's process knows its host's worker (forge.compat, 22).
+        code = subprocess.call([sys.executable, "-c", serve, "forge.host_agent"])
+        print(f"forge host agent: worker exited ({code}); starting the next", flush=True)
+        time.sleep(WORKER_RESTART_PAUSE_S)
 
 
 if __name__ == "__main__":

@@ -58,26 +58,23 @@ def kill(pids: list[int]) -> None:
                 proc.kill()
 
 
-def monarch_children(*, hosts: bool = True) -> list[int]:
-    """Pids of this process's descendants that Monarch started: the host agent (`this_host()`'s process, a
-    direct child, left out when `hosts=False`), the proc meshes' processes it spawned, and what those started
-    (a vLLM engine-core process, say)."""
+def monarch_children() -> list[int]:
+    """Pids of this process's descendants that Monarch started (a proc mesh's processes are the controller's
+    own children with Monarch 0.7) and what those started (a vLLM engine-core process, say)."""
     me = psutil.Process()
     pids: dict[int, None] = {}
     for child in me.children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if any("monarch" in part for part in child.cmdline()) and (hosts or child.ppid() != me.pid):
+            if any("monarch" in part for part in child.cmdline()):
                 pids[child.pid] = None
-                if child.ppid() != me.pid:  # a mesh process: its own children go with it
-                    pids.update((grandchild.pid, None) for grandchild in child.children(recursive=True))
+                pids.update((grandchild.pid, None) for grandchild in child.children(recursive=True))
     return list(pids)
 
 
-def kill_job_processes(*, hosts: bool = True) -> None:
+def kill_job_processes() -> None:
     """Kill the Monarch processes this controller started and remove its shared-memory segments (safe from
-    any thread, and at interpreter exit). `hosts=False` spares the host agent, so that the controller can
-    start new meshes afterwards (Monarch caches `this_host()` for the life of the process)."""
-    kill(monarch_children(hosts=hosts))
+    any thread, and at interpreter exit)."""
+    kill(monarch_children())
     weight_store.remove_job_segments()
 
 

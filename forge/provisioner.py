@@ -505,7 +505,7 @@ class Provisioner:
                 await asyncio.wait_for(self.host_mesh.shutdown(), timeout=30)
             except Exception as e:
                 logger.warning("stopping the host mesh: %r", e)
-        kill_job_processes(hosts=False)
+        kill_job_processes()
 
 
 _provisioner: Provisioner | None = None

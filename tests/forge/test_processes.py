@@ -10,35 +10,33 @@ import psutil
 
 from forge import processes
 
-# A stand-in for Monarch's tree: a host agent (a direct child) -> a mesh process -> an engine it started.
-TREE = """
-import subprocess, sys, time
-subprocess.Popen([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)",
-                  "monarch-mesh-process"])
-time.sleep(120)
-"""
+# A stand-in for Monarch 0.7's tree: a mesh process (a direct child of the controller) -> an engine it started;
+# and a process that is not Monarch's.
+TREE = "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"
 
 
-def test_mesh_processes_and_their_children_are_found_and_the_host_agent_spared_on_request():
-    host = subprocess.Popen([sys.executable, "-c", TREE, "monarch-host-agent"])
+def test_mesh_processes_and_their_children_are_found_and_nothing_else():
+    mesh = subprocess.Popen([sys.executable, "-c", TREE, "monarch-mesh-process"])
+    other = subprocess.Popen(["sleep", "120"])
     try:
         deadline = time.monotonic() + 30
-        while len(psutil.Process(host.pid).children(recursive=True)) < 2:
+        while not psutil.Process(mesh.pid).children():
             assert time.monotonic() < deadline, "the stand-in tree did not start"
             time.sleep(0.1)
-        mesh_and_engine = processes.monarch_children(hosts=False)
-        assert host.pid not in mesh_and_engine and len(mesh_and_engine) == 2
-        assert sorted(processes.monarch_children()) == sorted([host.pid, *mesh_and_engine])
+        (engine,) = psutil.Process(mesh.pid).children()
+        assert sorted(processes.monarch_children()) == sorted([mesh.pid, engine.pid])
 
-        processes.kill(mesh_and_engine)
+        processes.kill(processes.monarch_children())
         deadline = time.monotonic() + 10
-        while any(processes.is_alive(pid) for pid in mesh_and_engine):
+        while processes.is_alive(mesh.pid) or processes.is_alive(engine.pid):
             assert time.monotonic() < deadline, "killed processes still alive"
             time.sleep(0.1)
-        assert processes.is_alive(host.pid)
+        assert processes.is_alive(other.pid)
     finally:
         processes.kill(processes.monarch_children())
-        host.wait(timeout=10)
+        other.kill()
+        mesh.wait(timeout=10)
+        other.wait(timeout=10)
 
 
 # -- processes of other hosts: known by (host, pid), never looked up in this host's table ----------------------
