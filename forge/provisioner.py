@@ -390,9 +390,18 @@ class Provisioner:
             mesh = next((m for m in self.meshes.values() if source.startswith(f"{m.name}_")), None)
             if mesh is not None and mesh.stopped:
                 return
-            self._report(mesh, str(failure))
+            self._report(mesh, self._with_gone_processes(mesh, str(failure)))
         except Exception:  # pragma: no cover - defensive
             logger.exception("error while handling a mesh failure")
+
+    @staticmethod
+    def _with_gone_processes(mesh: ProvisionedMesh | None, message: str) -> str:
+        """Monarch's report, naming the processes of this host that are gone (Monarch 0.7 names neither them nor
+        their pids, and its report usually beats the pid watcher's)."""
+        gone = [p for p in (mesh.processes if mesh else []) if p.local and not processes.is_alive(p.pid)]
+        if not gone:
+            return message
+        return f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited ({message})"
 
     async def wait_for_fatal_failure(self) -> MeshFailure:
         """Returns when any mesh not owned by a service fails (apps race their main loop against it)."""

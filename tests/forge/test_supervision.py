@@ -30,3 +30,20 @@ def test_a_failure_goes_to_the_proc_mesh_of_the_failed_actor_mesh_and_monarchs_l
 
     provisioner.on_supervision_event(Failure("storage_volumes-Q1"))  # on no mesh of ours: the job's failure
     assert [event.mesh_name for event in provisioner.fatal_failures] == ["unknown"]
+
+
+def test_monarchs_report_names_the_process_of_this_host_that_is_gone():
+    import subprocess
+    import sys
+
+    from forge.processes import ProcessId
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    provisioner = Provisioner(gpus=[])
+    mesh = ProvisionedMesh("trainer-1", None, None, [], [ProcessId("here", gone.pid, True)])
+    provisioner.meshes[mesh.name] = mesh
+    provisioner.on_supervision_event(Failure(actor_mesh_name("trainer-1", "proc_agent") + "-x"))
+    (fatal,) = provisioner.fatal_failures
+    assert fatal.mesh_name == "trainer-1"
+    assert fatal.message.startswith(f"process {gone.pid} of mesh 'trainer-1' exited (MeshFailure(")
