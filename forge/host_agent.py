@@ -7,13 +7,19 @@ remote allocator dials one port):
 
 The allocator spawns the job's processes on this host when the controller asks. They inherit this
 environment: the CPU stand-ins' library path, forge's job deadlines and the tcp transport (forge.compat),
-and FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output (a remote
-process never prints through Monarch's log pipe: forge.compat, 5 and 17).
+FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output (a remote
+process never prints through Monarch's log pipe: forge.compat, 5 and 17), and FORGE_HOST_ADDRESS, the address
+given here, where forge's own servers on this host listen (the weight relay's).
+
+Monarch's allocator and the processes it spawns authenticate nobody: whoever reaches this port can start
+processes here and run code in them. The agent says so when it starts (`TRUST_BOUNDARY`); run it only on a
+network that the job's hosts alone share (docs/several_hosts.md, "Sockets and trust").
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import ipaddress
 import os
 import shutil
@@ -22,7 +28,19 @@ import sys
 from pathlib import Path
 
 LOG_DIR_VARIABLE = "FORGE_HOST_LOG_DIR"
+ADDRESS_VARIABLE = "FORGE_HOST_ADDRESS"
 DEFAULT_LOG_DIR = "/tmp/forge-logs"
+TRUST_BOUNDARY = (
+    "forge host agent: trust boundary: Monarch's allocator on {address}:{port} and the job processes it starts "
+    "here accept connections without authentication (Monarch 0.1.2's transport has none): anyone who reaches "
+    "{address} can start processes on this host and run code in them as user {user}. Run it only on a private "
+    "network that this job's hosts alone share (docs/several_hosts.md, 'Sockets and trust').")
+
+
+def host_address() -> str:
+    """The address this host's job processes listen on: the agent's --addr (FORGE_HOST_ADDRESS), else what
+    this host's name resolves to (which the agent checked is the same: forge.compat, 19)."""
+    return os.environ.get(ADDRESS_VARIABLE) or socket.gethostbyname(socket.gethostname())
 
 
 def own_address_problem(address: str) -> str | None:
@@ -47,12 +65,12 @@ def agent_command(address: str, port: int) -> list[str]:
     return [allocator, "--addr", f"tcp!{address}:{port}", "--program", bootstrap]
 
 
-def agent_environment(log_dir: str) -> dict[str, str]:
+def agent_environment(log_dir: str, address: str) -> dict[str, str]:
     from forge import compat
 
     compat.configure_job_environment()  # deadlines, the stand-ins' library path
     compat.use_tcp_transport_in_environment()
-    return {**os.environ, LOG_DIR_VARIABLE: log_dir}
+    return {**os.environ, LOG_DIR_VARIABLE: log_dir, ADDRESS_VARIABLE: address}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     command = agent_command(args.addr, args.port)
     print(f"forge host agent: {' '.join(command)} (process output in {args.log_dir})", flush=True)
-    os.execve(command[0], command, agent_environment(args.log_dir))
+    print(TRUST_BOUNDARY.format(address=args.addr, port=args.port, user=getpass.getuser()), flush=True)
+    os.execve(command[0], command, agent_environment(args.log_dir, args.addr))
     return 1  # not reached
 
 

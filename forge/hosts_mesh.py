@@ -11,7 +11,7 @@ import threading
 
 from forge import compat
 from forge.actor import ForgeActor
-from forge.hosts import HostsConfig, HostsError
+from forge.hosts import SECRET_VARIABLE, HostsConfig, HostsError, make_job_secret
 
 from monarch._src.actor.allocator import (  # noqa: E402 (after forge.compat)
     RemoteAllocator,
@@ -70,10 +70,12 @@ def allocate_host_mesh(hosts: HostsConfig, name: str = "hosts") -> HostMesh:
 
 def bootstrap_command() -> BootstrapCommand:
     """How each host starts Monarch's host process: this interpreter's path (the same environment installed at
-    the same path on every host), with the job's environment (forge.compat, 1, 2, 3, 17) passed along."""
+    the same path on every host), with the job's environment (forge.compat, 1, 2, 3, 17) and its secret
+    (forge.hosts.SECRET_VARIABLE: in the environment, so no process listing shows it) passed along."""
     compat.configure_job_environment()
+    make_job_secret()
     command = _bootstrap_cmd()
-    passed = [*compat.JOB_ENVIRONMENT, compat.TRANSPORT_VARIABLE, "LD_LIBRARY_PATH", "PYTHONPATH"]
+    passed = [*compat.JOB_ENVIRONMENT, compat.TRANSPORT_VARIABLE, "LD_LIBRARY_PATH", "PYTHONPATH", SECRET_VARIABLE]
     env = {**command.env, **{key: os.environ[key] for key in passed if key in os.environ}}
     return BootstrapCommand(command.program, command.arg0, command.args, env)
 

@@ -3,7 +3,8 @@ section refused before anything starts, a mesh across 2 hosts (ranks, rendezvous
 processes known by (host, pid), remote output in a file on its host, each weight version relayed to a host once
 (forge/weight_relay.py), a 2-host FSDP step equal to the 1-host one, apps.grpo with its trainer and generator on
 different hosts, a lost host failing the job by name, and nothing left on any host after shutdown or after the
-controller is SIGKILLed."""
+controller is SIGKILLed. The tests of the section, the job secret and the host agent need no simulated hosts and run
+everywhere; the others (those using the `hosts` fixture) skip where network namespaces cannot be made (not root)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,16 +33,18 @@ from tests.multihost_support import (
 
 from forge import compat, provisioner
 from forge.actor import mesh_of
-from forge.hosts import HostsConfig, HostsError
+from forge.hosts import SECRET_VARIABLE, HostsConfig, HostsError
 
 _UNAVAILABLE = namespaces_unavailable()
-pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
 if _UNAVAILABLE is None:
     relaunch_as_controller_host()  # at collection, before any test ran: nothing is lost
 
 
 @pytest.fixture(scope="module")
 def hosts():
+    """Two simulated hosts; every test that uses them (directly or through `job`) skips where they cannot be made."""
+    if _UNAVAILABLE is not None:
+        pytest.skip(_UNAVAILABLE)
     simulated = SimulatedHosts(count=2)
     try:
         simulated.start()
@@ -121,6 +125,49 @@ def test_the_scheduler_route_builds_monarchs_torchx_initializer():
     static = initializer(HostsConfig(addresses=["198.18.0.2", "198.18.0.3"]).validate())
     assert isinstance(static, StaticRemoteAllocInitializer)
     assert static.addrs == ["tcp!198.18.0.2:26600", "tcp!198.18.0.3:26600"]
+
+
+def test_the_job_secret_is_made_by_the_controller_and_passed_in_the_environment_never_on_a_command_line(
+        monkeypatch):
+    from forge.hosts import SECRET_VARIABLE, job_secret
+    from forge.hosts_mesh import bootstrap_command
+
+    monkeypatch.delenv(SECRET_VARIABLE, raising=False)
+    with pytest.raises(HostsError, match=f"{SECRET_VARIABLE} is not set in this process"):
+        job_secret()  # a relay without it refuses to start rather than make a secret of its own
+    command = bootstrap_command()
+    secret = os.environ[SECRET_VARIABLE]
+    assert len(secret) == 64 and command.env[SECRET_VARIABLE] == secret and job_secret() == secret.encode()
+    assert secret not in " ".join([command.program, command.arg0 or "", *command.args])
+    assert bootstrap_command().env[SECRET_VARIABLE] == secret  # one per controller: every host gets the same
+    monkeypatch.setenv(SECRET_VARIABLE, "short")
+    with pytest.raises(HostsError, match=f"{SECRET_VARIABLE}: 5 characters; a job secret needs at least 32"):
+        job_secret()
+
+
+def test_the_host_agent_states_its_trust_boundary_at_start_and_tells_its_processes_its_address(
+        tmp_path, monkeypatch, capsys):
+    from forge import host_agent
+
+    class Executed(Exception):
+        pass
+
+    def execve(program: str, argv: list[str], env: dict[str, str]) -> None:
+        executed.update(program=program, argv=argv, env=env)
+        raise Executed
+
+    executed: dict = {}
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the agent sets its allocator's environment in its own
+    monkeypatch.setattr(os, "execve", execve)
+    address = socket.gethostbyname(socket.gethostname())  # the agent refuses an address its host's name does not name
+    with pytest.raises(Executed):
+        host_agent.main(["--addr", address, "--port", "26611", "--log-dir", str(tmp_path)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].startswith(f"forge host agent: trust boundary: Monarch's allocator on {address}:26611 ")
+    assert "without authentication" in printed[1] and "private network" in printed[1], printed
+    assert "docs/several_hosts.md" in printed[1]
+    assert executed["argv"][1:4] == ["--addr", f"tcp!{address}:26611", "--program"]
+    assert executed["env"][host_agent.ADDRESS_VARIABLE] == address  # where the relay on this host listens
 
 
 # -- a job across two hosts ---------------------------------------------------------------------------------
@@ -243,6 +290,11 @@ async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers
                 # Read from host B's shared memory, never from torchstore by the reader itself.
                 assert "weights/fetches_past_relay" not in answer["metrics"]
         assert seen == sorted(seen)  # a host's readers never go back to an older version
+        # The relays authenticated each other with the job's secret, which no command line or agent log shows.
+        secret = os.environ[SECRET_VARIABLE]
+        for host in hosts.hosts:
+            assert not [p.pid for p in host.processes() if secret in " ".join(p.cmdline())]
+            assert secret not in (host.folder / "agent.log").read_text()
         assert (await relay_b.status.call_one())["relayed"] == {"relayed": 3}
         # Host B holds the relay's copy of the newest version; the copies of versions the trainer deleted are
         # gone (one kept as the spare the next copy is written into).
