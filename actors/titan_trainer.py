@@ -24,7 +24,7 @@ from torchtitan.distributed import utils as titan_dist
 from torchtitan.protocols.train_spec import get_train_spec
 
 from actors import checkpoint, lora
-from actors.logprobs import check_input_ids, score_rows, token_entropy, token_logprobs
+from actors.logprobs import check_input_ids, draws_dropout, score_rows, token_entropy, token_logprobs, without_dropout
 from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
@@ -68,6 +68,12 @@ class TitanTrainer:
     (a token mean, a sequence mean, a constant): the loss is evaluated once on the log-probs of the whole
     global batch, and its gradient with respect to those log-probs is back-propagated micro-batch by
     micro-batch. With more than one micro-batch per rank this costs one extra forward pass without grad.
+
+    Dropout (LoRA's `dropout`) acts on the gradient pass only, the standard LoRA practice. Every pass that scores
+    (`logprobs`, pi_old, `score_tokens`) runs without it, so a score is the policy itself; the recomputation of a
+    micro-batch replays the random state of its first forward, so it draws the same masks and the accumulation
+    stays exact. With dropout the batch is scored once before the first optimizer step (one extra forward pass
+    without grad): pi_old and the mismatch metrics are the policy's, not one draw of its masks.
     """
 
     def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
@@ -147,15 +153,18 @@ class TitanTrainer:
         canary's trainer side (every rank calls it; each scores one copy of the row)."""
         input_ids = torch.tensor([list(prompt_ids) + list(token_ids)] * self.dp.degree)
         check_input_ids(input_ids, self.model_args)
-        scored = score_rows(lambda rows: self._forward(rows, with_entropy=False, temperature=1.0)[0],
-                            input_ids.to(self.device), 1, self.dp)
+        with without_dropout(self.model):
+            scored = score_rows(lambda rows: self._forward(rows, with_entropy=False, temperature=1.0)[0],
+                                input_ids.to(self.device), 1, self.dp)
         return scored[0, len(prompt_ids) - 1 :].tolist()
 
     @torch.no_grad()
     def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """log pi_theta of the whole batch without dropout: [B, T-1] on CPU."""
         kept = None if kept_token_ids is None else kept_token_ids.to(input_ids.device)
-        return score_rows(lambda rows, kept_rows=None: self._forward(rows, kept_rows, with_entropy=False)[0], input_ids,
-                          self.config.micro_batch_size, self.dp, kept)
+        with without_dropout(self.model):
+            return score_rows(lambda rows, kept_rows=None: self._forward(rows, kept_rows, with_entropy=False)[0],
+                              input_ids, self.config.micro_batch_size, self.dp, kept)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -174,18 +183,20 @@ class TitanTrainer:
         lags = version_lags(batch, self.policy_version)
         batch = to_device(batch, self.device)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        # pi_old: the weights before the first optimizer step, scored once for the whole batch and sliced with it.
-        # With one minibatch the training forward itself is pi_old, so it costs nothing extra.
-        old_logprobs = self._score(batch.input_ids, batch.kept_token_ids).to(self.device) if self._needs_pi_old and count > 1 else None
+        # The weights before the first optimizer step (pi_old), scored once for the whole batch without dropout and
+        # sliced with it. With one minibatch and no dropout the training forward itself is pi_old: nothing extra.
+        scored = None
+        if (self._needs_pi_old and count > 1) or draws_dropout(self.model):
+            scored = self._score(batch.input_ids, batch.kept_token_ids).to(self.device)
         size = rows // count
         # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
         # samples are off-policy and the loss's clip bounds the update (around pi_old with a rollout correction).
         per_slice, train_logprobs = [], []
         for s in range(0, rows, size):
-            old_slice = None if old_logprobs is None else old_logprobs[s : s + size]
+            old_slice = scored[s : s + size] if scored is not None and self._needs_pi_old else None
             metrics, logprobs = self._optimizer_step(batch.slice(s, s + size), old_slice)
             per_slice.append(metrics)
-            train_logprobs.append(logprobs if old_slice is None else old_slice)
+            train_logprobs.append(logprobs if scored is None else scored[s : s + size])
         self.lr_schedulers.step()
         mismatch = mismatch_metrics(torch.cat(train_logprobs), batch, lags, **self._correction_params)
         self.train_state.step += 1
@@ -205,22 +216,28 @@ class TitanTrainer:
         """Add d(loss)/d(params) of the whole batch to the parameters' gradients, micro-batch by micro-batch.
 
         `old_logprobs` (pi_old, [B, T-1]) go to the loss when given; `old_is_current`: the weights have not
-        stepped on this batch yet, so pi_old is this forward's own log-probs (exactly). Returns the loss output,
-        the batch's log-probs [B, T-1] (detached) and, if asked, the token entropies.
+        stepped on this batch yet, so pi_old is this forward's own log-probs (exactly; with dropout, the batch
+        scored without it). Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if asked, the
+        token entropies.
         """
         start, stop = self.dp.rows(batch.num_sequences)
         size = self.config.micro_batch_size
         micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
-        # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass.
+        # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each micro-batch's
+        # random state is kept so that its recomputation below draws the same dropout masks.
         keep_graph = len(micro) == 1
+        parts, rng_states = [], []
         with torch.set_grad_enabled(keep_graph):
-            parts = [self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy) for mb in micro]
+            for mb in micro:
+                rng_states.append(_rng_state(self.device))
+                parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy))
         local_logprobs = torch.cat([lp for lp, _ in parts])
         entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
         logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
 
         if old_is_current:
-            old_logprobs = logprobs.detach()
+            old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids).to(self.device)
+                            if draws_dropout(self.model) else logprobs.detach())
         pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
         out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
         if not out.loss.requires_grad:
@@ -233,7 +250,8 @@ class TitanTrainer:
             local_logprobs.backward(local_grad)
         else:
             offset = 0
-            for mb in micro:
+            for mb, rng in zip(micro, rng_states):
+                _set_rng_state(self.device, rng)
                 mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False)
                 mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
                 offset += mb.num_sequences
@@ -328,6 +346,18 @@ class TitanTrainer:
         checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
         set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS},
                              options=StateDictOptions(strict=self.config.lora is None))
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state dropout draws from on `device` (the CPU generator's, and the device's own on CUDA)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _gathered(shards: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
