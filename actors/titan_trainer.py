@@ -25,6 +25,7 @@ from torchtitan.protocols.train_spec import get_train_spec
 
 from actors import checkpoint, lora
 from actors.logprobs import check_input_ids, draws_dropout, score_rows, token_entropy, token_logprobs, without_dropout
+from actors.lora_config import LoRAConfig
 from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
@@ -33,7 +34,7 @@ from forge.types import TrainBatch
 from losses import LossOutput, get_loss
 from losses.mismatch import mismatch_metrics, version_lags
 
-_STATEFUL_PARTS = ("optimizer", "lr_scheduler", "train_state")
+_STATEFUL_PARTS = ("optimizer", "lr_scheduler", "train_state", "lora")
 
 
 class TrainState(Stateful):
@@ -49,6 +50,26 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.policy_version = int(state_dict["policy_version"])
+
+
+class AdapterSettings(Stateful):
+    """The LoRA settings a checkpoint's adapters were trained with, saved beside them. Adapters loaded under other
+    settings would be another policy without a word (alpha rescales every update, a dropped target drops its
+    adapter), so loading them compares first and refuses."""
+
+    def __init__(self, lora: LoRAConfig) -> None:
+        self.lora = lora
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.lora.rank, "alpha": float(self.lora.alpha),
+                "target_modules": ",".join(sorted(self.lora.target_modules))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ours = self.state_dict()
+        differ = [f"{k}={state_dict[k]!r} there, {ours[k]!r} here" for k in ours if state_dict[k] != ours[k]]
+        if differ:
+            raise ValueError(f"trainer.lora differs from the settings the checkpoint's adapters were trained with "
+                             f"({'; '.join(differ)}): set them as they were to resume")
 
 
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
@@ -323,10 +344,11 @@ class TitanTrainer:
         # state dict taken earlier (torchtitan's ModelWrapper caches one) can hold stale shards.
         # With LoRA the base is the frozen source checkpoint: only the adapters are saved.
         model = get_model_state_dict(self.model)
+        parts = {"optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
         if self.config.lora is not None:
             model = lora.adapter_state(model)
-        return {**model, "optimizer": self.optimizers,
-                "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+            parts["lora"] = AdapterSettings(self.config.lora)
+        return {**model, **parts}
 
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> str:
         """Save model, optimizer, LR schedule, step and policy version with DCP (each rank writes its
@@ -342,6 +364,9 @@ class TitanTrainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore everything `save_checkpoint` saved; the next step is the one the saved run took next.
         Raises FileNotFoundError for an incomplete folder and RuntimeError for a corrupt one."""
+        if self.config.lora is not None:  # the adapters' settings first: refused before any tensor loads
+            checkpoint.load({"lora": AdapterSettings(self.config.lora)}, Path(path), rank=self.rank,
+                            world_size=self.world_size)
         states = self._checkpoint_states()
         checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
         set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS},

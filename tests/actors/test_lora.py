@@ -107,8 +107,26 @@ def test_resume_restores_adapters_and_optimizer_exactly(checkpoint: Path, tmp_pa
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(saved).read_metadata().state_dict_metadata.keys()
-    model_keys = [k for k in keys if not k.startswith(("optimizer", "lr_scheduler", "train_state"))]
+    model_keys = [k for k in keys if not k.startswith(("optimizer", "lr_scheduler", "train_state", "lora."))]
     assert model_keys and all(".lora_" in k for k in model_keys)
+
+
+def test_resume_with_other_lora_settings_is_refused_naming_them(checkpoint: Path, tmp_path: Path) -> None:
+    # Other alpha: every update rescaled; a dropped target: its trained adapter silently left behind.
+    trainer = TitanTrainer(lora_config(checkpoint))
+    trainer.train_step(make_batch(8))
+    saved = trainer.save_checkpoint(tmp_path / "ckpt")
+    for change, says in [
+        ({"alpha": 16.0}, r"alpha=8\.0 there, 16\.0 here"),
+        ({"target_modules": ["q_proj", "v_proj", "lm_head"]},
+         r"target_modules='down_proj,lm_head,q_proj,v_proj' there, 'lm_head,q_proj,v_proj' here"),
+        ({"rank": 8}, r"rank=4 there, 8 here"),
+    ]:
+        other = TitanTrainer(trainer_config(checkpoint, lora={**LORA, **change}))
+        with pytest.raises(RuntimeError, match=r"trainer\.lora differs from the settings the checkpoint's adapters "
+                                               r"were trained with \(" + says):
+            other.load_checkpoint(saved)
+    TitanTrainer(trainer_config(checkpoint, lora={**LORA, "dropout": 0.1})).load_checkpoint(saved)  # no shape
 
 
 # ---------------------------------------------------------------------------------------------------
