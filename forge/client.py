@@ -31,7 +31,7 @@ import itertools
 import os
 import threading
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 
 import httpx
 
@@ -106,6 +106,20 @@ class Datum:
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_sample(cls, prompt_tokens: Sequence[int], sample: Mapping[str, Any], advantage: float, *,
+                    reward: float = 0.0) -> Datum:
+        """One sampled sequence (`samples[i][j]` of a sample result, `prompt_tokens[i]` its prompt) to train on:
+        its sampling log-probs, `advantage` on its tokens, and, when it was sampled with top_k/top_p, the kept sets
+        the trainer renormalises over (without them its log-probs would be of another distribution)."""
+        context, n = len(prompt_tokens) - 1, len(sample["tokens"])
+        inputs = {"logprobs": [0.0] * context + list(sample["logprobs"]),
+                  "advantages": [0.0] * context + [float(advantage)] * n,
+                  "mask": [0.0] * context + [1.0] * n, "reward": float(reward)}
+        if sample.get("kept_token_ids") is not None:
+            inputs["kept_token_ids"] = [[] for _ in range(context)] + [list(k) for k in sample["kept_token_ids"]]
+        return cls(ModelInput.from_ints([*prompt_tokens, *sample["tokens"]]), inputs)
 
     def to_json(self) -> dict[str, Any]:
         return {"model_input": {"input_ids": list(self.model_input.input_ids)},

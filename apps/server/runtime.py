@@ -536,8 +536,15 @@ class TrainingService:
             model_path=None if adapter is None else adapter.checkpoint_id,
             prompt_tokens=[out[0].prompt_ids if out else [] for out in outputs],
             samples=[[SampledSequence(tokens=c.token_ids, logprobs=c.logprobs, text=c.text,
-                                      finish_reason=c.finish_reason, policy_versions=c.policy_versions) for c in out]
+                                      finish_reason=c.finish_reason, policy_versions=c.policy_versions,
+                                      kept_token_ids=kept_lists(c.kept_token_ids)) for c in out]
                      for out in outputs])
+
+def kept_lists(kept: Any) -> list[list[int]] | None:
+    """A completion's kept sets ([tokens, K] int32, -1 padded; None: the full vocabulary) as one list of token ids
+    per generated token."""
+    return None if kept is None else [[t for t in row if t >= 0] for row in kept.tolist()]
+
 
 def same_adapter(a: dict | None, b: dict | None) -> bool:
     """Whether two sessions' adapters have the same shape and scale (dropout aside): a checkpoint of one loads

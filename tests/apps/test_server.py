@@ -22,7 +22,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from apps.server.batches import build_batch
+from apps.server.batches import build_batch, concat_batches
 from apps.server.errors import ServiceError
 from apps.server.model import warm_started_model
 from apps.server.runtime import endpoint_failure
@@ -163,6 +163,37 @@ def test_batches_align_loss_inputs_and_name_bad_fields():
                                     "loss_fn_inputs": {"logprobs": [0, 0], "advantages": [1.0, 2.0]}})
     with pytest.raises(ServiceError, match="one value on the trained positions"):
         build_batch([varying], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+
+
+def test_kept_sets_of_a_top_k_sample_reach_the_training_batch_and_bad_ones_name_their_position():
+    # A top_k/top_p sample's log-probs are of its truncated distribution: the datum carries the kept sets, and the
+    # trainer renormalises over them (TrainBatch.kept_token_ids, [B, T-1, K], -1 padded: -1 alone is the full vocabulary).
+    datum = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7, 8]}, "loss_fn_inputs": {
+        "logprobs": [0, -0.1, -0.2], "advantages": [0, 1.0, 1.0], "kept_token_ids": [[], [7, 9, 3], [8]]}})
+    plain = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7, 8, 9]},
+                                  "loss_fn_inputs": {"logprobs": [0, 0, -0.1, -0.2], "advantages": [0, 0, 1.0, 1.0]}})
+    batch = build_batch([datum, plain], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+    assert batch.kept_token_ids.dtype == torch.int32 and batch.kept_token_ids.tolist() == [
+        [[-1, -1, -1], [7, 9, 3], [8, -1, -1], [-1, -1, -1]], [[-1, -1, -1]] * 4]
+    chunks = concat_batches([build_batch([plain], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True),
+                             build_batch([datum], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)], 0)
+    assert chunks.kept_token_ids.tolist() == [[[-1, -1, -1]] * 4, [[-1, -1, -1], [7, 9, 3], [8, -1, -1], [-1, -1, -1]]]
+    assert build_batch([plain], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True).kept_token_ids is None
+
+    def refusal(kept: list) -> dict:
+        bad = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7, 8]}, "loss_fn_inputs": {
+            "logprobs": [0, -0.1, -0.2], "advantages": [0, 1.0, 1.0], "kept_token_ids": kept}})
+        with pytest.raises(ServiceError) as error:
+            build_batch([plain, bad], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+        assert error.value.status == 422
+        return error.value.detail[0]
+
+    misaligned = refusal([[], [6, 9], [8]])
+    assert misaligned["loc"] == ["body", "data", 1, "loss_fn_inputs", "kept_token_ids", 1]
+    assert "does not hold input_ids[2]=7, the token sampled from it" in misaligned["msg"]
+    assert "len(input_ids) - 1 = 3" in refusal([[7], [8]])["msg"]
+    assert "outside the vocabulary [0, 100)" in refusal([[], [7, 100], [8]])["msg"]
+    assert "at most 64 kept tokens" in refusal([[], list(range(65)), [8]])["msg"]
 
 
 def test_the_first_warm_start_says_what_it_does_and_where_it_caches_and_later_starts_reuse_it(tmp_path, capsys):
