@@ -152,6 +152,8 @@ def test_a_misspelled_openenv_option_is_a_config_error_naming_it_and_the_accepte
                                          r"accepts: tries"):
         TaskConfig(source="openenv", name=GUESS, options={"triess": 3})
     TaskConfig(source="openenv", name=GUESS, options={"tries": 3})
+    with pytest.raises(ValueError, match=r"options: GuessClient's constructor requires 'base_url'; add it to options"):
+        TaskConfig(source="openenv", name="tests.forge.environments.openenv_guess:GuessClient")  # a served one's client
 
 
 def test_a_warm_start_is_refused_naming_the_field():
