@@ -328,6 +328,15 @@ def test_bad_lora_config_names_the_field_value_and_allowed(checkpoint: Path, lor
         TrainerConfig(model_path=str(checkpoint), lora=lora)
 
 
+def test_lora_dropout_with_activation_checkpointing_is_refused(checkpoint: Path) -> None:
+    # torchtitan's checkpointed blocks recompute without their random state: other masks in the backward pass.
+    with pytest.raises(ValueError, match=r"TrainerConfig.activation_checkpoint='full': must be 'none' with "
+                                         r"lora.dropout=0.1 \(torchtitan's activation checkpointing recomputes dropout "
+                                         r"with new masks\), or set lora.dropout=0"):
+        TrainerConfig(model_path=str(checkpoint), lora={"dropout": 0.1}, activation_checkpoint="full")
+    TrainerConfig(model_path=str(checkpoint), lora={"dropout": 0.0}, activation_checkpoint="full")
+
+
 def test_lora_on_a_tied_lm_head_is_refused(tmp_path: Path) -> None:
     tied = build_tiny_checkpoint(tmp_path / "tied", seed=1, tie_word_embeddings=True)
     with pytest.raises(ValueError, match="'lm_head' is tied to the input embedding"):
