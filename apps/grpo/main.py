@@ -153,14 +153,16 @@ class GRPOJob:
         episodes = await self.scored_group(params, version)
         if episodes is None:
             await self._release(params.n)
-            return
-        if len(episodes) < params.n:  # episodes whose environment failed
-            await self._release(params.n - len(episodes))
-        await self._add_to_buffer(episodes)
+        else:
+            await self._add_to_buffer(episodes)
 
     async def scored_group(self, params: SamplingParams, version: int) -> EpisodeBatch | None:
         """The group's episodes with rewards and advantages; None when generation failed or the group was dropped.
-        Episodes whose environment failed are left out (counted): their reward says nothing of the model's turns."""
+
+        A group with an episode whose environment failed is dropped whole (counted): that episode's reward says
+        nothing of what the model wrote, so it cannot be trained, nor be the baseline of the others' advantages. The
+        others could form a smaller group, but the replay buffer reserves and trains whole groups: with groups
+        short of their size, the job's last batch could never be filled (a 3-step run hung after step 2)."""
         (problem,) = self.task.sample_prompts(1, self.rng)
         try:  # completions, or multi-turn trajectories (apps/grpo/rollouts.py), and their rewards
             completions, rewards, environment_failures = await self.rollout.group(problem, params, version)
@@ -172,10 +174,11 @@ class GRPOJob:
             print(f"generation failed for prompt {problem.prompt[:60]!r}: {e}", file=sys.stderr)
             return None
         if environment_failures:
-            self.counters.generated += environment_failures
+            self.counters.generated += len(rewards)
             self.counters.environment_failures += environment_failures
+            self.counters.environment_dropped += len(rewards)
             record_metric("rollout/environment_failures", environment_failures, "sum")
-        if not rewards:  # every episode's environment failed
+            record_metric("rollout/environment_dropped", len(rewards), "sum")
             return None
         self.rewards_this_step.extend(rewards)
         budget = self.cfg.rollout.max_dropped_groups_per_step

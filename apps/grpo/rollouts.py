@@ -4,8 +4,9 @@ Both have `group(problem, params, version) -> (samples, rewards, environment_fai
 `evaluate(problems, params) -> rewards` and `to_episodes(samples, ...)` (the group packed for the buffer).
 Single-turn: one completion per episode, scored by the task's reward (or the user's). Multi-turn (a task with
 `environment()`): G episodes of one problem, played against the task's environments (forge.environments), token in /
-token out, scored by the environments. An episode whose environment failed is not the model's doing: it is left out
-of its group (counted in `environment_failures`) and of an evaluation's mean (None), never scored 0. A multi-turn
+token out, scored by the environments. An episode whose environment failed is not the model's doing: its group is
+dropped by the job (`environment_failures` says how many failed) and an evaluation leaves it out of its mean (None);
+it is never scored 0. A multi-turn
 group's turns all go to one generator replica (a service session), so each turn continues a sequence that replica has
 just generated. Groups generating at once share actor calls (`route_batch`): one message per replica and turn, not
 one per group. Environments run on threads of their own (forge.environments.threads), or in their own process with
@@ -129,11 +130,10 @@ class MultiTurn:
 
     async def group(self, problem: Any, params: SamplingParams,
                     version: int) -> tuple[list[Trajectory], list[float], int]:
-        """The group's scored episodes, without those whose environment failed (their number is the third value):
-        the others' advantages are relative to each other, as in a smaller group of the same problem."""
+        """The group's episodes, their rewards, and how many of them failed in their environment (their rewards
+        mean nothing: the job drops such a group)."""
         played = await self.play([problem] * params.n, params, version)
-        scored = [t for t in played if not t.failed]
-        return scored, [t.reward for t in scored], len(played) - len(scored)
+        return played, [t.reward for t in played], sum(t.failed for t in played)
 
     async def evaluate(self, problems: list, params: SamplingParams) -> list[float | None]:
         """Each problem's reward; None where its environment failed."""

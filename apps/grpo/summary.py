@@ -2,8 +2,8 @@
 
 Every episode played is trained, still held by the replay buffer, or dropped with a counted reason:
 `generated == trained + held_in_buffer + dropped_too_old + dropped_buffer_full + dropped_zero_variance
-+ dropped_environment_failure` (tests/apps/test_grpo.py checks it on whole runs; an episode whose environment failed
-is never scored, so never trained). The summary is printed and written to `run_dir/summary.json`.
++ dropped_environment_failure` (tests/apps/test_grpo.py checks it on whole runs; a group with an episode whose
+environment failed is dropped whole, never trained). The summary is printed and written to `run_dir/summary.json`.
 
 The held-out score is the mean greedy reward: "accuracy" when the task's rewards are 0 or 1, else "mean reward".
 """
@@ -20,11 +20,12 @@ from typing import Callable
 class EpisodeCounters:
     """The controller's side of the accounting (the replay buffer counts the rest); saved in checkpoints."""
 
-    generated: int = 0  # episodes played (scored, or failed by their environment)
+    generated: int = 0  # episodes played (scored, or in a group dropped for an environment failure)
     zero_variance_dropped: int = 0
     trained: int = 0
     generation_failures: int = 0  # prompt groups whose generation failed (no episodes)
-    environment_failures: int = 0  # episodes whose environment failed (raised, timed out): dropped, never scored
+    environment_failures: int = 0  # episodes whose environment failed (raised, timed out): never scored
+    environment_dropped: int = 0  # episodes of the groups dropped for those failures (the failed ones included)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class RunSummary:
     episodes: dict[str, int] = field(default_factory=dict)
     reward_failures: int = 0
     generation_failures: int = 0
-    environment_failures: int = 0  # training episodes whose environment failed (dropped_environment_failure)
+    environment_failures: int = 0  # training episodes whose environment failed (their groups were dropped)
     rss_start: dict[str, int] = field(default_factory=dict)  # resident bytes per process at the first step
     rss_end: dict[str, int] = field(default_factory=dict)
     shm_bytes: int = 0  # the weight store's shared memory at the end
@@ -71,7 +72,7 @@ class RunSummary:
                          "dropped_too_old": buffer_stats["dropped_too_old"],
                          "dropped_buffer_full": buffer_stats["dropped_buffer_full"],
                          "dropped_zero_variance": counters.zero_variance_dropped,
-                         "dropped_environment_failure": counters.environment_failures}
+                         "dropped_environment_failure": counters.environment_dropped}
         self.generation_failures = counters.generation_failures
         self.environment_failures = counters.environment_failures
 
@@ -130,7 +131,8 @@ class RunSummary:
         lines.append(f"episodes: generated {e['generated']} = trained {e['trained']} + held {e['held_in_buffer']} "
                      f"+ dropped (too old {e['dropped_too_old']}, buffer full {e['dropped_buffer_full']}, "
                      f"zero-variance {e['dropped_zero_variance']}, environment failure "
-                     f"{e['dropped_environment_failure']}); reward failures {self.reward_failures}, failed "
+                     f"{e['dropped_environment_failure']}); environment failures {self.environment_failures}, "
+                     f"reward failures {self.reward_failures}, failed "
                      f"generations {self.generation_failures} (prompt groups)")
         if self.rss_start:
             lines.append("resident memory, first step -> end (MB): " + ", ".join(

@@ -90,7 +90,8 @@ class ThreadedEnvironment:
         if (stranded := stranded_threads()) >= self.max_stranded:
             raise EnvironmentsBlocked(f"{stranded} environment threads of this process are still blocked in calls "
                                       f"that exceeded environment.step_timeout_s (the limit is {self.max_stranded}): "
-                                      "the environment blocks forever on some calls")
+                                      "the environment blocks on some calls for far longer than that; with "
+                                      "environment.isolated=true a fresh environment process replaces a blocked one")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="environment")
         self._thread.start()

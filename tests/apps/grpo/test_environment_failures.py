@@ -1,5 +1,5 @@
-"""Where environments meet the GRPO job: an episode whose environment failed is dropped from its group (the others'
-advantages relative to each other), counted in the episode accounting and the summary, never trained as reward 0;
+"""Where environments meet the GRPO job: a group with an episode whose environment failed is dropped whole, counted in
+the episode accounting and the summary, never trained as if the model earned reward 0;
 in-process environments never run on the job's event loop; a task with partial rewards is scored as a mean reward."""
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ def multi_turn(texts: list[str], step_timeout_s: float = 0.5) -> MultiTurn:
     return MultiTurn(cfg, SimpleNamespace(environment=spec.environment), Tokenizer(), FakeGenerators(texts), None)
 
 
-async def test_an_in_process_environment_that_blocks_costs_its_episode_and_the_group_keeps_the_others():
+async def test_an_in_process_environment_that_blocks_costs_its_episode_and_the_others_play_on():
     rollout = multi_turn(["1", "sleep", "0", "1"])
     drain_local()
     started = time.monotonic()
     trajectories, rewards, failed = await rollout.group(SimpleNamespace(seed=3), SamplingParams(n=4, max_tokens=1), 0)
     assert time.monotonic() - started < 4  # the blocked step (5 s) held its own thread, not the job's event loop
-    assert failed == 1 and rewards == [1.0, 0.5, 1.0]  # the failed episode is left out, not scored 0
-    assert [t.actions for t in trajectories] == [["1"], ["0"], ["1"]]
+    assert failed == 1 and [t.end for t in trajectories] == ["done", "environment_error", "done", "done"]
+    assert [rewards[i] for i in (0, 2, 3)] == [1.0, 0.5, 1.0]
     # evaluation leaves it out too
     evaluated = await multi_turn(["sleep", "1"]).evaluate([SimpleNamespace(seed=1)] * 2,
                                                           SamplingParams(n=1, max_tokens=1))
@@ -76,10 +76,14 @@ async def test_an_in_process_environment_that_blocks_costs_its_episode_and_the_g
 
 
 class FakeRollout:
-    """A group of 4 whose episodes 2 and 4 failed in their environment."""
+    """A group of 4 whose 2nd episode failed in its environment."""
 
     async def group(self, problem, params, version):
-        return ["a", "c"], [1.0, 0.0], 2
+        return ["a", "b", "c", "d"], [1.0, 0.0, 0.0, 1.0], 1
+
+    @staticmethod
+    def to_episodes(samples, *, group_id, rewards, advantages):
+        raise AssertionError("a group with a failed environment is never packed for the buffer")
 
 
 class Buffer:
@@ -106,46 +110,17 @@ def job_with(rollout) -> GRPOJob:
     return job
 
 
-class Episodes(list):
-    @staticmethod
-    def cat(groups):
-        return Episodes(x for g in groups for x in g)
-
-
-async def test_failed_episodes_are_dropped_counted_and_their_reserved_room_given_back(monkeypatch):
-    import apps.grpo.main as main
-
-    packed = {}
-
-    def to_episodes(samples, *, group_id, rewards, advantages):
-        packed.update(rewards=rewards, advantages=advantages)
-        return Episodes(samples)
-
-    monkeypatch.setattr(main, "EpisodeBatch", Episodes)
-    rollout = FakeRollout()
-    rollout.to_episodes = to_episodes
-    job = job_with(rollout)
+async def test_a_group_with_a_failed_environment_is_dropped_whole_counted_and_its_room_given_back():
+    job = job_with(FakeRollout())
     drain_local()
-    await job.one_group(SamplingParams(n=4, max_tokens=1), version=0)
-    # The two scored episodes form the group: advantages relative to each other only.
-    assert packed["rewards"] == [1.0, 0.0]
-    assert packed["advantages"] == pytest.approx([0.7071, -0.7071], abs=1e-3)
-    assert job.actors.buffer.added == [["a", "c"]] and job.actors.buffer.released == 2
-    assert (job.counters.generated, job.counters.environment_failures) == (4, 2)
-    assert job.rewards_this_step == [1.0, 0.0]  # rollout/reward_mean is over scored episodes only
-    assert drain_local()["rollout/environment_failures"].value() == 2
-
-
-async def test_a_group_whose_every_environment_failed_gives_all_its_room_back():
-    class AllFailed(FakeRollout):
-        async def group(self, problem, params, version):
-            return [], [], 4
-
-    job = job_with(AllFailed())
     await job.one_group(SamplingParams(n=4, max_tokens=1), version=0)
     assert job.actors.buffer.added == [] and job.actors.buffer.released == 4
-    assert (job.counters.generated, job.counters.environment_failures, job.counters.zero_variance_dropped) == (4, 4, 0)
-    drain_local()
+    c = job.counters
+    assert (c.generated, c.environment_failures, c.environment_dropped, c.zero_variance_dropped) == (4, 1, 4, 0)
+    assert job.rewards_this_step == []  # rollout/reward_mean is over trained groups only: no 0 for the failure
+    metrics = drain_local()
+    assert metrics["rollout/environment_failures"].value() == 1
+    assert metrics["rollout/environment_dropped"].value() == 4
 
 
 def test_partial_rewards_are_a_mean_reward_and_exact_match_ones_an_accuracy():

@@ -21,8 +21,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the host process 
 
 
 class Fragile:
-    """Scores "ok" 1 and "pid" its process's id; blocks its thread for 30 s on "hang" (no await: only the caller's timeout ends the wait); kills its
-    process on "crash"."""
+    """Scores "ok" 1 and "pid" its process's id; blocks its thread for 30 s on "hang" (no await: only the caller's
+    timeout ends the wait); kills its process on "crash"."""
 
     async def reset(self, task: str) -> str:
         return task
