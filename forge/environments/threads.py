@@ -101,8 +101,8 @@ class ThreadedEnvironment:
         return await asyncio.wrap_future(self._submit(self._step(action)))
 
     async def close(self) -> None:
-        """Close the environment on its thread and end the thread. A thread still in a call the episode gave up on
-        is not waited for: the close runs there once that call returns, and the thread ends."""
+        """Close the environment on its thread, which then serves another episode. A thread still in a call the
+        episode gave up on is not waited for: the close runs there once that call returns, and the thread ends."""
         if self._worker is None:
             return
         if self._submitted != self._finished:
