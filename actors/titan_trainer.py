@@ -52,24 +52,33 @@ class TrainState(Stateful):
         self.policy_version = int(state_dict["policy_version"])
 
 
+class CheckpointMismatch(RuntimeError):
+    """An intact checkpoint that this trainer's configuration cannot take (the settings it was saved under differ):
+    resuming it needs those settings back, not another checkpoint."""
+
+
 class AdapterSettings(Stateful):
     """The LoRA settings a checkpoint's adapters were trained with, saved beside them. Adapters loaded under other
     settings would be another policy without a word (alpha rescales every update, a dropped target drops its
-    adapter), so loading them compares first and refuses."""
+    adapter), so loading them compares first and refuses (`check_loaded`)."""
 
     def __init__(self, lora: LoRAConfig) -> None:
         self.lora = lora
+        self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"rank": self.lora.rank, "alpha": float(self.lora.alpha),
                 "target_modules": ",".join(sorted(self.lora.target_modules))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = dict(state_dict)  # compared by check_loaded, outside DCP (which reports any error as its own)
+
+    def check_loaded(self) -> None:
         ours = self.state_dict()
-        differ = [f"{k}={state_dict[k]!r} there, {ours[k]!r} here" for k in ours if state_dict[k] != ours[k]]
+        differ = [f"{k}={self.loaded[k]!r} there, {ours[k]!r} here" for k in ours if self.loaded[k] != ours[k]]
         if differ:
-            raise ValueError(f"trainer.lora differs from the settings the checkpoint's adapters were trained with "
-                             f"({'; '.join(differ)}): set them as they were to resume")
+            raise CheckpointMismatch(f"trainer.lora differs from the settings the checkpoint's adapters were trained "
+                                     f"with ({'; '.join(differ)}): set them as they were to resume")
 
 
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
@@ -159,14 +168,15 @@ class TitanTrainer:
         # Under top-k/top-p the behaviour policy is the truncated distribution: renormalise over the same kept sets.
         temperature = self.config.temperature if temperature is None else temperature
         logprobs = token_logprobs(logits, targets, temperature, kept_token_ids)
-        entropy = token_entropy(logits, self.config.temperature) if with_entropy else None
+        entropy = token_entropy(logits, temperature) if with_entropy else None
         return logprobs, entropy
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch."""
+    def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+        """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch, at
+        `temperature` (None: TrainerConfig.temperature)."""
         check_input_ids(batch.input_ids, self.model_args)
-        return self._score(batch.input_ids.to(self.device), batch.kept_token_ids)
+        return self._score(batch.input_ids.to(self.device), batch.kept_token_ids, temperature)
 
     @torch.no_grad()
     def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
@@ -180,12 +190,16 @@ class TitanTrainer:
         return scored[0, len(prompt_ids) - 1 :].tolist()
 
     @torch.no_grad()
-    def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None,
+               temperature: float | None = None) -> torch.Tensor:
         """log pi_theta of the whole batch without dropout: [B, T-1] on CPU."""
         kept = None if kept_token_ids is None else kept_token_ids.to(input_ids.device)
+
+        def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+            return self._forward(rows, kept_rows, with_entropy=False, temperature=temperature)[0]
+
         with without_dropout(self.model):
-            return score_rows(lambda rows, kept_rows=None: self._forward(rows, kept_rows, with_entropy=False)[0],
-                              input_ids, self.config.micro_batch_size, self.dp, kept)
+            return score_rows(score, input_ids, self.config.micro_batch_size, self.dp, kept)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -232,14 +246,16 @@ class TitanTrainer:
 
     def accumulate_gradients(
         self, batch: TrainBatch, loss_fn: Any, loss_params: dict[str, Any], *,
-        old_logprobs: torch.Tensor | None = None, old_is_current: bool = False, with_entropy: bool = False
+        old_logprobs: torch.Tensor | None = None, old_is_current: bool = False, with_entropy: bool = False,
+        temperature: float | None = None
     ) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
         """Add d(loss)/d(params) of the whole batch to the parameters' gradients, micro-batch by micro-batch.
 
         `old_logprobs` (pi_old, [B, T-1]) go to the loss when given; `old_is_current`: the weights have not
         stepped on this batch yet, so pi_old is this forward's own log-probs (exactly; with dropout, the batch
-        scored without it). Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if asked, the
-        token entropies.
+        scored without it). `temperature`: the one the batch's behaviour log-probs are at (None:
+        TrainerConfig.temperature). Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if
+        asked, the token entropies.
         """
         start, stop = self.dp.rows(batch.num_sequences)
         size = self.config.micro_batch_size
@@ -251,13 +267,14 @@ class TitanTrainer:
         with torch.set_grad_enabled(keep_graph):
             for mb in micro:
                 rng_states.append(_rng_state(self.device))
-                parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy))
+                parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy,
+                                           temperature=temperature))
         local_logprobs = torch.cat([lp for lp, _ in parts])
         entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
         logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
 
         if old_is_current:
-            old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids).to(self.device)
+            old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids, temperature).to(self.device)
                             if draws_dropout(self.model) else logprobs.detach())
         pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
         out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
@@ -273,7 +290,8 @@ class TitanTrainer:
             offset = 0
             for mb, rng in zip(micro, rng_states):
                 _set_rng_state(self.device, rng)
-                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False)
+                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
+                                               temperature=temperature)
                 mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
                 offset += mb.num_sequences
         return out, logprobs.detach(), entropy
@@ -363,10 +381,12 @@ class TitanTrainer:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore everything `save_checkpoint` saved; the next step is the one the saved run took next.
-        Raises FileNotFoundError for an incomplete folder and RuntimeError for a corrupt one."""
+        Raises FileNotFoundError for an incomplete folder, RuntimeError for a corrupt one and CheckpointMismatch
+        (a RuntimeError too) for LoRA adapters saved under other settings."""
         if self.config.lora is not None:  # the adapters' settings first: refused before any tensor loads
-            checkpoint.load({"lora": AdapterSettings(self.config.lora)}, Path(path), rank=self.rank,
-                            world_size=self.world_size)
+            settings = AdapterSettings(self.config.lora)
+            checkpoint.load({"lora": settings}, Path(path), rank=self.rank, world_size=self.world_size)
+            settings.check_loaded()
         states = self._checkpoint_states()
         checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
         set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS},
