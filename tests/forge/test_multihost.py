@@ -70,6 +70,13 @@ def _config(hosts: SimulatedHosts, **kwargs) -> HostsConfig:
     return HostsConfig(addresses=hosts.addresses, port=hosts.port, **kwargs)
 
 
+def _listening_beyond_its_address(host) -> list[str]:
+    """Every TCP socket listening on `host` on another address than the host's own or loopback (every interface:
+    `*` or `[::]`)."""
+    listening = [line.split()[3] for line in host.run("ss -ltnH").stdout.splitlines() if line.strip()]
+    return [address for address in listening if address.rsplit(":", 1)[0] not in (host.address, "127.0.0.1")]
+
+
 async def _until(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -189,6 +196,9 @@ async def test_a_mesh_across_two_hosts_has_ranks_and_rendezvous_right_on_every_h
     assert {(w["MASTER_ADDR"], w["MASTER_PORT"]) for w in where} == {(hosts.addresses[0], where[0]["MASTER_PORT"])}
     # The rendezvous works across the hosts: gloo over MASTER_ADDR/PORT, every rank in one group.
     assert list((await pair.rank_sum.call()).values()) == [6.0] * 4
+    # No process of the job listens beyond its host's address: the rendezvous store (torch's own listened on every
+    # interface), gloo, Monarch's allocator and host processes.
+    assert {host.name: _listening_beyond_its_address(host) for host in hosts.hosts} == {h.name: [] for h in hosts.hosts}
     mesh = mesh_of(pair)
     assert [str(p) for p in mesh.processes] == [f"{w['host']}:{w['pid']}" for w in where]
     assert not any(p.local for p in mesh.processes)
@@ -290,6 +300,8 @@ async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers
                 # Read from host B's shared memory, never from torchstore by the reader itself.
                 assert "weights/fetches_past_relay" not in answer["metrics"]
         assert seen == sorted(seen)  # a host's readers never go back to an older version
+        assert {host.name: _listening_beyond_its_address(host) for host in hosts.hosts} == {
+            h.name: [] for h in hosts.hosts}  # the relays' servers included
         # The relays authenticated each other with the job's secret, which no command line or agent log shows.
         secret = os.environ[SECRET_VARIABLE]
         for host in hosts.hosts:
