@@ -95,6 +95,19 @@ def _kept_tensor(rows: list[list[list[int]] | None], length: int) -> torch.Tenso
     return out
 
 
+def batch_temperature(data: list[Datum], default: float) -> float:
+    """The one temperature the datums' log-probs are at (loss_fn_inputs.temperature; `default`, the trainer's, where
+    none is given). The trainer scores a batch at one temperature: a datum at another is a 422 naming it."""
+    temperatures = [default if d.loss_fn_inputs.temperature is None else d.loss_fn_inputs.temperature for d in data]
+    for i, temperature in enumerate(temperatures):
+        if temperature != temperatures[0]:
+            raise field_error(["data", i, "loss_fn_inputs", "temperature"], temperature,
+                              f"must equal data[0]'s {temperatures[0]} (trainer.temperature={default} where none is "
+                              "given): one temperature per request; send samples of another temperature in a "
+                              "request of their own")
+    return temperatures[0]
+
+
 def concat_batches(batches: list[TrainBatch], pad_id: int) -> TrainBatch:
     """Chunks of one request -> one batch (re-padded to the longest row)."""
     if len(batches) == 1:

@@ -99,6 +99,18 @@ def test_a_dropout_sessions_scores_are_its_policy_every_time(tmp_path):
     assert out["metrics"]["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
+def test_forward_with_a_rollout_correction_gives_the_losss_value(tmp_path):
+    # The correction needs pi_old, which forward_backward passes and forward did not: a 500 for a valid request.
+    trainer = SharedBaseLoRATrainer(TrainerConfig(model_path=str(build_tiny_checkpoint(tmp_path / "tiny", seed=0))))
+    trainer.add_session("s-c", LoRAConfig(rank=4, target_modules=["q_proj", "v_proj"]), 0)
+    batch = _batch(3)
+    batch.behaviour_logprobs = trainer.run("s-c", "forward_only", batch, None, {})["logprobs"]
+    scored = trainer.run("s-c", "forward_only", batch, "grpo", {"tis_cap": 2.0})
+    trained = trainer.run("s-c", "forward_backward", batch, "grpo", {"tis_cap": 2.0})
+    assert scored["loss"] == pytest.approx(trained["loss"], abs=1e-6)
+    assert scored["metrics"]["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
 # --- the server, through forge.client ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -206,6 +218,33 @@ def test_a_top_k_sample_carries_its_kept_sets_and_trains_on_the_distribution_it_
     assert largest_difference([ClientDatum.from_sample(prompt, s, 1.0) for s in samples]) < 1e-4
     # Without the kept sets the trainer scores the full distribution: not the one the tokens were drawn from.
     assert largest_difference([ClientDatum(ModelInput.from_ints(prompt + s.tokens)) for s in samples]) > 1e-3
+
+
+def test_a_sample_at_another_temperature_trains_at_it(service, data):
+    # The trainer's temperature is 1.0 (configs/server_tiny.yaml); the adapter's samples are drawn at 0.7.
+    session = service.create_lora_training_client(rank=4, target_modules=["q_proj", "v_proj"], seed=3)
+    try:
+        _train(session, data, 1)  # B leaves 0: the adapter is not the base
+        sampler = session.save_weights_and_get_sampling_client("lora-t07")
+        params = SamplingParams(max_tokens=6, temperature=0.7)
+        out = sampler.sample_many(["12+34=", "7+8="], params, num_samples=2).result()
+        pairs = [(prompt, s) for prompt, samples in zip(out.prompt_tokens, out.samples) for s in samples if s.tokens]
+        assert pairs and {s.temperature for _, s in pairs} == {0.7}
+        datums = [ClientDatum.from_sample(prompt, s, 1.0) for prompt, s in pairs]
+
+        def largest_difference(scored: list[list[float]]) -> float:
+            return max(abs(x - y) for row, (prompt, s) in zip(scored, pairs)
+                       for x, y in zip(row[len(prompt) - 1:], s.logprobs))
+
+        assert largest_difference(_logprobs(session, datums)) < 1e-4
+        # forward_backward scores them at 0.7 too: every rollout-correction weight pi / behaviour is 1.
+        trained = session.forward_backward(datums, "grpo", {"tis_cap": 2.0}).result()
+        assert largest_difference([o.logprobs for o in trained.loss_fn_outputs]) < 1e-4
+        assert trained.metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        plain = [ClientDatum(ModelInput.from_ints(prompt + s.tokens)) for prompt, s in pairs]
+        assert largest_difference(_logprobs(session, plain)) > 1e-3  # at the trainer's 1.0: another distribution
+    finally:
+        session.unload().result()
 
 
 def test_a_dropout_session_forwards_its_policy_every_time(service, data):
