@@ -15,9 +15,7 @@ in lower case); roles not listed run on the first host. Empty (the default): eve
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
-import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,35 +23,10 @@ from dataclasses import dataclass, field
 # What Monarch's TorchX initializer accepts: `{scheduler}://{namespace}/{job_id}` (the namespace may be empty).
 _SERVER_HANDLE = re.compile(r"^(?P<scheduler>[a-z_]+)://(?P<namespace>[^/]*)/(?P<job>[^/]+)$")
 SCHEDULERS = ("slurm", "kubernetes", "k8s", "mast", "local_cwd")
-# The job's own secret: made by the controller of a multi-host job, passed to every process it spawns in their
-# environment (forge.hosts_mesh.bootstrap_command), never on a command line. Forge's own sockets between hosts
-# (the weight relays', forge/weight_relay.py) serve only a peer that proves it holds it.
-SECRET_VARIABLE = "FORGE_JOB_SECRET"
-_SECRET_MIN_CHARS = 32
 
 
 class HostsError(ValueError):
     """A `hosts` section that cannot work; the message names the field, the value and what is allowed."""
-
-
-def make_job_secret() -> str:
-    """This controller's job secret, made on the first call (a value the user exported wins), in this process's
-    environment so that the processes it spawns inherit it."""
-    os.environ.setdefault(SECRET_VARIABLE, secrets.token_hex(32))
-    return job_secret().decode()
-
-
-def job_secret() -> bytes:
-    """The job's secret in a process of the job; raises where it was not passed (no process outside a multi-host
-    job's needs it) or is too short to be one."""
-    value = os.environ.get(SECRET_VARIABLE)
-    if value is None:
-        raise HostsError(f"{SECRET_VARIABLE} is not set in this process: a multi-host job's controller passes it "
-                         "to every process it spawns (forge.hosts_mesh.bootstrap_command)")
-    if len(value) < _SECRET_MIN_CHARS:
-        raise HostsError(f"{SECRET_VARIABLE}: {len(value)} characters; a job secret needs at least "
-                         f"{_SECRET_MIN_CHARS} (unset it and the controller makes one)")
-    return value.encode()
 
 
 @dataclass

@@ -11,7 +11,9 @@ import threading
 
 from forge import compat
 from forge.actor import ForgeActor
-from forge.hosts import SECRET_VARIABLE, HostsConfig, HostsError, make_job_secret
+from forge import job_auth
+from forge.hosts import HostsConfig, HostsError
+from forge.job_auth import SECRET_VARIABLE, make_job_secret
 
 from monarch._src.actor.allocator import (  # noqa: E402 (after forge.compat)
     RemoteAllocator,
@@ -84,31 +86,45 @@ def bootstrap_command() -> BootstrapCommand:
 
 _lifeline: tuple[str, int] | None = None
 _lifeline_connections: list[socket.socket] = []  # held open for the life of this process
+_LIFELINE_HELLO = b"forge lifeline/1\n"  # then the handshake's challenge (forge.job_auth)
 
 
 def lifeline_address() -> tuple[str, int]:
     """A port on this controller's address that every other host's watch process connects to; the kernel closes
-    those connections when this process ends, however it ends (a SIGKILL included)."""
+    those connections when this process ends, however it ends (a SIGKILL included). It holds only connections that
+    proved they hold the job's secret: a stranger's is closed after the handshake."""
     global _lifeline
     if _lifeline is None:
         server = socket.create_server((controller_address(), 0))
+        secret = job_auth.job_secret()
 
         def accept() -> None:
             while True:
                 connection, _ = server.accept()
-                _lifeline_connections.append(connection)
+                threading.Thread(target=_hold_if_proved, args=(connection, secret), daemon=True).start()
 
         threading.Thread(target=accept, daemon=True, name="forge-lifeline").start()
         _lifeline = server.getsockname()[:2]
     return _lifeline
 
 
+def _hold_if_proved(connection: socket.socket, secret: bytes) -> None:
+    try:
+        connection.settimeout(job_auth.HANDSHAKE_TIMEOUT_S)
+        if job_auth.client_proved(connection, secret, _LIFELINE_HELLO):
+            connection.settimeout(None)
+            _lifeline_connections.append(connection)
+            return
+    except OSError:  # silent past the timeout, or gone
+        pass
+    connection.close()
+
+
 class Lifeline(ForgeActor):
     """In a host's watch process: once the controller's lifeline closes, this host's processes of the job go."""
 
     def __init__(self, address: str, port: int) -> None:
-        self.connection = socket.create_connection((address, port), timeout=10)
-        self.connection.settimeout(None)
+        self.connection = job_auth.connect((address, port), job_auth.job_secret(), _LIFELINE_HELLO, timeout=None)
         # A controller whose machine vanishes sends no FIN: keepalive notices within ~25 s.
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):

@@ -22,11 +22,11 @@ each piece as it lands. The relay completes its copy
 only once the publisher's segment is complete and its final manifest (the checksums) is in torchstore; readers
 compare against those before returning the version.
 
-Every connection to a SegmentServer starts with a handshake: the server sends a fresh challenge, the client answers
-with an HMAC of it under the job's secret (forge.hosts.job_secret: made by the controller, in the environment of the
-job's processes only), and the server proves it holds the secret too. A client without it gets the challenge and
-the end of the connection, never a byte of a segment or an event; one that says nothing is dropped after
-HANDSHAKE_TIMEOUT_S (each connection has its own thread, so it holds up no other). The server listens on its host's
+Every connection to a SegmentServer starts with the job's handshake (forge/job_auth.py: a challenge and an HMAC under
+the job's secret, both ways; the secret made by the controller, in the environment of the job's processes only). A
+client without the secret gets the challenge and the end of the connection, never a byte of a segment or an event;
+one that says nothing is dropped after job_auth.HANDSHAKE_TIMEOUT_S (each connection has its own thread, so it
+holds up no other). The server listens on its host's
 configured address only (forge.host_agent.host_address), never on every interface. The bytes cross the network in
 the clear: the trust boundary is the job's private network (docs/several_hosts.md, "Sockets and trust").
 
@@ -45,8 +45,6 @@ import contextlib
 import ctypes
 import dataclasses
 import fcntl
-import hashlib
-import hmac
 import ipaddress
 import logging
 import os
@@ -62,9 +60,10 @@ from pathlib import Path
 from typing import Iterator
 
 from forge import compat
+from forge import job_auth
 from forge.actor import ForgeActor, endpoint
 from forge.host_agent import host_address
-from forge.hosts import job_secret
+from forge.job_auth import JobAuthenticationError, job_secret
 from forge.metrics import record_metric
 from forge.shm_weights import (
     ARRIVAL_STALL_S,
@@ -97,52 +96,12 @@ _THOROUGH_EVERY = 20
 _ANNOUNCEMENT_WAIT_S = 1.0
 _ANNOUNCEMENT_POLL_S = 0.005
 _PIPE_BYTES = 1 << 20  # the receiver's pipe (the most an unprivileged process may ask for): bytes per splice
-# A client has this long to prove it holds the job's secret (a relay answers within milliseconds): one that stays
-# silent or says something else is dropped.
-HANDSHAKE_TIMEOUT_S = 5.0
-_HELLO = b"forge-segment-server/1\n"  # then the challenge
-_NONCE_BYTES = 32
-_MAC_BYTES = hashlib.sha256().digest_size
+_HELLO = b"forge segment server/1\n"  # then the handshake's challenge (forge.job_auth)
 
 
-class RelayAuthenticationError(ConnectionError):
-    """A SegmentServer and its client do not hold the same job secret (or the peer is no SegmentServer)."""
-
-
-def _proof(secret: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    """HMAC of both challenges under the job's secret; `role` keeps a client's proof from serving as a server's."""
-    return hmac.new(secret, role + server_nonce + client_nonce, hashlib.sha256).digest()
-
-
-def _prove_to_server(connection: socket.socket, secret: bytes, address: tuple[str, int]) -> None:
-    """A client's half of the handshake: answer the server's challenge, then check that the server holds the secret
-    too. Raises RelayAuthenticationError when either side lacks it."""
-    hello = _receive_exactly(connection, len(_HELLO) + _NONCE_BYTES)
-    if not hello.startswith(_HELLO):
-        raise RelayAuthenticationError(f"{address[0]}:{address[1]} is not a forge segment server")
-    server_nonce, client_nonce = hello[len(_HELLO):], os.urandom(_NONCE_BYTES)
-    connection.sendall(client_nonce + _proof(secret, b"client", server_nonce, client_nonce))
-    try:
-        answer = _receive_exactly(connection, _MAC_BYTES)
-    except ConnectionError:
-        raise RelayAuthenticationError(f"the segment server at {address[0]}:{address[1]} refused this process's "
-                                       "proof of the job's secret (FORGE_JOB_SECRET differs: a process of another "
-                                       "job?)") from None
-    if not hmac.compare_digest(answer, _proof(secret, b"server", server_nonce, client_nonce)):
-        raise RelayAuthenticationError(f"the segment server at {address[0]}:{address[1]} does not hold this job's "
-                                       "secret")
-
-
-def connect(address: tuple[str, int], secret: bytes, timeout: float) -> socket.socket:
+def connect(address: tuple[str, int], secret: bytes, timeout: float | None) -> socket.socket:
     """A connection to the SegmentServer at `address`, past the handshake; `timeout` applies from then on."""
-    connection = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT_S)
-    try:
-        _prove_to_server(connection, secret, address)
-        connection.settimeout(timeout)
-    except BaseException:
-        connection.close()
-        raise
-    return connection
+    return job_auth.connect(address, secret, _HELLO, timeout)
 
 
 class SegmentServer:
@@ -179,8 +138,9 @@ class SegmentServer:
 
     def _serve(self, connection: socket.socket) -> None:
         try:
-            connection.settimeout(HANDSHAKE_TIMEOUT_S)
-            if not self._client_proved(connection):
+            connection.settimeout(job_auth.HANDSHAKE_TIMEOUT_S)
+            if not job_auth.client_proved(connection, self._secret, _HELLO):
+                self._log_refused(connection)
                 connection.close()
                 return
             request = connection.makefile("rb").readline(256).decode(errors="replace").strip()
@@ -194,21 +154,12 @@ class SegmentServer:
         with connection:
             self._send(connection, request)
 
-    def _client_proved(self, connection: socket.socket) -> bool:
-        """The server's half of the handshake: challenge the client, and prove this server holds the secret too
-        once it proved it does."""
-        server_nonce = os.urandom(_NONCE_BYTES)
-        connection.sendall(_HELLO + server_nonce)
-        answer = _receive_exactly(connection, _NONCE_BYTES + _MAC_BYTES)
-        client_nonce, proof = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:]
-        if not hmac.compare_digest(proof, _proof(self._secret, b"client", server_nonce, client_nonce)):
+    def _log_refused(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):
             peer = connection.getpeername()[0]
             if peer not in self._refused:  # once per address: a scanner must not flood the log
                 self._refused.add(peer)
                 logger.warning("segment server: refused %s, which does not hold this job's secret", peer)
-            return False
-        connection.sendall(_proof(self._secret, b"server", server_nonce, client_nonce))
-        return True
 
     def _send(self, connection: socket.socket, name: str) -> None:
         with contextlib.suppress(OSError, WeightVersionError):
@@ -298,7 +249,7 @@ def receive_segment(address: tuple[str, int], manifest: Manifest, writer: Segmen
     there and the publisher's header names the version; the caller commits. Raises (and writes nothing more) when
     the segment is gone from its host, was abandoned or recycled there, the connection broke or stalled for
     ARRIVAL_STALL_S, this host's shared memory is full (SharedMemoryError), or the server does not hold `secret`
-    (RelayAuthenticationError)."""
+    (JobAuthenticationError)."""
     with connect(address, secret, timeout=ARRIVAL_STALL_S) as connection:
         connection.sendall(manifest.segment.encode() + b"\n")
         (total,) = struct.unpack("<q", _receive_exactly(connection, 8))
@@ -363,13 +314,7 @@ class _Splicer:
 
 
 def _receive_exactly(connection: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = connection.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError("the segment server closed the connection")
-        data += chunk
-    return data
+    return job_auth.receive_exactly(connection, count, "the segment server")
 
 
 # Runs detached (double fork, own session, so no process-tree kill takes it along): waits for the relay process
@@ -504,7 +449,7 @@ class WeightRelay(ForgeActor):
                 for line in connection.makefile("rb"):
                     kind, namespace, version = line.decode().split()
                     self._loop.call_soon_threadsafe(self._on_event, kind, namespace, int(version))
-        except RelayAuthenticationError as error:  # retried on every thorough poll: logged once
+        except JobAuthenticationError as error:  # retried on every thorough poll: logged once
             if str(error) not in self._reported:
                 self._reported.add(str(error))
                 logger.error("weight relay on %s: cannot follow %s's events: %s", self.host, host, error)
@@ -537,7 +482,7 @@ class WeightRelay(ForgeActor):
             self.last_copy = {"namespace": namespace, "version": newest, "started": time.time()}
             try:
                 segment, manifest = await self._copy(store, manifest)
-            except RelayAuthenticationError:  # no copy from that host will work: counted and logged by _follow
+            except JobAuthenticationError:  # no copy from that host will work: counted and logged by _follow
                 raise
             # Deleted, abandoned or stalled mid-copy (a receive that timed out is an OSError, not a ConnectionError):
             # take the next one.

@@ -33,7 +33,8 @@ from tests.multihost_support import (
 
 from forge import compat, provisioner
 from forge.actor import mesh_of
-from forge.hosts import SECRET_VARIABLE, HostsConfig, HostsError
+from forge.hosts import HostsConfig, HostsError
+from forge.job_auth import SECRET_VARIABLE
 
 _UNAVAILABLE = namespaces_unavailable()
 if _UNAVAILABLE is None:
@@ -136,11 +137,11 @@ def test_the_scheduler_route_builds_monarchs_torchx_initializer():
 
 def test_the_job_secret_is_made_by_the_controller_and_passed_in_the_environment_never_on_a_command_line(
         monkeypatch):
-    from forge.hosts import SECRET_VARIABLE, job_secret
     from forge.hosts_mesh import bootstrap_command
+    from forge.job_auth import job_secret
 
     monkeypatch.delenv(SECRET_VARIABLE, raising=False)
-    with pytest.raises(HostsError, match=f"{SECRET_VARIABLE} is not set in this process"):
+    with pytest.raises(RuntimeError, match=f"{SECRET_VARIABLE} is not set in this process"):
         job_secret()  # a relay without it refuses to start rather than make a secret of its own
     command = bootstrap_command()
     secret = os.environ[SECRET_VARIABLE]
@@ -148,8 +149,39 @@ def test_the_job_secret_is_made_by_the_controller_and_passed_in_the_environment_
     assert secret not in " ".join([command.program, command.arg0 or "", *command.args])
     assert bootstrap_command().env[SECRET_VARIABLE] == secret  # one per controller: every host gets the same
     monkeypatch.setenv(SECRET_VARIABLE, "short")
-    with pytest.raises(HostsError, match=f"{SECRET_VARIABLE}: 5 characters; a job secret needs at least 32"):
+    with pytest.raises(RuntimeError, match=f"{SECRET_VARIABLE}: 5 characters; a job secret needs at least 32"):
         job_secret()
+
+
+def test_the_lifeline_holds_only_connections_that_prove_the_job_secret(monkeypatch):
+    """A watch process's lifeline is held for the life of the controller; a stranger's connection is closed after
+    the handshake (it was held for ever too, one file descriptor each)."""
+    from forge import hosts_mesh, job_auth
+
+    monkeypatch.setenv(SECRET_VARIABLE, "s" * 64)
+    monkeypatch.setattr(job_auth, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(hosts_mesh, "controller_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(hosts_mesh, "_lifeline", None)  # this test's own server, forgotten after it
+    monkeypatch.setattr(hosts_mesh, "_lifeline_connections", [])
+    address = hosts_mesh.lifeline_address()
+    with socket.create_connection(address, timeout=10) as silent, \
+            socket.create_connection(address, timeout=10) as guessing:
+        guessing.sendall(bytes(job_auth.NONCE_BYTES + job_auth.MAC_BYTES))
+        for stranger in (silent, guessing):
+            received = b""
+            while chunk := stranger.recv(4096):  # the end of the connection, not the test's 10 s
+                received += chunk
+            assert received.startswith(hosts_mesh._LIFELINE_HELLO)
+            assert len(received) == len(hosts_mesh._LIFELINE_HELLO) + job_auth.NONCE_BYTES
+    with job_auth.connect(address, b"s" * 64, hosts_mesh._LIFELINE_HELLO, timeout=10) as watch:
+        deadline = time.monotonic() + 10
+        while len(hosts_mesh._lifeline_connections) != 1:
+            assert time.monotonic() < deadline, "the watch process's lifeline was not held"
+            time.sleep(0.05)
+        watch.settimeout(1.0)
+        with pytest.raises(TimeoutError):  # held open: nothing sent, not closed
+            watch.recv(1)
+    hosts_mesh._lifeline_connections[0].close()
 
 
 def test_the_host_agent_states_its_trust_boundary_at_start_and_tells_its_processes_its_address(

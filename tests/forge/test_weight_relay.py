@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from forge import shm_weights, weight_relay
+from forge import job_auth, shm_weights, weight_relay
 from forge.shm_weights import (
     HEADER,
     SHM_DIR,
@@ -29,7 +29,8 @@ from forge.shm_weights import (
     piece_ends,
     segment_state,
 )
-from forge.weight_relay import RelayAuthenticationError, SegmentServer, connect, receive_segment
+from forge.job_auth import JobAuthenticationError
+from forge.weight_relay import SegmentServer, connect, receive_segment
 
 SECRET = b"0123456789abcdef" * 4  # the job's secret in these tests (forge.hosts.job_secret in a job)
 
@@ -266,7 +267,7 @@ def test_the_server_tells_watchers_when_a_segment_starts_completes_and_goes_but_
 
 # -- who the server serves -----------------------------------------------------------------------------------------
 
-_HELLO_BYTES = len(weight_relay._HELLO) + weight_relay._NONCE_BYTES  # all a client without the secret ever gets
+_HELLO_BYTES = len(weight_relay._HELLO) + job_auth.NONCE_BYTES  # all a client without the secret ever gets
 
 
 def _everything_sent_to(connection: socket.socket, timeout_s: float = 10.0) -> bytes:
@@ -288,18 +289,18 @@ def test_a_client_without_the_jobs_secret_gets_no_byte_of_a_segment_and_no_event
         # segment created meanwhile (an event for a watcher).
         for request in (segment.encode() + b"\n", b"watch\n"):
             with socket.create_connection(server.address, timeout=10) as impostor:
-                impostor.sendall(request.ljust(weight_relay._NONCE_BYTES + weight_relay._MAC_BYTES, b"\n"))
+                impostor.sendall(request.ljust(job_auth.NONCE_BYTES + job_auth.MAC_BYTES, b"\n"))
                 create_segment(SHM_DIR / f"forge-{job_id()}-guarded-v9", 64, 9, None).commit()
                 got = _everything_sent_to(impostor)
                 (SHM_DIR / f"forge-{job_id()}-guarded-v9").unlink()
             assert got.startswith(weight_relay._HELLO) and len(got) == _HELLO_BYTES, got[:80]
         # A well-formed handshake under another secret: refused, and it learns nothing more.
-        with pytest.raises(RelayAuthenticationError, match="refused this process's proof of the job's secret"):
+        with pytest.raises(JobAuthenticationError, match="refused this process's proof of the job's secret"):
             connect(server.address, b"another job's secret".ljust(64, b"!"), timeout=10)
         with socket.create_connection(server.address, timeout=10) as impostor:
             hello = impostor.recv(_HELLO_BYTES, socket.MSG_WAITALL)
-            nonce = os.urandom(weight_relay._NONCE_BYTES)
-            wrong = weight_relay._proof(b"a guess".ljust(64), b"client", hello[len(weight_relay._HELLO):], nonce)
+            nonce = os.urandom(job_auth.NONCE_BYTES)
+            wrong = job_auth.proof(b"a guess".ljust(64), b"client", hello[len(weight_relay._HELLO):], nonce)
             impostor.sendall(nonce + wrong)
             assert _everything_sent_to(impostor) == b""
         # The same request with the secret is served: the refusals above were the handshake's.
@@ -311,7 +312,7 @@ def test_a_client_without_the_jobs_secret_gets_no_byte_of_a_segment_and_no_event
 
 
 def test_a_silent_client_is_dropped_after_the_handshake_timeout_and_holds_up_no_other(server, weights, monkeypatch):
-    monkeypatch.setattr(weight_relay, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(job_auth, "HANDSHAKE_TIMEOUT_S", 0.5)
     silent = [socket.create_connection(server.address, timeout=10) for _ in range(16)]
     try:
         publisher = Publisher(weights, 10, "beside-silent")
@@ -338,13 +339,13 @@ def test_a_client_refuses_a_server_that_does_not_hold_the_secret():
         def accept_any_proof() -> None:
             connection, _ = listener.accept()
             with connection:
-                connection.sendall(weight_relay._HELLO + os.urandom(weight_relay._NONCE_BYTES))
-                connection.recv(weight_relay._NONCE_BYTES + weight_relay._MAC_BYTES, socket.MSG_WAITALL)
-                connection.sendall(bytes(weight_relay._MAC_BYTES))
+                connection.sendall(weight_relay._HELLO + os.urandom(job_auth.NONCE_BYTES))
+                connection.recv(job_auth.NONCE_BYTES + job_auth.MAC_BYTES, socket.MSG_WAITALL)
+                connection.sendall(bytes(job_auth.MAC_BYTES))
                 connection.recv(1)
 
         threading.Thread(target=accept_any_proof, daemon=True).start()
-        with pytest.raises(RelayAuthenticationError, match="does not hold this job's secret"):
+        with pytest.raises(JobAuthenticationError, match="does not hold this job's secret"):
             connect(listener.getsockname()[:2], SECRET, timeout=10)
 
 
