@@ -360,3 +360,24 @@ def test_every_allowed_target_is_a_linear_layer_of_the_hf_model() -> None:
 
 if __name__ == "__main__":
     _fsdp_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+
+
+def test_adapters_start_from_their_seed_under_activation_checkpointing(checkpoint: Path) -> None:
+    """On several ranks activation checkpointing wraps the blocks before the adapters are initialised: the
+    wrapper's names must still reach the adapters (they stayed at zero, so A = B = 0 never trained)."""
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+
+    from actors.lora import CHECKPOINT_WRAPPER_PREFIX, init_adapters
+    from actors.model_builder import build_job_config
+
+    trainer = TitanTrainer(lora_config(checkpoint))
+    initial = named(trainer, True)
+    apply_ac(trainer.model, build_job_config(dtype="float32", activation_checkpoint="full").activation_checkpoint)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.zero_()
+    init_adapters(trainer.model, seed=0)
+    again = {name.replace(CHECKPOINT_WRAPPER_PREFIX, ""): t for name, t in named(trainer, True).items()}
+    assert any(CHECKPOINT_WRAPPER_PREFIX in name for name in named(trainer, True))  # the blocks are wrapped
+    assert_same_weights(again, initial, atol=0)
