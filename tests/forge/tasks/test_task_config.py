@@ -42,3 +42,9 @@ def test_tasks_within_the_limits_are_accepted():
     TaskConfig(name="arithmetic", num_digits=1, held_out=50)
     TaskConfig(source="reasoning_gym", name="basic_arithmetic", options={"min_terms": 2, "max_terms": 3})
     TaskConfig(reward=f"{__name__}:score_two")
+
+
+def test_a_multi_turn_task_takes_no_reward_function():
+    """The lookup task's environment scores its episodes: a reward function named for it would never run."""
+    with pytest.raises(ValueError, match=r"reward='m:f': a forge/lookup task is multi-turn; its environment scores"):
+        TaskConfig(source="forge", name="lookup", reward="m:f")
