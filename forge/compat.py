@@ -83,6 +83,12 @@ Nothing here runs at import, except making Monarch importable for the modules th
     of a dropped partial-prefill token is CUDA-only)       imports no Monarch, so it lives there); can go when
                                                            40 seeded 200-token prompts at once pass with it on
                                                            (tests/actors/engines/test_vllm.py)
+26  the local host agent behind `this_host()` cannot be    none possible on 0.1.2: it lives until the controller
+    stopped: HostMesh.shutdown() panics in it              exits (one process, however many replicas were lost;
+    (mesh_agent.rs:358), and when it exits its allocator   tests/forge/test_shutdown.py guards that); can go when
+    starts a new one within seconds                        shutdown() leaves no Monarch process of the session
+                                                           (Monarch 0.7 spawns a mesh's processes as the
+                                                           controller's own children, with no host process)
 """
 
 from __future__ import annotations
