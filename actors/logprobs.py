@@ -3,7 +3,8 @@ scoring a batch a few rows at a time across data-parallel ranks. Shared by the t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import contextlib
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,23 @@ def check_input_ids(input_ids: torch.Tensor, model_args: BaseModelArgs) -> None:
     if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
         raise ValueError(f"input_ids: token ids in [{int(input_ids.min())}, {int(input_ids.max())}]; "
                          f"must be in [0, {vocab}) (the vocabulary)")
+
+
+@contextlib.contextmanager
+def without_dropout(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode for the block, then back in its own mode: a score is the policy itself, not one draw of
+    its dropout masks (LoRA's `dropout`), so scoring the same weights twice gives the same log-probs."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def draws_dropout(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward pass samples dropout masks now (in train mode, with a dropout of p > 0)."""
+    return model.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def score_rows(score: Callable[..., torch.Tensor], input_ids: torch.Tensor, rows_per_pass: int,

@@ -36,6 +36,7 @@ def adapter_key(adapter_name: str = ADAPTER_NAME) -> re.Pattern:
 
 
 _LORA_KEY = adapter_key()
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper's submodule name
 
 
 def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
@@ -88,7 +89,9 @@ def init_adapters(model: nn.Module, seed: int, *, adapter_name: str = ADAPTER_NA
         value = torch.zeros(param.shape, dtype=param.dtype)
         if match["part"] == "lora_A":
             nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
-        full[name] = value
+        # The state dict's names are the model's without activation checkpointing's wrapper (applied before FSDP on
+        # several ranks): a wrapped name would match nothing and, with strict=False, leave the adapters at zero.
+        full[name.replace(CHECKPOINT_WRAPPER_PREFIX, "")] = value
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 

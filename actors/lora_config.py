@@ -20,7 +20,8 @@ LORA_TARGETS = {"qwen3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 class LoRAConfig:
     rank: int = 16
     alpha: float = 32.0  # the update is (alpha / rank) * B @ A
-    dropout: float = 0.0  # on the adapter's input, in training only
+    # On the adapter's input, on the gradient pass only: every score (pi_old, the canary, `forward`) is without it.
+    dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
@@ -107,7 +108,7 @@ def build_model(
     lora_seed: int = 0,
 ) -> tuple[nn.Module, BaseModelArgs, BaseStateDictAdapter]:
     """The family's torchtitan model for a checkpoint: built on meta, parallelized (FSDP2, TP) when there is
-    more than one rank, materialized on `device`, and loaded from the HF safetensors (or `init_checkpoint`).
+    more than one rank, activation-checkpointed as `job_config` says (on one rank too), materialized on `device`, and loaded from the HF safetensors (or `init_checkpoint`).
     With `lora`, peft's LoRA layers wrap the targeted linear layers first (so FSDP shards the adapters with
     their blocks); the base is loaded as above and frozen, the adapters start at peft's initialization."""
     hf_config = json.loads((model_path / "config.json").read_text())
@@ -154,4 +155,8 @@ def build_model(
                          options=StateDictOptions(strict=False))
     if lora is not None:
         lora_layers.init_adapters(model, lora_seed)
+    if parallel_dims.world_size == 1 and job_config.activation_checkpoint.mode != "none":
+        # torchtitan applies it in parallelize_fn, which needs a process group; on one rank it is applied here, last:
+        # a checkpoint wrapper renames the parameters it wraps, which loading and init_adapters match by name.
+        apply_ac(model, job_config.activation_checkpoint)
     return model, model_args, adapter

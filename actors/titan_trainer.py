@@ -24,7 +24,8 @@ from torchtitan.distributed import utils as titan_dist
 from torchtitan.protocols.train_spec import get_train_spec
 
 from actors import checkpoint, lora
-from actors.logprobs import check_input_ids, score_rows, token_entropy, token_logprobs
+from actors.logprobs import check_input_ids, draws_dropout, score_rows, token_entropy, token_logprobs, without_dropout
+from actors.lora_config import LoRAConfig
 from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
@@ -33,7 +34,7 @@ from forge.types import TrainBatch
 from losses import LossOutput, get_loss
 from losses.mismatch import mismatch_metrics, version_lags
 
-_STATEFUL_PARTS = ("optimizer", "lr_scheduler", "train_state")
+_STATEFUL_PARTS = ("optimizer", "lr_scheduler", "train_state", "lora")
 
 
 class TrainState(Stateful):
@@ -49,6 +50,35 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.policy_version = int(state_dict["policy_version"])
+
+
+class CheckpointMismatch(RuntimeError):
+    """An intact checkpoint that this trainer's configuration cannot take (the settings it was saved under differ):
+    resuming it needs those settings back, not another checkpoint."""
+
+
+class AdapterSettings(Stateful):
+    """The LoRA settings a checkpoint's adapters were trained with, saved beside them. Adapters loaded under other
+    settings would be another policy without a word (alpha rescales every update, a dropped target drops its
+    adapter), so loading them compares first and refuses (`check_loaded`)."""
+
+    def __init__(self, lora: LoRAConfig) -> None:
+        self.lora = lora
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": self.lora.rank, "alpha": float(self.lora.alpha),
+                "target_modules": ",".join(sorted(self.lora.target_modules))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = dict(state_dict)  # compared by check_loaded, outside DCP (which reports any error as its own)
+
+    def check_loaded(self) -> None:
+        ours = self.state_dict()
+        differ = [f"{k}={self.loaded[k]!r} there, {ours[k]!r} here" for k in ours if self.loaded[k] != ours[k]]
+        if differ:
+            raise CheckpointMismatch(f"trainer.lora differs from the settings the checkpoint's adapters were trained "
+                                     f"with ({'; '.join(differ)}): set them as they were to resume")
 
 
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
@@ -68,6 +98,12 @@ class TitanTrainer:
     (a token mean, a sequence mean, a constant): the loss is evaluated once on the log-probs of the whole
     global batch, and its gradient with respect to those log-probs is back-propagated micro-batch by
     micro-batch. With more than one micro-batch per rank this costs one extra forward pass without grad.
+
+    Dropout (LoRA's `dropout`) acts on the gradient pass only, the standard LoRA practice. Every pass that scores
+    (`logprobs`, pi_old, `score_tokens`) runs without it, so a score is the policy itself; the recomputation of a
+    micro-batch replays the random state of its first forward, so it draws the same masks and the accumulation
+    stays exact. With dropout the batch is scored once before the first optimizer step (one extra forward pass
+    without grad): pi_old and the mismatch metrics are the policy's, not one draw of its masks.
     """
 
     def __init__(self, config: TrainerConfig, *, rank: int = 0, world_size: int = 1) -> None:
@@ -132,14 +168,15 @@ class TitanTrainer:
         # Under top-k/top-p the behaviour policy is the truncated distribution: renormalise over the same kept sets.
         temperature = self.config.temperature if temperature is None else temperature
         logprobs = token_logprobs(logits, targets, temperature, kept_token_ids)
-        entropy = token_entropy(logits, self.config.temperature) if with_entropy else None
+        entropy = token_entropy(logits, temperature) if with_entropy else None
         return logprobs, entropy
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch."""
+    def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
+        """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch, at
+        `temperature` (None: TrainerConfig.temperature)."""
         check_input_ids(batch.input_ids, self.model_args)
-        return self._score(batch.input_ids.to(self.device), batch.kept_token_ids)
+        return self._score(batch.input_ids.to(self.device), batch.kept_token_ids, temperature)
 
     @torch.no_grad()
     def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
@@ -147,15 +184,22 @@ class TitanTrainer:
         canary's trainer side (every rank calls it; each scores one copy of the row)."""
         input_ids = torch.tensor([list(prompt_ids) + list(token_ids)] * self.dp.degree)
         check_input_ids(input_ids, self.model_args)
-        scored = score_rows(lambda rows: self._forward(rows, with_entropy=False, temperature=1.0)[0],
-                            input_ids.to(self.device), 1, self.dp)
+        with without_dropout(self.model):
+            scored = score_rows(lambda rows: self._forward(rows, with_entropy=False, temperature=1.0)[0],
+                                input_ids.to(self.device), 1, self.dp)
         return scored[0, len(prompt_ids) - 1 :].tolist()
 
     @torch.no_grad()
-    def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None,
+               temperature: float | None = None) -> torch.Tensor:
+        """log pi_theta of the whole batch without dropout: [B, T-1] on CPU."""
         kept = None if kept_token_ids is None else kept_token_ids.to(input_ids.device)
-        return score_rows(lambda rows, kept_rows=None: self._forward(rows, kept_rows, with_entropy=False)[0], input_ids,
-                          self.config.micro_batch_size, self.dp, kept)
+
+        def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+            return self._forward(rows, kept_rows, with_entropy=False, temperature=temperature)[0]
+
+        with without_dropout(self.model):
+            return score_rows(score, input_ids, self.config.micro_batch_size, self.dp, kept)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -174,18 +218,20 @@ class TitanTrainer:
         lags = version_lags(batch, self.policy_version)
         batch = to_device(batch, self.device)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        # pi_old: the weights before the first optimizer step, scored once for the whole batch and sliced with it.
-        # With one minibatch the training forward itself is pi_old, so it costs nothing extra.
-        old_logprobs = self._score(batch.input_ids, batch.kept_token_ids).to(self.device) if self._needs_pi_old and count > 1 else None
+        # The weights before the first optimizer step (pi_old), scored once for the whole batch without dropout and
+        # sliced with it. With one minibatch and no dropout the training forward itself is pi_old: nothing extra.
+        scored = None
+        if (self._needs_pi_old and count > 1) or draws_dropout(self.model):
+            scored = self._score(batch.input_ids, batch.kept_token_ids).to(self.device)
         size = rows // count
         # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
         # samples are off-policy and the loss's clip bounds the update (around pi_old with a rollout correction).
         per_slice, train_logprobs = [], []
         for s in range(0, rows, size):
-            old_slice = None if old_logprobs is None else old_logprobs[s : s + size]
+            old_slice = scored[s : s + size] if scored is not None and self._needs_pi_old else None
             metrics, logprobs = self._optimizer_step(batch.slice(s, s + size), old_slice)
             per_slice.append(metrics)
-            train_logprobs.append(logprobs if old_slice is None else old_slice)
+            train_logprobs.append(logprobs if scored is None else scored[s : s + size])
         self.lr_schedulers.step()
         mismatch = mismatch_metrics(torch.cat(train_logprobs), batch, lags, **self._correction_params)
         self.train_state.step += 1
@@ -200,27 +246,36 @@ class TitanTrainer:
 
     def accumulate_gradients(
         self, batch: TrainBatch, loss_fn: Any, loss_params: dict[str, Any], *,
-        old_logprobs: torch.Tensor | None = None, old_is_current: bool = False, with_entropy: bool = False
+        old_logprobs: torch.Tensor | None = None, old_is_current: bool = False, with_entropy: bool = False,
+        temperature: float | None = None
     ) -> tuple[LossOutput, torch.Tensor, torch.Tensor | None]:
         """Add d(loss)/d(params) of the whole batch to the parameters' gradients, micro-batch by micro-batch.
 
         `old_logprobs` (pi_old, [B, T-1]) go to the loss when given; `old_is_current`: the weights have not
-        stepped on this batch yet, so pi_old is this forward's own log-probs (exactly). Returns the loss output,
-        the batch's log-probs [B, T-1] (detached) and, if asked, the token entropies.
+        stepped on this batch yet, so pi_old is this forward's own log-probs (exactly; with dropout, the batch
+        scored without it). `temperature`: the one the batch's behaviour log-probs are at (None:
+        TrainerConfig.temperature). Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if
+        asked, the token entropies.
         """
         start, stop = self.dp.rows(batch.num_sequences)
         size = self.config.micro_batch_size
         micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
-        # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass.
+        # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each micro-batch's
+        # random state is kept so that its recomputation below draws the same dropout masks.
         keep_graph = len(micro) == 1
+        parts, rng_states = [], []
         with torch.set_grad_enabled(keep_graph):
-            parts = [self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy) for mb in micro]
+            for mb in micro:
+                rng_states.append(_rng_state(self.device))
+                parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy,
+                                           temperature=temperature))
         local_logprobs = torch.cat([lp for lp, _ in parts])
         entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
         logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
 
         if old_is_current:
-            old_logprobs = logprobs.detach()
+            old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids, temperature).to(self.device)
+                            if draws_dropout(self.model) else logprobs.detach())
         pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
         out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
         if not out.loss.requires_grad:
@@ -233,8 +288,10 @@ class TitanTrainer:
             local_logprobs.backward(local_grad)
         else:
             offset = 0
-            for mb in micro:
-                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False)
+            for mb, rng in zip(micro, rng_states):
+                _set_rng_state(self.device, rng)
+                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
+                                               temperature=temperature)
                 mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
                 offset += mb.num_sequences
         return out, logprobs.detach(), entropy
@@ -305,10 +362,11 @@ class TitanTrainer:
         # state dict taken earlier (torchtitan's ModelWrapper caches one) can hold stale shards.
         # With LoRA the base is the frozen source checkpoint: only the adapters are saved.
         model = get_model_state_dict(self.model)
+        parts = {"optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
         if self.config.lora is not None:
             model = lora.adapter_state(model)
-        return {**model, "optimizer": self.optimizers,
-                "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+            parts["lora"] = AdapterSettings(self.config.lora)
+        return {**model, **parts}
 
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> str:
         """Save model, optimizer, LR schedule, step and policy version with DCP (each rank writes its
@@ -323,11 +381,28 @@ class TitanTrainer:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore everything `save_checkpoint` saved; the next step is the one the saved run took next.
-        Raises FileNotFoundError for an incomplete folder and RuntimeError for a corrupt one."""
+        Raises FileNotFoundError for an incomplete folder, RuntimeError for a corrupt one and CheckpointMismatch
+        (a RuntimeError too) for LoRA adapters saved under other settings."""
+        if self.config.lora is not None:  # the adapters' settings first: refused before any tensor loads
+            settings = AdapterSettings(self.config.lora)
+            checkpoint.load({"lora": settings}, Path(path), rank=self.rank, world_size=self.world_size)
+            settings.check_loaded()
         states = self._checkpoint_states()
         checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
         set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS},
                              options=StateDictOptions(strict=self.config.lora is None))
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state dropout draws from on `device` (the CPU generator's, and the device's own on CUDA)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _gathered(shards: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

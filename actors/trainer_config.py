@@ -77,6 +77,11 @@ class TrainerConfig(ModelConfig):
         if self.lora is not None:
             check_lora_for_model(self.lora, self.family, local_hf_config(self.model_path), field_prefix="TrainerConfig.lora",
                                  tensor_parallel_degree=self.tensor_parallel_degree)
+            # torchtitan recomputes checkpointed blocks without their random state (preserve_rng_state=False): the
+            # backward pass would differentiate other dropout masks than the forward pass the loss was computed on.
+            require_field(self, "activation_checkpoint", self.lora.dropout == 0 or self.activation_checkpoint == "none",
+                          f"'none' with lora.dropout={self.lora.dropout} (torchtitan's activation checkpointing "
+                          "recomputes dropout with new masks), or set lora.dropout=0")
 
 
 def _check_loss(loss: Any, loss_params: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ import itertools
 import os
 import threading
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 
 import httpx
 
@@ -102,10 +102,28 @@ class ModelInput:
 @dataclass
 class Datum:
     """One training sequence: the full prompt + completion, and the loss inputs aligned to input_ids[1:]
-    (`logprobs`, `advantages` per token or one number, optional `mask`, `ref_logprobs`, `reward`)."""
+    (`logprobs`, `advantages` per token or one number, optional `mask`, `ref_logprobs`, `reward`, and a sample's
+    `kept_token_ids` and `temperature`: `from_sample` fills them)."""
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_sample(cls, prompt_tokens: Sequence[int], sample: Mapping[str, Any], advantage: float, *,
+                    reward: float = 0.0) -> Datum:
+        """One sampled sequence (`samples[i][j]` of a sample result, `prompt_tokens[i]` its prompt) to train on:
+        its sampling log-probs, `advantage` on its tokens, the temperature its log-probs are at, and, when it was
+        sampled with top_k/top_p, the kept sets the trainer renormalises over (without either the trainer's
+        log-probs would be of another distribution than the sample's)."""
+        context, n = len(prompt_tokens) - 1, len(sample["tokens"])
+        inputs = {"logprobs": [0.0] * context + list(sample["logprobs"]),
+                  "advantages": [0.0] * context + [float(advantage)] * n,
+                  "mask": [0.0] * context + [1.0] * n, "reward": float(reward)}
+        if sample.get("temperature") is not None:
+            inputs["temperature"] = float(sample["temperature"])
+        if sample.get("kept_token_ids") is not None:
+            inputs["kept_token_ids"] = [[] for _ in range(context)] + [list(k) for k in sample["kept_token_ids"]]
+        return cls(ModelInput.from_ints([*prompt_tokens, *sample["tokens"]]), inputs)
 
     def to_json(self) -> dict[str, Any]:
         return {"model_input": {"input_ids": list(self.model_input.input_ids)},
@@ -370,7 +388,8 @@ class SamplingClient:
     def sample(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                num_samples: int | None = None) -> APIFuture[Result]:
         """`num_samples` (default: `sampling_params.n`) completions of one prompt (text or token ids). Result:
-        policy_version, prompt_tokens[0], samples[0][j] with tokens, logprobs, text, finish_reason, policy_versions."""
+        policy_version, prompt_tokens[0], samples[0][j] with tokens, logprobs, text, finish_reason, policy_versions,
+        temperature (what its logprobs are at) and kept_token_ids (top_k/top_p): `Datum.from_sample` keeps them."""
         return self._transport.call("POST", "/api/v1/sample", self._body({
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
             **_sampling_body(sampling_params, num_samples)}))

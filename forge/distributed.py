@@ -4,6 +4,7 @@ process group, splitting a batch over the data-parallel ranks, and gathering a s
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,21 @@ def init_from_environment(device: str) -> tuple[int, int]:
     """Join this mesh's process group (gloo on CPU, nccl on GPU) when it has several processes."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+        store = rendezvous_store(rank, world_size)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
     return rank, world_size
+
+
+def rendezvous_store(rank: int, world_size: int) -> dist.TCPStore:
+    """The process group's rendezvous store at MASTER_ADDR:MASTER_PORT, which rank 0 serves. torch's own (`env://`)
+    listens on every interface, and it authenticates nobody: rank 0 hands it a socket bound to MASTER_ADDR alone (the
+    address the provisioner chose: loopback on one host, the host's own address across hosts)."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(address, port, world_size, is_master=False, timeout=dist.default_pg_timeout)
+    listener = socket.create_server((address, port))
+    return dist.TCPStore(address, port, world_size, is_master=True, timeout=dist.default_pg_timeout,
+                         master_listen_fd=listener.detach())  # the store owns the socket from here on
 
 
 def local_device(device_type: str) -> torch.device:

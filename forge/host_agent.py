@@ -7,13 +7,21 @@ Run once on every host of the job, before the controller starts (the same port o
 
 The worker spawns the job's processes on this host when the controller, attached to every host's worker
 (forge.hosts_mesh), asks. They inherit this environment: forge's job deadlines and the tcp transport
-(forge.compat), and FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output
-(a remote process never prints through Monarch's log pipe: forge.compat, 5 and 20).
+(forge.compat), FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output
+(a remote process never prints through Monarch's log pipe: forge.compat, 5 and 20), and FORGE_HOST_ADDRESS, the
+address given here, where forge's own servers on this host listen (the weight relay's). The job's secret comes
+from the controller with the rest of a process's environment (forge.provisioner), never through this agent.
+
+Monarch's worker and the processes it spawns authenticate nobody (the worker runs with
+`ca="trust_all_connections"`): whoever reaches this port can start processes here and run code in them. The agent
+says so when it starts (`TRUST_BOUNDARY`); run it only on a network that the job's hosts alone share
+(docs/several_hosts.md, "Sockets and trust").
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import ipaddress
 import os
 import socket
@@ -21,7 +29,19 @@ import sys
 from pathlib import Path
 
 LOG_DIR_VARIABLE = "FORGE_HOST_LOG_DIR"
+ADDRESS_VARIABLE = "FORGE_HOST_ADDRESS"
 DEFAULT_LOG_DIR = "/tmp/forge-logs"
+TRUST_BOUNDARY = (
+    "forge host agent: trust boundary: Monarch's worker on {address}:{port} and the job processes it starts "
+    "here accept connections without authentication (the worker trusts all connections): anyone who reaches "
+    "{address} can start processes on this host and run code in them as user {user}. Run it only on a private "
+    "network that this job's hosts alone share (docs/several_hosts.md, 'Sockets and trust').")
+
+
+def host_address() -> str:
+    """The address this host's job processes listen on: the agent's --addr (FORGE_HOST_ADDRESS), else what
+    this host's name resolves to (which the agent checked is the same: forge.compat, 19)."""
+    return os.environ.get(ADDRESS_VARIABLE) or socket.gethostbyname(socket.gethostname())
 
 
 def own_address_problem(address: str) -> str | None:
@@ -38,13 +58,14 @@ def own_address_problem(address: str) -> str | None:
     return None
 
 
-def configure_agent_environment(log_dir: str) -> None:
+def configure_agent_environment(log_dir: str, address: str) -> None:
     """What the processes this host's worker spawns inherit (set before the worker starts)."""
     from forge import compat
 
     os.environ[LOG_DIR_VARIABLE] = log_dir
     compat.configure_job_environment()  # deadlines
     compat.use_tcp_transport_in_environment()
+    os.environ[ADDRESS_VARIABLE] = address
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         parser.error(problem)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    configure_agent_environment(args.log_dir)
+    configure_agent_environment(args.log_dir, args.addr)
     from forge.hosts import worker_address
 
     address = worker_address(args.addr, args.port)
     print(f"forge host agent: Monarch worker on {address} (process output in {args.log_dir})", flush=True)
+    print(TRUST_BOUNDARY.format(address=args.addr, port=args.port, user=getpass.getuser()), flush=True)
     serve_jobs(address)
     return 1  # not reached
 

@@ -10,6 +10,7 @@ import threading
 
 from forge import compat
 from forge.actor import ForgeActor
+from forge import job_auth
 from forge.hosts import HostsConfig, HostsError, worker_address
 
 from monarch.actor import HostMesh, attach_to_workers
@@ -47,8 +48,10 @@ def check_hosts(hosts: HostsConfig) -> None:
 
 def allocate_host_mesh(hosts: HostsConfig, name: str = "hosts") -> HostMesh:
     """The host mesh over `hosts` (checked by `check_hosts`), one dimension `hosts`; returns at once, Monarch
-    connects to the hosts' workers in the background."""
+    connects to the hosts' workers in the background. The job's secret is made here; the provisioner passes it to
+    each process it spawns on another host (never on a command line, nor through the hosts' agents)."""
     compat.configure_job_environment()
+    job_auth.make_job_secret()
     return attach_to_workers(ca="trust_all_connections", name=name,
                              workers=[worker_address(address, hosts.port) for address in hosts.addresses])
 
@@ -57,31 +60,45 @@ def allocate_host_mesh(hosts: HostsConfig, name: str = "hosts") -> HostMesh:
 
 _lifeline: tuple[str, int] | None = None
 _lifeline_connections: list[socket.socket] = []  # held open for the life of this process
+_LIFELINE_HELLO = b"forge lifeline/1\n"  # then the handshake's challenge (forge.job_auth)
 
 
 def lifeline_address() -> tuple[str, int]:
     """A port on this controller's address that every other host's watch process connects to; the kernel closes
-    those connections when this process ends, however it ends (a SIGKILL included)."""
+    those connections when this process ends, however it ends (a SIGKILL included). It holds only connections that
+    proved they hold the job's secret: a stranger's is closed after the handshake."""
     global _lifeline
     if _lifeline is None:
         server = socket.create_server((controller_address(), 0))
+        secret = job_auth.job_secret()
 
         def accept() -> None:
             while True:
                 connection, _ = server.accept()
-                _lifeline_connections.append(connection)
+                threading.Thread(target=_hold_if_proved, args=(connection, secret), daemon=True).start()
 
         threading.Thread(target=accept, daemon=True, name="forge-lifeline").start()
         _lifeline = server.getsockname()[:2]
     return _lifeline
 
 
+def _hold_if_proved(connection: socket.socket, secret: bytes) -> None:
+    try:
+        connection.settimeout(job_auth.HANDSHAKE_TIMEOUT_S)
+        if job_auth.client_proved(connection, secret, _LIFELINE_HELLO):
+            connection.settimeout(None)
+            _lifeline_connections.append(connection)
+            return
+    except OSError:  # silent past the timeout, or gone
+        pass
+    connection.close()
+
+
 class Lifeline(ForgeActor):
     """In a host's watch process: once the controller's lifeline closes, this host's processes of the job go."""
 
     def __init__(self, address: str, port: int) -> None:
-        self.connection = socket.create_connection((address, port), timeout=10)
-        self.connection.settimeout(None)
+        self.connection = job_auth.connect((address, port), job_auth.job_secret(), _LIFELINE_HELLO, timeout=None)
         # A controller whose machine vanishes sends no FIN: keepalive notices within ~25 s.
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):

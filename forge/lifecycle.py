@@ -21,6 +21,9 @@
   job made, bounded in time; what it did not stop is killed (`kill_job_processes`).
 - From the moment the job starts ending (a signal, a failure, `main` returning) the process exits within
   `exit_deadline_s`: a Monarch call to a dead process never answers, and a job must not hang on one.
+- Signals are taken in Python's own handler, not through the event loop, and the deadline and a second signal's
+  exit are kept by a thread: a job whose event loop is blocked (code that blocks it by mistake) still ends within
+  the deadline of its first signal, and at once on its second.
 
 A graceful stop, as `apps.grpo` does it (the job finishes its step and checkpoints before `main` returns):
 
@@ -75,16 +78,21 @@ class _Lifecycle:
         self.signal: signal.Signals | None = None
         self.ending = False  # `main` has an outcome: clean-up is running
         self.main: asyncio.Task | None = None
-        self._deadline: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._provisioner: ModuleType | None = None
+        # The exit-deadline thread waits for `_armed` (the job is ending), then `exit_deadline_s` or `_at_once`.
+        self._armed, self._at_once = threading.Event(), threading.Event()
+        self._deadline = threading.Thread(target=self._keep_deadline, daemon=True, name="exit-deadline")
 
     async def run(self, main: Callable[[], Awaitable[int | None]]) -> int:
         from forge import provisioner  # Monarch: imported only once the app has parsed its arguments
 
         self._provisioner = provisioner
-        loop = asyncio.get_running_loop()
-        for sig in SIGNALS:
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        self._loop = asyncio.get_running_loop()
+        self._deadline.start()
+        # signal.signal, not loop.add_signal_handler: the handler runs in the main thread between two bytecodes,
+        # even while the event loop is stuck in a call that blocks it.
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
         try:
             self.main = asyncio.ensure_future(main())
             watchdog = asyncio.ensure_future(provisioner.get_provisioner().wait_for_fatal_failure())
@@ -97,8 +105,8 @@ class _Lifecycle:
                 self._start_deadline()
                 await self._clean_up()
         finally:
-            for sig in SIGNALS:
-                loop.remove_signal_handler(sig)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if not self.main.done():
             # `main` is stuck on a call to a dead process; asyncio.run would wait for it forever.
             _exit_now(self.code)
@@ -122,14 +130,23 @@ class _Lifecycle:
             return 128 + self.signal.value
         return 0 if returned is None else int(returned)
 
-    def _on_signal(self, sig: signal.Signals) -> None:
+    def _on_signal(self, signum: int, frame: object = None) -> None:
+        """Python's signal handler: it records the signal, arms the deadline and hands the stop to the event loop.
+        It may interrupt any code of the main thread, so it only writes to stderr's descriptor (a print could
+        re-enter a print it interrupted) and sets events."""
+        sig = signal.Signals(signum)
         if self.signal is not None or self.ending:  # a second signal, or one during the clean-up: exit now
-            print(f"\n{sig.name} again: killing the job's processes and exiting now", file=sys.stderr, flush=True)
-            self._provisioner.kill_job_processes()
-            _exit_now(128 + sig.value)
+            self.code = 128 + sig.value
+            _write_stderr(f"\n{sig.name} again: killing the job's processes and exiting now\n")
+            self._at_once.set()
+            self._armed.set()
+            return
         self.signal, self.code = sig, 128 + sig.value
-        print(f"\n{sig.name}: stopping the job (send it again to exit at once)", file=sys.stderr, flush=True)
+        _write_stderr(f"\n{sig.name}: stopping the job (send it again to exit at once)\n")
         self._start_deadline()
+        self._loop.call_soon_threadsafe(self._stop_main, sig)
+
+    def _stop_main(self, sig: signal.Signals) -> None:
         if self.on_stop is None:
             self.main.cancel()
             return
@@ -151,19 +168,23 @@ class _Lifecycle:
             self._provisioner.kill_job_processes()
 
     def _start_deadline(self) -> None:
-        """A daemon thread that ends the process `exit_deadline_s` from now, whatever the event loop is doing."""
-        if self._deadline is not None:
-            return
+        """The process ends `exit_deadline_s` from now, whatever the event loop is doing."""
+        self._armed.set()
 
-        def expire() -> None:
-            time.sleep(self.exit_deadline_s)
+    def _keep_deadline(self) -> None:
+        self._armed.wait()
+        if not self._at_once.wait(self.exit_deadline_s):
             print(f"the job did not end within {self.exit_deadline_s:g}s: killing its processes", file=sys.stderr,
                   flush=True)
-            self._provisioner.kill_job_processes()
-            _exit_now(self.code)
+        self._provisioner.kill_job_processes()
+        _exit_now(self.code)
 
-        self._deadline = threading.Thread(target=expire, daemon=True, name="exit-deadline")
-        self._deadline.start()
+
+def _write_stderr(text: str) -> None:
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (OSError, ValueError):  # no stderr to write to
+        pass
 
 
 def _exit_now(code: int) -> None:

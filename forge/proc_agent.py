@@ -16,14 +16,14 @@ import socket
 from pathlib import Path
 
 from forge import compat, metrics, processes
-from forge.host_agent import DEFAULT_LOG_DIR, LOG_DIR_VARIABLE
+from forge.host_agent import DEFAULT_LOG_DIR, LOG_DIR_VARIABLE, host_address
 
 from monarch.actor import Actor, current_rank, endpoint  # noqa: E402 (after forge.compat)
 
 
 def own_address(local: bool) -> str:
     """The address other hosts reach this process's host at (the controller's host: loopback suffices)."""
-    return "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1" if local else host_address()
 
 
 class ProcAgent(Actor):

@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator, Callable
 
 from forge import compat, metrics, processes, weight_store
 from forge.hosts import HostsConfig, HostsError
+from forge.job_auth import SECRET_VARIABLE, job_secret
 from forge.proc_agent import ProcAgent
 from forge.processes import ProcessId, free_port, kill_job_processes, monarch_children  # noqa: F401 (public here too)
 
@@ -272,6 +273,9 @@ class Provisioner:
                 "WORLD_SIZE": str(len(found)),
                 "FORGE_JOB_ID": weight_store.job_id(),
                 **({weight_store.RELAY_VARIABLE: "1"} if self.hosts is not None else {}),
+                # A process on another host inherits its worker's environment, not this one's: the job's secret
+                # (forge.job_auth) reaches it here.
+                **({SECRET_VARIABLE: job_secret().decode()} if placement else {}),
                 **(env or {}),
             }
             # Ranks run host by host, `procs` on each. Each process sees only its own GPUs, from cuda:0 on.

@@ -3,6 +3,7 @@
     svc = await Generator.options(num_replicas=2).as_service(model=path)
     out = await svc.generate.route(prompt)            # one healthy replica (round-robin by default)
     versions = await svc.policy_version.fanout()      # every healthy replica
+    by_index = await svc.policy_version.by_replica()  # the same, keyed by replica index
     async with svc.session():                         # stick to one replica (e.g. for a KV cache)
         await svc.generate.route(turn1); await svc.generate.route(turn2)
     outs = await svc.generate_batch.route_batch(prompts, params)  # merged with concurrent callers' prompts
@@ -335,6 +336,11 @@ class ServiceEndpoint:
 
     async def fanout(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Call every healthy replica; returns their results in replica order."""
+        return list((await self.by_replica(*args, **kwargs)).values())
+
+    async def by_replica(self, *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """`fanout` keyed by replica index, for a caller that must say which replica answered what (the weight
+        canary names the replica that serves wrong weights). A replica that dies during the call is left out."""
         replicas = self.service.healthy_replicas()
         if not replicas:
             await self.service._choose()  # waits for a restart or raises NoHealthyReplicaError
@@ -345,4 +351,4 @@ class ServiceEndpoint:
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, SupervisionError):
                 raise result
-        return [r for r in results if not isinstance(r, BaseException)]
+        return {r.index: result for r, result in zip(replicas, results) if not isinstance(result, BaseException)}

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 try:
     import xxhash
-except ImportError:  # not a dependency of forge (vLLM brings it): crc32 from the standard library instead
+except ImportError:  # a dependency of forge (pyproject.toml), but a reader may run elsewhere: crc32 then
     xxhash = None
 
 from forge.distributed import gather_to_rank0

@@ -22,6 +22,14 @@ each piece as it lands. The relay completes its copy
 only once the publisher's segment is complete and its final manifest (the checksums) is in torchstore; readers
 compare against those before returning the version.
 
+Every connection to a SegmentServer starts with the job's handshake (forge/job_auth.py: a challenge and an HMAC under
+the job's secret, both ways; the secret made by the controller, in the environment of the job's processes only). A
+client without the secret gets the challenge and the end of the connection, never a byte of a segment or an event;
+one that says nothing is dropped after job_auth.HANDSHAKE_TIMEOUT_S (each connection has its own thread, so it
+holds up no other). The server listens on its host's
+configured address only (forge.host_agent.host_address), never on every interface. The bytes cross the network in
+the clear: the trust boundary is the job's private network (docs/several_hosts.md, "Sockets and trust").
+
 Versions only move forward: a relay that falls behind skips to the newest published version (counted in
 `relay/versions_skipped`), and until it has copied one its host's readers keep the version they have
 (`weights/host_versions_behind`, recorded by every reader). The relay deletes its host's copies of versions the
@@ -37,6 +45,7 @@ import contextlib
 import ctypes
 import dataclasses
 import fcntl
+import ipaddress
 import logging
 import os
 import re
@@ -51,7 +60,10 @@ from pathlib import Path
 from typing import Iterator
 
 from forge import compat
+from forge import job_auth
 from forge.actor import ForgeActor, endpoint
+from forge.host_agent import host_address
+from forge.job_auth import JobAuthenticationError, job_secret
 from forge.metrics import record_metric
 from forge.shm_weights import (
     ARRIVAL_STALL_S,
@@ -84,6 +96,12 @@ _THOROUGH_EVERY = 20
 _ANNOUNCEMENT_WAIT_S = 1.0
 _ANNOUNCEMENT_POLL_S = 0.005
 _PIPE_BYTES = 1 << 20  # the receiver's pipe (the most an unprivileged process may ask for): bytes per splice
+_HELLO = b"forge segment server/1\n"  # then the handshake's challenge (forge.job_auth)
+
+
+def connect(address: tuple[str, int], secret: bytes, timeout: float | None) -> socket.socket:
+    """A connection to the SegmentServer at `address`, past the handshake; `timeout` applies from then on."""
+    return job_auth.connect(address, secret, _HELLO, timeout)
 
 
 class SegmentServer:
@@ -98,10 +116,15 @@ class SegmentServer:
     Segments this process writes itself (`own`: its relay's copies) are left out. Other hosts' relays wait on these
     lines instead of polling torchstore; a lost line costs only latency (they still poll, rarely)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: bytes) -> None:
+        if ipaddress.ip_address(address).is_unspecified:
+            raise ValueError(f"SegmentServer address {address!r}: listen on this host's own address, not on every "
+                             "interface")
+        self._secret = secret
         self._names = re.compile(rf"forge-{re.escape(job_id())}-[A-Za-z0-9_.-]+-v([0-9]+)")
         self._segments = re.compile(rf"forge-{re.escape(job_id())}-([A-Za-z0-9_.-]+)-v([0-9]+)(\.tmp)?")
         self.own: set[str] = set()  # segments this process writes (names without .tmp)
+        self._refused: set[str] = set()  # addresses of clients refused (logged once each)
         self._watchers: list[socket.socket] = []
         self._watchers_lock = threading.Lock()
         self._socket = socket.create_server((address, 0))
@@ -114,14 +137,29 @@ class SegmentServer:
             threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
 
     def _serve(self, connection: socket.socket) -> None:
-        request = ""
-        with contextlib.suppress(OSError):
-            request = connection.makefile("rb").readline(256).decode(errors="replace").strip()
-            if request == "watch":
-                self._add_watcher(connection)
+        try:
+            connection.settimeout(job_auth.HANDSHAKE_TIMEOUT_S)
+            if not job_auth.client_proved(connection, self._secret, _HELLO):
+                self._log_refused(connection)
+                connection.close()
                 return
+            request = connection.makefile("rb").readline(256).decode(errors="replace").strip()
+            connection.settimeout(None)  # blocking again: sendfile needs it, and a watcher waits for ever
+        except OSError:  # silent past the timeout, or gone
+            connection.close()
+            return
+        if request == "watch":
+            self._add_watcher(connection)
+            return
         with connection:
             self._send(connection, request)
+
+    def _log_refused(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            peer = connection.getpeername()[0]
+            if peer not in self._refused:  # once per address: a scanner must not flood the log
+                self._refused.add(peer)
+                logger.warning("segment server: refused %s, which does not hold this job's secret", peer)
 
     def _send(self, connection: socket.socket, name: str) -> None:
         with contextlib.suppress(OSError, WeightVersionError):
@@ -205,13 +243,14 @@ def _shared_memory_events() -> Iterator[tuple[str, int]]:
         os.close(fd)
 
 
-def receive_segment(address: tuple[str, int], manifest: Manifest, writer: SegmentWriter) -> None:
+def receive_segment(address: tuple[str, int], manifest: Manifest, writer: SegmentWriter, secret: bytes) -> None:
     """Receive `manifest`'s segment from the SegmentServer at `address` straight into `writer`'s file, marking each
     piece this host's readers read ready as soon as it landed (they read it meanwhile). Returns once all of it is
     there and the publisher's header names the version; the caller commits. Raises (and writes nothing more) when
     the segment is gone from its host, was abandoned or recycled there, the connection broke or stalled for
-    ARRIVAL_STALL_S, or this host's shared memory is full (SharedMemoryError)."""
-    with socket.create_connection(address, timeout=ARRIVAL_STALL_S) as connection:
+    ARRIVAL_STALL_S, this host's shared memory is full (SharedMemoryError), or the server does not hold `secret`
+    (JobAuthenticationError)."""
+    with connect(address, secret, timeout=ARRIVAL_STALL_S) as connection:
         connection.sendall(manifest.segment.encode() + b"\n")
         (total,) = struct.unpack("<q", _receive_exactly(connection, 8))
         if total < HEADER + writer.size:
@@ -275,13 +314,7 @@ class _Splicer:
 
 
 def _receive_exactly(connection: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = connection.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError("the segment server closed the connection")
-        data += chunk
-    return data
+    return job_auth.receive_exactly(connection, count, "the segment server")
 
 
 # Runs detached (double fork, own session, so no process-tree kill takes it along): waits for the relay process
@@ -330,8 +363,8 @@ class WeightRelay(ForgeActor):
         started = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(SHM_DIR / f"forge-{job_id()}-*")],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.wait(timeout=10)  # the first fork exits at once; the watchdog lives on, detached
-        # Its host's name resolves to the host's own address (the per-host agent checks it, forge.compat 19).
-        self.server = SegmentServer(socket.gethostbyname(self.host))
+        self.secret = job_secret()
+        self.server = SegmentServer(host_address(), self.secret)
         self._loop = asyncio.get_running_loop()
         await self._advertise_server()
         self._task = asyncio.ensure_future(self._follow())
@@ -410,13 +443,16 @@ class WeightRelay(ForgeActor):
     def _watch(self, host: str, address: tuple[str, int]) -> None:
         """Follow `host`'s SegmentServer events until its connection ends (then a thorough poll reconnects)."""
         try:
-            with socket.create_connection(address, timeout=ARRIVAL_STALL_S) as connection:
-                connection.settimeout(None)
+            with connect(address, self.secret, timeout=None) as connection:
                 connection.sendall(b"watch\n")
                 self._watching[host] = connection
                 for line in connection.makefile("rb"):
                     kind, namespace, version = line.decode().split()
                     self._loop.call_soon_threadsafe(self._on_event, kind, namespace, int(version))
+        except JobAuthenticationError as error:  # retried on every thorough poll: logged once
+            if str(error) not in self._reported:
+                self._reported.add(str(error))
+                logger.error("weight relay on %s: cannot follow %s's events: %s", self.host, host, error)
         except (OSError, ValueError):
             pass
         finally:
@@ -446,6 +482,8 @@ class WeightRelay(ForgeActor):
             self.last_copy = {"namespace": namespace, "version": newest, "started": time.time()}
             try:
                 segment, manifest = await self._copy(store, manifest)
+            except JobAuthenticationError:  # no copy from that host will work: counted and logged by _follow
+                raise
             # Deleted, abandoned or stalled mid-copy (a receive that timed out is an OSError, not a ConnectionError):
             # take the next one.
             except (KeyError, WeightVersionError, OSError):
@@ -513,7 +551,8 @@ class WeightRelay(ForgeActor):
         try:
             if manifest.host not in self.servers:
                 await self._advertise_server()
-            await asyncio.to_thread(receive_segment, tuple(self.servers[manifest.host]), manifest, writer)
+            await asyncio.to_thread(receive_segment, tuple(self.servers[manifest.host]), manifest, writer,
+                                    self.secret)
             self.last_copy["received"] = time.time()
             final = await store._published_manifest(manifest.version)
         except BaseException:

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from forge.client import AdamParams, Datum, ModelInput, SamplingClient, SamplingParams, ServiceClient
+from forge.client import AdamParams, Datum, SamplingClient, SamplingParams, ServiceClient
 from forge.tasks.arithmetic import ArithmeticTask, Problem
 
 
@@ -57,18 +57,11 @@ def accuracy(sampler: SamplingClient, task: ArithmeticTask, problems: list[Probl
 
 
 def group_datums(prompt_tokens: list[int], samples: list, rewards: list[float]) -> list[Datum]:
-    """GRPO data for one prompt's group: advantage (r - mean) / std on the completion's tokens."""
+    """GRPO data for one prompt's group: advantage (r - mean) / std on the completion's tokens. `from_sample` keeps
+    what the trainer must score the sample with (its temperature, and top_k/top_p's kept sets)."""
     mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
-    data = []
-    for sample, reward in zip(samples, rewards):
-        advantage = (reward - mean) / (std + 1e-6) if std > 0 else 0.0
-        prompt_part, n = len(prompt_tokens) - 1, len(sample.tokens)
-        data.append(Datum(
-            model_input=ModelInput.from_ints(prompt_tokens + sample.tokens),
-            loss_fn_inputs={"logprobs": [0.0] * prompt_part + sample.logprobs,
-                            "advantages": [0.0] * prompt_part + [advantage] * n,
-                            "mask": [0.0] * prompt_part + [1.0] * n, "reward": reward}))
-    return data
+    return [Datum.from_sample(prompt_tokens, sample, (reward - mean) / (std + 1e-6) if std > 0 else 0.0, reward=reward)
+            for sample, reward in zip(samples, rewards)]
 
 
 def run(cfg: LoopConfig, log=print) -> dict:

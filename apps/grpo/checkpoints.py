@@ -12,6 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from actors.titan_trainer import CheckpointMismatch
+from forge.actor import EndpointError
+
 
 class JobCheckpoints:
     def __init__(self, folder: str | Path, keep: int) -> None:
@@ -46,11 +49,26 @@ class JobCheckpoints:
             job_state = pickle.loads((path / "job_state.pkl").read_bytes())
             await trainer.load_checkpoint.call(str(path / "trainer"))
         except Exception as e:
+            if _is_mismatch(e):  # intact, saved under other settings: an earlier checkpoint would be refused too
+                raise RuntimeError(f"--resume: checkpoint {path} was saved under other settings: "
+                                   f"{_first_line(e)}") from None
             older = [p.name for p in self._all() if p != path]
-            raise RuntimeError(f"--resume: checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e}); "
-                               f"move it aside to resume from an earlier one ({', '.join(older) or 'none left'})") from None
+            raise RuntimeError(f"--resume: checkpoint {path} is corrupt or incomplete ({type(e).__name__}: "
+                               f"{_first_line(e)}); move it aside to resume from an earlier one "
+                               f"({', '.join(older) or 'none left'})") from None
         return path, job_state
 
     def _all(self) -> list[Path]:
         """Every checkpoint folder (complete or not, `.partial` ones excluded), oldest first."""
         return sorted(self.folder.glob("step_*[0-9]"))
+
+
+def _is_mismatch(error: Exception) -> bool:
+    """Whether the trainer refused the checkpoint as one of other settings (CheckpointMismatch): its endpoint's
+    exception arrives as an EndpointError naming the remote exception's type."""
+    return isinstance(error, EndpointError) and f" raised {CheckpointMismatch.__name__}: " in str(error)
+
+
+def _first_line(error: Exception) -> str:
+    """An error's message without an endpoint's remote traceback."""
+    return str(error).split("\n--- remote traceback", 1)[0]

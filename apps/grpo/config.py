@@ -25,7 +25,6 @@ from forge.environments.config import EnvironmentConfig
 from forge.hosts import HostsConfig
 from forge.loss_rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
-from forge.tasks import load_callable
 from forge.tasks.config import TaskConfig
 from forge.warm_start_config import WarmStartConfig
 
@@ -184,30 +183,55 @@ class GRPOConfig:
             _check_vllm_engine_args(self.generator)
             if self.trainer.lora is not None:  # every version is a LoRA request: what vLLM cannot serve, refused now
                 lora_engine_args(self.trainer.lora.rank, self.trainer.lora.target_modules)
-        if self.task.reward:
-            load_callable(self.task.reward, field="task.reward")  # importable, before any process starts
-        if self.task.source == "openenv" and self.warm_start.enabled:
-            raise ValueError("warm_start.enabled=true: task.source='openenv' has no correct episodes to warm start "
-                             "from (an OpenEnv environment gives rewards, not answers); set warm_start.enabled=false")
+        if self.task.source in ("openenv", "environment") and self.warm_start.enabled:
+            raise ValueError(f"warm_start.enabled=true: task.source={self.task.source!r} has no correct episodes to "
+                             "warm start from (its environment gives rewards, not answers); set "
+                             "warm_start.enabled=false")
         lookup = (self.task.source, self.task.name) == ("forge", "lookup")
         if self.environment.chat_template and self.warm_start.enabled and lookup:
             raise ValueError("environment.chat_template=true: the multi-turn warm start trains and evaluates the "
                              "task's plain-text transcripts, not episodes in the chat template; set "
                              "warm_start.enabled=false")
         check_model_layout(self)  # last: it reads the model's config.json (a hub id's is fetched)
+        if self.environment.chat_template:
+            check_chat_template(self.trainer.model_path)
 
 
 def read_hf_config(model: str) -> dict:
     """The checkpoint's config.json: from its folder, or for a hub id fetched alone (no weights)."""
+    text = read_checkpoint_file(model, "config.json")
+    if text is None:
+        raise ValueError(f"model={model!r}: has no config.json; use a Hugging Face checkpoint folder or hub id")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"model={model!r}: its config.json is not JSON ({e})") from None
+
+
+def read_checkpoint_file(model: str, name: str) -> str | None:
+    """One small file of the checkpoint (None where it has none): from its folder, or fetched alone from the hub."""
     if Path(model).exists():
-        return json.loads((Path(model) / "config.json").read_text())
-    from huggingface_hub import hf_hub_download
+        path = Path(model) / name
+        return path.read_text() if path.exists() else None
+    from huggingface_hub import file_exists, hf_hub_download
 
     try:
-        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
-    except (OSError, ValueError) as e:  # the hub's errors are OSErrors; a broken file is a ValueError
-        raise ValueError(f"model={model!r}: cannot read its config.json to check the job before anything starts "
+        return Path(hf_hub_download(model, name)).read_text() if file_exists(model, name) else None
+    except OSError as e:  # the hub's errors are OSErrors
+        raise ValueError(f"model={model!r}: cannot read its {name} to check the job before anything starts "
                          f"({type(e).__name__}: {e}); use a reachable hub id or a local checkpoint folder") from None
+
+
+def check_chat_template(model: str) -> None:
+    """`environment.chat_template=true` needs a tokenizer with a chat template (in tokenizer_config.json or a
+    chat_template.jinja file beside it): refused now, not when the rollouts start after every actor has."""
+    if read_checkpoint_file(model, "chat_template.jinja") is not None:
+        return
+    tokenizer_config = read_checkpoint_file(model, "tokenizer_config.json")
+    if tokenizer_config is None or not json.loads(tokenizer_config).get("chat_template"):
+        raise ValueError(f"environment.chat_template=true: the tokenizer of model={model!r} has no chat template "
+                         "(none in tokenizer_config.json, no chat_template.jinja); set environment.chat_template=false "
+                         "to play episodes in plain text, or use a model with a chat template")
 
 
 def check_model_layout(cfg: GRPOConfig) -> None:

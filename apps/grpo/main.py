@@ -27,10 +27,11 @@ from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
 from apps.grpo.launch import make_task, reward_function, start_actors
 from apps.grpo.rewards import RewardHangError, RewardScorer
-from apps.grpo.rollouts import EPISODE_BITS, make_rollout, warm_started_model
+from apps.grpo.rollouts import EPISODE_BITS, held_out_score, make_rollout, warm_started_model
 from apps.grpo.summary import EpisodeCounters, RunSummary
 from forge import weight_store
 from forge.actor import rank0
+from forge.environments.threads import EnvironmentsBlocked
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger, record_metric
 from forge.provisioner import get_provisioner
@@ -49,7 +50,7 @@ class GRPOJob:
         self.checkpoints = JobCheckpoints(cfg.checkpoint.folder, cfg.checkpoint.keep)
         self.rng = random.Random(cfg.seed)
         self.counters = EpisodeCounters()
-        self.summary = RunSummary()
+        self.summary = RunSummary(held_out_score=held_out_score(cfg, self.task))
         self.step = self.version = 0
         # The replay buffer decides how much rollout work may be under way (ReplayBuffer.reserve); these say when
         # to ask it again: `room` when something may have freed room (a batch sampled, a version published, a group
@@ -156,16 +157,28 @@ class GRPOJob:
             await self._add_to_buffer(episodes)
 
     async def scored_group(self, params: SamplingParams, version: int) -> EpisodeBatch | None:
-        """The group's episodes with rewards and advantages; None when generation failed or the group was dropped."""
+        """The group's episodes with rewards and advantages; None when generation failed or the group was dropped.
+
+        A group with an episode whose environment failed is dropped whole (counted): that episode's reward says
+        nothing of what the model wrote, so it cannot be trained, nor be the baseline of the others' advantages. The
+        others could form a smaller group, but the replay buffer reserves and trains whole groups: with groups
+        short of their size, the job's last batch could never be filled (a 3-step run hung after step 2)."""
         (problem,) = self.task.sample_prompts(1, self.rng)
         try:  # completions, or multi-turn trajectories (apps/grpo/rollouts.py), and their rewards
-            completions, rewards = await self.rollout.group(problem, params, version)
-        except (NoHealthyReplicaError, RewardHangError):
+            completions, rewards, environment_failures = await self.rollout.group(problem, params, version)
+        except (NoHealthyReplicaError, RewardHangError, EnvironmentsBlocked):
             raise
         except Exception as e:  # a per-request engine error (e.g. a prompt over the window) fails this group only
             self.counters.generation_failures += 1
             record_metric("rollout/generation_failures", 1, "sum")
             print(f"generation failed for prompt {problem.prompt[:60]!r}: {e}", file=sys.stderr)
+            return None
+        if environment_failures:
+            self.counters.generated += len(rewards)
+            self.counters.environment_failures += environment_failures
+            self.counters.environment_dropped += len(rewards)
+            record_metric("rollout/environment_failures", environment_failures, "sum")
+            record_metric("rollout/environment_dropped", len(rewards), "sum")
             return None
         self.rewards_this_step.extend(rewards)
         budget = self.cfg.rollout.max_dropped_groups_per_step
@@ -283,12 +296,16 @@ class GRPOJob:
         problems = self.task.held_out()[: self.cfg.eval.num_prompts]
         params = SamplingParams(n=1, max_tokens=self.cfg.rollout.max_tokens, temperature=0.0,
                                 stop_token_ids=list(self.task.stop_token_ids))
-        scores = await self.rollout.evaluate(problems, params)
-        accuracy = sum(scores) / len(scores)
-        record_metric("eval/accuracy", accuracy)
-        print(f"eval ({label}, policy version {self.version}): held-out greedy accuracy {accuracy:.1%} "
-              f"on {len(problems)} prompts", flush=True)
-        return accuracy
+        played = await self.rollout.evaluate(problems, params)
+        scores = [score for score in played if score is not None]  # None: its environment failed
+        mean = sum(scores) / len(scores) if scores else math.nan
+        failed = len(played) - len(scores)
+        self.summary.eval_environment_failures += failed
+        record_metric(self.summary.score_metric, mean)
+        print(f"eval ({label}, policy version {self.version}): held-out greedy {self.summary.held_out_score} "
+              f"{self.summary.score_text(mean)} on {len(scores)} prompts"
+              + (f" ({failed} more left out: their environment failed)" if failed else ""), flush=True)
+        return mean
 
     async def save_checkpoint(self) -> Path:
         state = {"step": self.step, "version": self.version, "rng": self.rng.getstate(),

@@ -1,12 +1,16 @@
 """How the GRPO job plays a group and evaluates, for a single-turn task and for a multi-turn one.
 
-Both have `group(problem, params, version) -> (samples, rewards)`, `evaluate(problems, params) -> rewards` and
-`to_episodes(samples, ...)` (the group packed for the buffer). Single-turn: one completion per episode, scored by the
-task's reward (or the user's). Multi-turn (a task with `environment()`): G episodes of one problem, played against the
-task's environments (forge.environments), token in / token out, scored by the environments. A multi-turn group's turns
-all go to one generator replica (a service session), so each turn continues a sequence that replica has just
-generated. Groups generating at once share actor calls (`route_batch`): one message per replica and turn, not one per
-group.
+Both have `group(problem, params, version) -> (samples, rewards, environment_failures)`,
+`evaluate(problems, params) -> rewards` and `to_episodes(samples, ...)` (the group packed for the buffer).
+Single-turn: one completion per episode, scored by the task's reward (or the user's). Multi-turn (a task with
+`environment()`): G episodes of one problem, played against the task's environments (forge.environments), token in /
+token out, scored by the environments. An episode whose environment failed is not the model's doing: its group is
+dropped by the job (`environment_failures` says how many failed) and an evaluation leaves it out of its mean (None);
+it is never scored 0. A multi-turn
+group's turns all go to one generator replica (a service session), so each turn continues a sequence that replica has
+just generated. Groups generating at once share actor calls (`route_batch`): one message per replica and turn, not
+one per group. Environments run on threads of their own (forge.environments.threads), or in their own process with
+`environment.isolated`: the job's event loop never runs their code.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from apps.grpo.rewards import RewardScorer
 from forge.environments.actor import EnvironmentHost, RemoteEnvironment
 from forge.environments.chat import ChatTemplate
 from forge.environments.rollout import run_episodes
+from forge.environments.threads import ThreadedEnvironment
 from forge.environments.trajectory import Trajectory
 from forge.types import Completion, CompletionBatch, EpisodeBatch, SamplingParams
 from forge.warm_start_multiturn import warm_start_multiturn
@@ -42,6 +47,14 @@ def is_multi_turn(task: Any) -> bool:
     return hasattr(task, "environment")
 
 
+def held_out_score(cfg: GRPOConfig, task: Any) -> str:
+    """What the mean of held-out rewards is: "accuracy" when every reward is 0 or 1 (the task's `binary_rewards`;
+    without one, forge's own tasks with their exact-match rewards), else "mean reward" (an environment's or a
+    dataset's partial scores, or a user's reward function)."""
+    binary = getattr(task, "binary_rewards", cfg.task.source == "forge" and cfg.task.reward is None)
+    return "accuracy" if binary else "mean reward"
+
+
 async def _split_across_replicas(generators: Any, problems: list, play) -> list:
     """`play(part)` for even parts of `problems`, one per healthy replica, concatenated in order."""
     chunk = max(1, math.ceil(len(problems) / max(1, len(generators.healthy_replicas()))))
@@ -53,10 +66,11 @@ class SingleTurn:
     def __init__(self, generators: Any, rewards: RewardScorer) -> None:
         self.generators, self.rewards = generators, rewards
 
-    async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[CompletionBatch, list[float]]:
+    async def group(self, problem: Any, params: SamplingParams,
+                    version: int) -> tuple[CompletionBatch, list[float], int]:
         completions = await self.generators.generate_batch.route_batch([problem.prompt], params,
                                                                        min_policy_version=version)
-        return completions, await self.rewards.score(completions.texts, problem.answer)
+        return completions, await self.rewards.score(completions.texts, problem.answer), 0
 
     @staticmethod
     def to_episodes(completions: CompletionBatch, *, group_id: int, rewards: list[float],
@@ -98,8 +112,9 @@ class MultiTurn:
                      if cfg.environment.chat_template else None)
 
     def environments(self, n: int) -> list:
-        """The group's environments: in this process, or on the environment host (environment.isolated)."""
-        return [RemoteEnvironment(self.hosts) if self.hosts else self.task.environment() for _ in range(n)]
+        """The group's environments: on threads of this process, or on the environment host (environment.isolated)."""
+        return [RemoteEnvironment(self.hosts) if self.hosts else ThreadedEnvironment(self.task.environment)
+                for _ in range(n)]
 
     async def play(self, problems: list, params: SamplingParams, version: int = 0) -> list[Trajectory]:
         """One episode per problem, all at once, every turn on one replica."""
@@ -113,13 +128,17 @@ class MultiTurn:
             return await run_episodes(generate, self.environments(len(problems)), problems, params,
                                       self.cfg.environment, self.encode, self.end_token_ids, chat=self.chat)
 
-    async def group(self, problem: Any, params: SamplingParams, version: int) -> tuple[list[Trajectory], list[float]]:
-        trajectories = await self.play([problem] * params.n, params, version)
-        return trajectories, [t.reward for t in trajectories]
+    async def group(self, problem: Any, params: SamplingParams,
+                    version: int) -> tuple[list[Trajectory], list[float], int]:
+        """The group's episodes, their rewards, and how many of them failed in their environment (their rewards
+        mean nothing: the job drops such a group)."""
+        played = await self.play([problem] * params.n, params, version)
+        return played, [t.reward for t in played], sum(t.failed for t in played)
 
-    async def evaluate(self, problems: list, params: SamplingParams) -> list[float]:
-        return [t.reward for t in await _split_across_replicas(self.generators, problems,
-                                                               lambda part: self.play(part, params))]
+    async def evaluate(self, problems: list, params: SamplingParams) -> list[float | None]:
+        """Each problem's reward; None where its environment failed."""
+        played = await _split_across_replicas(self.generators, problems, lambda part: self.play(part, params))
+        return [None if t.failed else t.reward for t in played]
 
 
 async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any, rewards: RewardScorer) -> SingleTurn | MultiTurn:

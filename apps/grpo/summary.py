@@ -1,8 +1,11 @@
 """What a GRPO run reports at its end: accuracy, reward, throughput, memory, and where every episode went.
 
-Every scored episode is trained, still held by the replay buffer, or dropped with a counted reason:
-`generated == trained + held_in_buffer + dropped_too_old + dropped_buffer_full + dropped_zero_variance`
-(tests/apps/test_grpo.py checks it on whole runs). The summary is printed and written to `run_dir/summary.json`.
+Every episode played is trained, still held by the replay buffer, or dropped with a counted reason:
+`generated == trained + held_in_buffer + dropped_too_old + dropped_buffer_full + dropped_zero_variance
++ dropped_environment_failure` (tests/apps/test_grpo.py checks it on whole runs; a group with an episode whose
+environment failed is dropped whole, never trained). The summary is printed and written to `run_dir/summary.json`.
+
+The held-out score is the mean greedy reward: "accuracy" when the task's rewards are 0 or 1, else "mean reward".
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from typing import Callable
 class EpisodeCounters:
     """The controller's side of the accounting (the replay buffer counts the rest); saved in checkpoints."""
 
-    generated: int = 0  # episodes scored
+    generated: int = 0  # episodes played (scored, or in a group dropped for an environment failure)
     zero_variance_dropped: int = 0
     trained: int = 0
     generation_failures: int = 0  # prompt groups whose generation failed (no episodes)
+    environment_failures: int = 0  # episodes whose environment failed (raised, timed out): never scored
+    environment_dropped: int = 0  # episodes of the groups dropped for those failures (the failed ones included)
 
 
 @dataclass
@@ -34,14 +39,18 @@ class RunSummary:
     controller_cpu_s: float = 0.0
     steps_this_run: int = 0
     warm_start_accuracy: float | None = None
+    # What accuracy_start / accuracy_end are: "accuracy" (rewards 0 or 1) or "mean reward" (partial rewards).
+    held_out_score: str = "accuracy"
     accuracy_start: float | None = None
     accuracy_end: float | None = None
+    eval_environment_failures: int = 0  # held-out episodes whose environment failed: left out of the scores
     first_step: dict[str, float] = field(default_factory=dict)  # this run's first and last step's metrics
     clip_fraction_max: float | None = None  # the PPO clip fraction's largest step value (0: the clip never bound)
     last_step: dict[str, float] = field(default_factory=dict)
     episodes: dict[str, int] = field(default_factory=dict)
     reward_failures: int = 0
     generation_failures: int = 0
+    environment_failures: int = 0  # training episodes whose environment failed (their groups were dropped)
     rss_start: dict[str, int] = field(default_factory=dict)  # resident bytes per process at the first step
     rss_end: dict[str, int] = field(default_factory=dict)
     shm_bytes: int = 0  # the weight store's shared memory at the end
@@ -62,8 +71,17 @@ class RunSummary:
                          "consumed_by_buffer": buffer_stats["consumed"], "held_in_buffer": buffer_stats["held"],
                          "dropped_too_old": buffer_stats["dropped_too_old"],
                          "dropped_buffer_full": buffer_stats["dropped_buffer_full"],
-                         "dropped_zero_variance": counters.zero_variance_dropped}
+                         "dropped_zero_variance": counters.zero_variance_dropped,
+                         "dropped_environment_failure": counters.environment_dropped}
         self.generation_failures = counters.generation_failures
+        self.environment_failures = counters.environment_failures
+
+    @property
+    def score_metric(self) -> str:
+        return "eval/accuracy" if self.held_out_score == "accuracy" else "eval/mean_reward"
+
+    def score_text(self, value: float) -> str:
+        return f"{value:.1%}" if self.held_out_score == "accuracy" else f"{value:.3f}"
 
     def write(self, path: str | Path) -> None:
         """summary.json: everything but the per-step metrics (those are in metrics.jsonl)."""
@@ -95,8 +113,12 @@ class RunSummary:
         if self.warm_start_accuracy is not None:
             lines.append(f"warm start: greedy accuracy {self.warm_start_accuracy:.1%} (on its own eval prompts)")
         if self.accuracy_start is not None and self.accuracy_end is not None:
-            lines.append(f"held-out accuracy: {self.accuracy_start:.1%} -> {self.accuracy_end:.1%} "
-                         f"({self.accuracy_end - self.accuracy_start:+.1%})")
+            change = self.accuracy_end - self.accuracy_start
+            lines.append(f"held-out {self.held_out_score}: {self.score_text(self.accuracy_start)} -> "
+                         f"{self.score_text(self.accuracy_end)} ("
+                         + (f"{change:+.1%})" if self.held_out_score == "accuracy" else f"{change:+.3f})")
+                         + (f"; {self.eval_environment_failures} held-out episodes left out: their environment "
+                            "failed" if self.eval_environment_failures else ""))
         if self.first_step:
             lines.append(f"reward (batch mean): first step {self.first_step.get('reward/mean', float('nan')):.3f} -> "
                          f"last step {self.last_step.get('reward/mean', float('nan')):.3f}")
@@ -108,7 +130,10 @@ class RunSummary:
         e = self.episodes
         lines.append(f"episodes: generated {e['generated']} = trained {e['trained']} + held {e['held_in_buffer']} "
                      f"+ dropped (too old {e['dropped_too_old']}, buffer full {e['dropped_buffer_full']}, "
-                     f"zero-variance {e['dropped_zero_variance']}); reward failures {self.reward_failures}")
+                     f"zero-variance {e['dropped_zero_variance']}, environment failure "
+                     f"{e['dropped_environment_failure']}); environment failures {self.environment_failures}, "
+                     f"reward failures {self.reward_failures}, failed "
+                     f"generations {self.generation_failures} (prompt groups)")
         if self.rss_start:
             lines.append("resident memory, first step -> end (MB): " + ", ".join(
                 f"{name} {self.rss_start[name] / 2**20:.0f} -> {self.rss_end[name] / 2**20:.0f}"

@@ -10,6 +10,7 @@ import torch
 from apps.server.errors import ServiceError, field_error
 from apps.server.schemas import Datum
 from forge.loss_rules import uses_old_logprobs
+from forge.sampling import MAX_KEPT_TOKENS
 from forge.types import TrainBatch
 from losses import LOSSES, get_loss
 
@@ -66,6 +67,7 @@ def build_batch(data: list[Datum], *, pad_id: int, vocab_size: int, max_len: int
     behaviour = torch.zeros(batch, length - 1)
     versions = torch.full((batch, length - 1), -1, dtype=torch.long)
     ref = torch.zeros(batch, length - 1) if all(has_ref) else None
+    kept = _kept_tensor([r["kept"] for r in rows], length)
     for row, r in enumerate(rows):
         n = len(r["ids"])
         input_ids[row, :n] = torch.tensor(r["ids"], dtype=torch.long)
@@ -76,7 +78,34 @@ def build_batch(data: list[Datum], *, pad_id: int, vocab_size: int, max_len: int
             ref[row, : n - 1] = torch.tensor(r["ref"], dtype=torch.float32)
     return TrainBatch(input_ids=input_ids, response_mask=mask, behaviour_logprobs=behaviour, policy_versions=versions,
                       advantages=torch.tensor([r["advantage"] for r in rows], dtype=torch.float32),
-                      rewards=torch.tensor([r["reward"] for r in rows], dtype=torch.float32), ref_logprobs=ref)
+                      rewards=torch.tensor([r["reward"] for r in rows], dtype=torch.float32), ref_logprobs=ref,
+                      kept_token_ids=kept)
+
+
+def _kept_tensor(rows: list[list[list[int]] | None], length: int) -> torch.Tensor | None:
+    """The datums' kept sets as TrainBatch.kept_token_ids ([B, T-1, K] int32, -1 padded: all -1 is the full
+    vocabulary); None when no position of any datum has one."""
+    width = max((len(ids) for kept in rows if kept is not None for ids in kept), default=0)
+    if not width:
+        return None
+    out = torch.full((len(rows), length - 1, width), -1, dtype=torch.int32)
+    for row, kept in enumerate(rows):
+        for t, ids in enumerate(kept or []):
+            out[row, t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return out
+
+
+def batch_temperature(data: list[Datum], default: float) -> float:
+    """The one temperature the datums' log-probs are at (loss_fn_inputs.temperature; `default`, the trainer's, where
+    none is given). The trainer scores a batch at one temperature: a datum at another is a 422 naming it."""
+    temperatures = [default if d.loss_fn_inputs.temperature is None else d.loss_fn_inputs.temperature for d in data]
+    for i, temperature in enumerate(temperatures):
+        if temperature != temperatures[0]:
+            raise field_error(["data", i, "loss_fn_inputs", "temperature"], temperature,
+                              f"must equal data[0]'s {temperatures[0]} (trainer.temperature={default} where none is "
+                              "given): one temperature per request; send samples of another temperature in a "
+                              "request of their own")
+    return temperatures[0]
 
 
 def concat_batches(batches: list[TrainBatch], pad_id: int) -> TrainBatch:
@@ -88,10 +117,21 @@ def concat_batches(batches: list[TrainBatch], pad_id: int) -> TrainBatch:
     def pad(t: torch.Tensor | None, width: int, value: float) -> torch.Tensor | None:
         return None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
+    width = max((b.kept_token_ids.shape[2] for b in batches if b.kept_token_ids is not None), default=0)
+
+    def kept(b: TrainBatch) -> torch.Tensor | None:  # every chunk's kept sets at one width (-1: none)
+        if not width:
+            return None
+        out = torch.full((b.input_ids.shape[0], length - 1, width), -1, dtype=torch.int32)
+        if b.kept_token_ids is not None:
+            out[:, : b.kept_token_ids.shape[1], : b.kept_token_ids.shape[2]] = b.kept_token_ids
+        return out
+
     parts = [TrainBatch(input_ids=pad(b.input_ids, length, pad_id), response_mask=pad(b.response_mask, length - 1, 0),
                         behaviour_logprobs=pad(b.behaviour_logprobs, length - 1, 0),
                         policy_versions=pad(b.policy_versions, length - 1, -1), advantages=b.advantages,
-                        rewards=b.rewards, ref_logprobs=pad(b.ref_logprobs, length - 1, 0)) for b in batches]
+                        rewards=b.rewards, ref_logprobs=pad(b.ref_logprobs, length - 1, 0), kept_token_ids=kept(b))
+             for b in batches]
     refs = [p.ref_logprobs is not None for p in parts]
     if any(refs) and not all(refs):
         raise ServiceError(422, "ref_logprobs: give them in every chunk or in none")
@@ -117,8 +157,9 @@ def _row(datum: Datum, i: int, *, vocab_size: int, max_len: int, needs_rl_inputs
             raise field_error([*where, name], f"{len(value)} values",
                               f"must have len(input_ids) - 1 = {n} values (position t predicts input_ids[t+1])")
 
-    for name in ("logprobs", "mask", "target_tokens", "policy_versions", "ref_logprobs"):
+    for name in ("logprobs", "mask", "target_tokens", "policy_versions", "ref_logprobs", "kept_token_ids"):
         per_token(name, getattr(inputs, name))
+    _check_kept(inputs.kept_token_ids, ids, [*where, "kept_token_ids"], vocab_size)
     if isinstance(inputs.advantages, list):
         per_token("advantages", inputs.advantages)
     if inputs.target_tokens is not None and inputs.target_tokens != ids[1:]:
@@ -149,4 +190,20 @@ def _row(datum: Datum, i: int, *, vocab_size: int, max_len: int, needs_rl_inputs
     elif inputs.advantages is not None:
         advantage = float(inputs.advantages)
     return {"ids": ids, "mask": mask, "logprobs": inputs.logprobs or [0.0] * n, "advantage": advantage,
-            "versions": inputs.policy_versions or [0] * n, "ref": inputs.ref_logprobs, "reward": inputs.reward}
+            "versions": inputs.policy_versions or [0] * n, "ref": inputs.ref_logprobs, "reward": inputs.reward,
+            "kept": inputs.kept_token_ids}
+
+
+def _check_kept(kept: list[list[int]] | None, ids: list[int], loc: list, vocab_size: int) -> None:
+    """Each position's kept set (if any) is a set the sampler could keep and holds the token it drew."""
+    for t, kept_ids in enumerate(kept or []):
+        if not kept_ids:
+            continue
+        if len(kept_ids) > MAX_KEPT_TOKENS:
+            raise field_error([*loc, t], f"{len(kept_ids)} ids", f"at most {MAX_KEPT_TOKENS} kept tokens per "
+                                                                 "position (forge.sampling.MAX_KEPT_TOKENS)")
+        if any(not 0 <= k < vocab_size for k in kept_ids):
+            raise field_error([*loc, t], kept_ids[:8], f"token ids outside the vocabulary [0, {vocab_size})")
+        if ids[t + 1] not in kept_ids:
+            raise field_error([*loc, t], kept_ids[:8], f"does not hold input_ids[{t + 1}]={ids[t + 1]}, the token "
+                                                       "sampled from it (kept sets misaligned with the tokens?)")

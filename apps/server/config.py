@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from actors.generator_config import GeneratorConfig
 from actors.trainer_config import TrainerConfig
 from forge.warm_start_config import WarmStartConfig
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback, reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -21,6 +32,10 @@ class HTTPConfig:
             raise ValueError(f"port={self.port}: must be in [0, 65535]")
         if self.api_key is not None and len(self.api_key) < 8:
             raise ValueError(f"api_key={self.api_key!r}: must be None or at least 8 characters")
+        if self.api_key is None and not is_loopback(self.host):
+            raise ValueError(f"host={self.host!r} with api_key=None: the training API would be open to anyone who "
+                             "reaches that address (it runs code on the server's model); set http.api_key, or "
+                             "serve on 127.0.0.1 behind your own proxy")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"log_level={self.log_level!r}: must be one of critical, error, warning, info, debug")
 

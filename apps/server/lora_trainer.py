@@ -220,12 +220,16 @@ class LoRATrainerActor(TrainerActor):
         await self._locked(self.trainer.remove_session, session_id)
 
     @endpoint
-    async def forward_backward(self, session_id: str, batch: Any, loss: str, loss_params: dict) -> dict:
-        return await self._locked(self.trainer.run, session_id, "forward_backward", batch, loss, loss_params)
+    async def forward_backward(self, session_id: str, batch: Any, loss: str, loss_params: dict,
+                               temperature: float | None = None) -> dict:
+        return await self._locked(self.trainer.run, session_id, "forward_backward", batch, loss, loss_params,
+                                  temperature)
 
     @endpoint
-    async def forward(self, session_id: str, batch: Any, loss: str | None, loss_params: dict) -> dict:
-        return await self._locked(self.trainer.run, session_id, "forward_only", batch, loss, loss_params)
+    async def forward(self, session_id: str, batch: Any, loss: str | None, loss_params: dict,
+                      temperature: float | None = None) -> dict:
+        return await self._locked(self.trainer.run, session_id, "forward_only", batch, loss, loss_params,
+                                  temperature)
 
     @endpoint
     async def optim_step(self, session_id: str, lr: float, betas: tuple, eps: float, weight_decay: float,

@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from actors.generator import Generator
 from actors.lora_config import LORA_TARGETS, LoRAConfig, check_lora_for_model, local_hf_config
-from apps.server.batches import build_batch, check_loss, check_loss_inputs, concat_batches
+from apps.server.batches import batch_temperature, build_batch, check_loss, check_loss_inputs, concat_batches
 from apps.server.checkpoints import CheckpointStore
 from apps.server.config import ServerConfig
 from apps.server.errors import ServiceError, field_error, not_found
@@ -177,6 +177,11 @@ class TrainingService:
         if request.from_checkpoint is not None:
             checkpoint = self._loadable(request.from_checkpoint, request.with_optimizer, ["from_checkpoint"])
         lora = self._session_lora(request, checkpoint)
+        if lora is not None and self.cfg.trainer.activation_checkpoint != "none":
+            # actors.lora.init_adapters matches parameters by name, which a checkpointed block's wrapper changes: an
+            # adapter added to the built model would keep peft's own draw, not its seed's.
+            raise field_error(["lora"], request.lora and request.lora.model_dump(), "LoRA sessions need the server's "
+                              f"trainer.activation_checkpoint='none' (it is {self.cfg.trainer.activation_checkpoint!r})")
         kind, limit = ("full", limits.max_sessions) if lora is None else ("lora", limits.max_lora_sessions)
         open_now = sum(1 for s in self.sessions.values() if (s.lora is None) == (lora is None)) + self.creating[kind]
         if open_now >= limit:
@@ -365,24 +370,36 @@ class TrainingService:
 
     # -- training ------------------------------------------------------------------------------------
     def _batch_part(self, request: ForwardRequest | ForwardBackwardRequest, loss: str | None) -> tuple:
-        """The request's batch (checked datum by datum) and its sequence lengths; with a loss, the loss's name and
-        parameters are checked on this batch too."""
+        """The request's batch (checked datum by datum), its sequence lengths and the temperature its log-probs are
+        at; with a loss, the loss's name and parameters are checked on this batch too."""
         if loss is not None:
             check_loss(loss, request.loss_fn_params, allow_custom=False)
         batch = build_batch(request.data, pad_id=self.pad_id, vocab_size=self.vocab_size, max_len=self.max_model_len,
                             needs_rl_inputs=loss is not None)
         if loss is not None:
             check_loss_inputs(loss, request.loss_fn_params, batch)
-        return batch, [len(d.model_input.tokens()) for d in request.data]
+        temperature = batch_temperature(request.data, self.cfg.trainer.temperature)
+        return batch, [len(d.model_input.tokens()) for d in request.data], temperature
+
+    async def _run_batch(self, session: Session, seq_id: int, parts: list, endpoint: str, loss: str | None,
+                         loss_params: dict) -> ForwardBackwardResponse:
+        """`endpoint` (forward_backward or forward) of the session's trainer on the request's chunks as one batch,
+        scored at the temperature its log-probs are at."""
+        temperatures = {p[2] for p in parts}
+        if len(temperatures) > 1:
+            raise ServiceError(422, f"loss_fn_inputs.temperature: the chunks of one request are at temperatures "
+                                    f"{sorted(temperatures)}; give one temperature in every chunk")
+        batch = concat_batches([p[0] for p in parts], self.pad_id)
+        lengths = [n for p in parts for n in p[1]]
+        out = await self._call(session, endpoint, batch, loss, dict(loss_params), temperatures.pop())
+        return ForwardBackwardResponse(model_id=session.session_id, seq_id=seq_id, num_datums=len(lengths),
+                                       loss=out["loss"], metrics=out["metrics"],
+                                       loss_fn_outputs=_per_datum(out["logprobs"], lengths))
 
     async def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResponse | ChunkAccepted:
         async def execute(session: Session, seq_id: int, parts: list) -> ForwardBackwardResponse:
-            batch = concat_batches([p[0] for p in parts], self.pad_id)
-            lengths = [n for p in parts for n in p[1]]
-            out = await self._call(session, "forward_backward", batch, request.loss_fn, dict(request.loss_fn_params))
-            return ForwardBackwardResponse(model_id=session.session_id, seq_id=seq_id, num_datums=len(lengths),
-                                           loss=out["loss"], metrics=out["metrics"],
-                                           loss_fn_outputs=_per_datum(out["logprobs"], lengths))
+            return await self._run_batch(session, seq_id, parts, "forward_backward", request.loss_fn,
+                                         request.loss_fn_params)
 
         signature = ("forward_backward", request.loss_fn, json.dumps(request.loss_fn_params, sort_keys=True))
         return await self._sequenced(request, "forward_backward", execute, lambda: self._batch_part(request, request.loss_fn),
@@ -390,12 +407,7 @@ class TrainingService:
 
     async def forward(self, request: ForwardRequest) -> ForwardBackwardResponse | ChunkAccepted:
         async def execute(session: Session, seq_id: int, parts: list) -> ForwardBackwardResponse:
-            batch = concat_batches([p[0] for p in parts], self.pad_id)
-            lengths = [n for p in parts for n in p[1]]
-            out = await self._call(session, "forward", batch, request.loss_fn, dict(request.loss_fn_params))
-            return ForwardBackwardResponse(model_id=session.session_id, seq_id=seq_id, num_datums=len(lengths),
-                                           loss=out["loss"], metrics=out["metrics"],
-                                           loss_fn_outputs=_per_datum(out["logprobs"], lengths))
+            return await self._run_batch(session, seq_id, parts, "forward", request.loss_fn, request.loss_fn_params)
 
         signature = ("forward", request.loss_fn, json.dumps(request.loss_fn_params, sort_keys=True))
         return await self._sequenced(request, "forward", execute, lambda: self._batch_part(request, request.loss_fn),
@@ -530,14 +542,23 @@ class TrainingService:
         except NoHealthyReplicaError as e:
             raise ServiceError(503, str(e)) from None
         outputs = list(outputs)  # a generator's CompletionBatch unpacked once: each prompt's completions
+        temperature = params.temperature or 1.0  # the engines score greedy tokens at temperature 1
         versions = [v for out in outputs for c in out for v in c.policy_versions]
         return SampleResponse(
             policy_version=0 if adapter is not None else max(versions) if versions else self.version,
             model_path=None if adapter is None else adapter.checkpoint_id,
             prompt_tokens=[out[0].prompt_ids if out else [] for out in outputs],
             samples=[[SampledSequence(tokens=c.token_ids, logprobs=c.logprobs, text=c.text,
-                                      finish_reason=c.finish_reason, policy_versions=c.policy_versions) for c in out]
+                                      finish_reason=c.finish_reason, policy_versions=c.policy_versions,
+                                      kept_token_ids=kept_lists(c.kept_token_ids), temperature=temperature)
+                      for c in out]
                      for out in outputs])
+
+def kept_lists(kept: Any) -> list[list[int]] | None:
+    """A completion's kept sets ([tokens, K] int32, -1 padded; None: the full vocabulary) as one list of token ids
+    per generated token."""
+    return None if kept is None else [[t for t in row if t >= 0] for row in kept.tolist()]
+
 
 def same_adapter(a: dict | None, b: dict | None) -> bool:
     """Whether two sessions' adapters have the same shape and scale (dropout aside): a checkpoint of one loads

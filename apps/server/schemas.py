@@ -124,6 +124,14 @@ class LossFnInputs(_Strict):
                                             description="optional check: must equal input_ids[1:]")
     policy_versions: list[int] | None = None
     ref_logprobs: list[float] | None = None
+    kept_token_ids: list[list[int]] | None = Field(
+        None, description="per position, the token ids the top_k/top_p sampling step that drew input_ids[t + 1] "
+        "kept (a sample's own kept_token_ids; [] where it sampled the full vocabulary, e.g. the prompt): the trainer "
+        "renormalises over them, so its log-probs are of the distribution the tokens were drawn from")
+    temperature: float | None = Field(
+        None, gt=0, description="the sampling temperature `logprobs` are at (a sample's own `temperature`): the "
+        "trainer scores the datum at it, so its log-probs are of the distribution the tokens were drawn from. None: "
+        "the server's trainer.temperature. One temperature per request (the trainer scores a batch at one)")
     reward: float = 0.0
 
 
@@ -301,10 +309,19 @@ class SampleRequest(_Strict):
 
 class SampledSequence(BaseModel):
     tokens: list[int]
-    logprobs: list[float]
+    logprobs: list[float] = Field(description="of the distribution each token was drawn from: with top_k/top_p, "
+                                  "renormalised over that step's kept tokens")
     text: str
     finish_reason: str
     policy_versions: list[int]
+    kept_token_ids: list[list[int]] | None = Field(
+        None, description="with top_k/top_p: per token, the token ids its sampling step kept (None: the full "
+        "vocabulary). Train on the sample with them as loss_fn_inputs.kept_token_ids (forge.client.Datum.from_sample "
+        "does), or the trainer's log-probs are of another distribution than `logprobs`")
+    temperature: float = Field(
+        description="the temperature `logprobs` are at: the request's sampling temperature (greedy, 0, is scored at "
+        "1). Train on the sample with it as loss_fn_inputs.temperature (forge.client.Datum.from_sample does), or the "
+        "trainer scores it at its own trainer.temperature")
 
 
 class SampleResponse(BaseModel):

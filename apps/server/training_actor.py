@@ -41,23 +41,28 @@ class ServerTrainer(TitanTrainer):
         self.accumulated = 0  # forward_backward calls since the last optimizer step
         self._model_only = False
 
-    def forward_backward(self, batch: TrainBatch, loss: str, loss_params: dict[str, Any]) -> dict[str, Any]:
-        """Accumulate d(loss)/d(params) for the whole batch; returns the loss, its metrics and the log-probs."""
+    def forward_backward(self, batch: TrainBatch, loss: str, loss_params: dict[str, Any],
+                         temperature: float | None = None) -> dict[str, Any]:
+        """Accumulate d(loss)/d(params) for the whole batch, its log-probs at `temperature` (the one its sampling
+        log-probs are at; None: the trainer's); returns the loss, its metrics and the log-probs."""
         check_input_ids(batch.input_ids, self.model_args)
         loss_fn = get_loss(loss)
         batch = _on_device(batch, self.device)
         # The weights change only at optim_step, so they are pi_old for every forward_backward before it.
-        out, logprobs, _ = self.accumulate_gradients(batch, loss_fn, loss_params,
+        out, logprobs, _ = self.accumulate_gradients(batch, loss_fn, loss_params, temperature=temperature,
                                                      old_is_current=uses_old_logprobs(loss_params))
         self.accumulated += 1
         return {"loss": out.loss.item(), "metrics": dict(out.metrics), "logprobs": logprobs.cpu()}
 
     @torch.no_grad()
-    def forward_only(self, batch: TrainBatch, loss: str | None, loss_params: dict[str, Any]) -> dict[str, Any]:
-        logprobs = self.logprobs(batch)
+    def forward_only(self, batch: TrainBatch, loss: str | None, loss_params: dict[str, Any],
+                     temperature: float | None = None) -> dict[str, Any]:
+        logprobs = self.logprobs(batch, temperature)
         result: dict[str, Any] = {"logprobs": logprobs, "loss": None, "metrics": {}}
         if loss is not None:
-            out = get_loss(loss)(logprobs, batch, **loss_params)
+            # A rollout correction needs pi_old: the weights since the last optim_step, these very log-probs.
+            pi_old = {"old_logprobs": logprobs} if uses_old_logprobs(loss_params) else {}
+            out = get_loss(loss)(logprobs, batch, **loss_params, **pi_old)
             result.update(loss=out.loss.item(), metrics=dict(out.metrics))
         return result
 
@@ -125,15 +130,17 @@ class ServerTrainerActor(TrainerActor):
         self.trainer = ServerTrainer(self.config, rank=rank, world_size=world_size)
 
     @endpoint
-    async def forward_backward(self, batch: TrainBatch, loss: str, loss_params: dict) -> dict:
+    async def forward_backward(self, batch: TrainBatch, loss: str, loss_params: dict,
+                               temperature: float | None = None) -> dict:
         started = time.perf_counter()
-        out = self.trainer.forward_backward(batch, loss, loss_params)
+        out = self.trainer.forward_backward(batch, loss, loss_params, temperature)
         out["seconds"] = time.perf_counter() - started
         return out
 
     @endpoint
-    async def forward(self, batch: TrainBatch, loss: str | None, loss_params: dict) -> dict:
-        return self.trainer.forward_only(batch, loss, loss_params)
+    async def forward(self, batch: TrainBatch, loss: str | None, loss_params: dict,
+                      temperature: float | None = None) -> dict:
+        return self.trainer.forward_only(batch, loss, loss_params, temperature)
 
     @endpoint
     async def optim_step(self, lr: float, betas: tuple, eps: float, weight_decay: float,

@@ -5,29 +5,45 @@ calls fail or exceed `step_timeout_s`, counted in env/failures), never the job.
     async with hosts.session():               # a group's episodes on one replica, where their environments live
         envs = [RemoteEnvironment(hosts) for _ in range(G)]   # the Environment protocol, served by that process
 
-A host serves many episodes at once, each an environment made by the factory, keyed by the episode. A replica that
-dies is restarted by the service (forge.service); the episodes it held fail (their next step finds no environment).
+A host serves many episodes at once, each an environment made by the factory, keyed by the episode, each on a thread
+of its own (forge.environments.threads): an environment that blocks holds its thread, never the host, and the
+host's other episodes play on. A replica that dies is restarted by the service (forge.service); the episodes it held
+fail (their next step finds no environment). A host whose environment threads are stranded (`max_stranded` of them
+still blocked in calls the rollout gave up on) cannot be cleared from inside: it exits, and its service replaces it
+with a fresh process.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 from typing import Any, Callable
 
 from forge.actor import ForgeActor, endpoint
 from forge.environments.protocol import Environment, Observation, StepResult
+from forge.environments.threads import MAX_STRANDED, ThreadedEnvironment, stranded_threads
 
 _keys = itertools.count()
 
 
+EXIT_STRANDED = 75  # the host's exit status when it leaves so that a fresh process replaces it
+
+
 class EnvironmentHost(ForgeActor):
-    def __init__(self, factory: Callable[[], Environment]) -> None:
-        self.factory = factory
-        self.environments: dict[int, Environment] = {}
+    def __init__(self, factory: Callable[[], Environment], max_stranded: int = MAX_STRANDED) -> None:
+        self.factory, self.max_stranded = factory, max_stranded
+        self.environments: dict[int, ThreadedEnvironment] = {}
 
     @endpoint
     async def reset(self, key: int, task: Any) -> Observation:
-        self.environments[key] = environment = self.factory()
+        if (stranded := stranded_threads()) >= self.max_stranded:
+            # A thread cannot be killed, a process can: the service starts a fresh host (this episode fails).
+            print(f"environment host (pid {os.getpid()}): {stranded} environment threads are still blocked in calls "
+                  "that exceeded environment.step_timeout_s; exiting so that a fresh process replaces this one",
+                  file=sys.stderr, flush=True)
+            os._exit(EXIT_STRANDED)
+        self.environments[key] = environment = ThreadedEnvironment(self.factory, max_stranded=self.max_stranded)
         return await environment.reset(task)
 
     @endpoint
@@ -40,12 +56,16 @@ class EnvironmentHost(ForgeActor):
     @endpoint
     async def close(self, key: int) -> None:
         environment = self.environments.pop(key, None)
-        if hasattr(environment, "close"):
+        if environment is not None:
             await environment.close()
 
     @endpoint
     async def open_episodes(self) -> int:
         return len(self.environments)
+
+    @endpoint
+    async def stranded_threads(self) -> int:
+        return stranded_threads()
 
 
 class RemoteEnvironment:

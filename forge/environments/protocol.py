@@ -21,9 +21,10 @@ class StepResult:
 @runtime_checkable
 class Environment(Protocol):
     """One episode's environment. The rollout calls `reset` once, then `step` with each model turn's text until
-    `done` or a limit (forge.environments.rollout.EpisodeLimits). Both are coroutines run under the step timeout:
-    an environment that blocks its thread cannot be timed out in-process; isolate it in an actor
-    (forge.environments.actor) so a hang or a crash costs its episodes only."""
+    `done` or a limit (environment.max_turns, max_total_tokens). Both are coroutines run under the step timeout.
+    apps.grpo runs each episode's environment on a thread of its own (forge.environments.threads), so one that
+    blocks its thread costs its episode only; a crash of its process is contained by isolating it in an actor
+    (forge.environments.actor, `environment.isolated`)."""
 
     async def reset(self, task: Any) -> Observation:
         """Start an episode of `task` (one of the task's problems); returns the first prompt."""

@@ -7,9 +7,10 @@ together, one call per turn, so a group of G episodes costs what one G-sample re
 
 An episode ends when its environment says done, when the model ends a turn with an end token (EOS: after the
 environment has scored that turn; in chat mode the template's end-of-turn token ends the turn only), at `max_turns`
-model turns or `max_total_tokens` tokens (truncated: reward `truncated_reward`), or when its environment fails
-(raises, or exceeds `step_timeout_s`: reward 0, counted in `env/failures` once per episode, each kind of failure
-printed once).
+model turns or `max_total_tokens` tokens (truncated: reward `truncated_reward`), or when its environment fails: its
+reset or a step raises or exceeds `step_timeout_s` (end "environment_error", counted in `env/failures` once per
+episode, each kind of failure printed once). A failed episode says nothing about what the model wrote, so it is
+never scored: callers drop it (`Trajectory.failed`), the other episodes of its group play on.
 
 Chat mode (`chat`, forge.environments.chat): the first prompt and every observation are wrapped by the model's chat
 template, by token ids; each turn also stops at the template's end-of-turn token.
@@ -26,16 +27,13 @@ from typing import Any, Awaitable, Callable, Sequence
 from forge.environments.chat import ChatTemplate
 from forge.environments.config import EnvironmentConfig
 from forge.environments.protocol import Environment, Observation, StepResult
+from forge.environments.threads import EnvironmentsBlocked
 from forge.environments.trajectory import Trajectory
 from forge.metrics import record_metric
 from forge.types import Completion, SamplingParams
 
 # (prompts as token ids, params with n=1) -> one completion per prompt
 Generate = Callable[[list[list[int]], SamplingParams], Awaitable[list[Completion]]]
-
-
-class EnvironmentFailure(RuntimeError):
-    """An environment's reset failed: the episode has no prompt, so its group cannot be played."""
 
 
 async def run_episodes(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
@@ -67,10 +65,8 @@ async def _play(generate: Generate, environments: Sequence[Environment], tasks: 
                 params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
                 end_token_ids: Sequence[int], chat: ChatTemplate | None) -> list[Trajectory]:
     prompts = await _call_all([env.reset(task) for env, task in zip(environments, tasks)], limits, "reset")
-    for prompt in prompts:
-        if isinstance(prompt, BaseException):
-            raise EnvironmentFailure(f"an environment's reset failed: {prompt!r}") from prompt
-    trajectories = [Trajectory(prompt_ids=chat.first_prompt(prompt) if chat else _ids(prompt, encode))
+    trajectories = [_failed(Trajectory(prompt_ids=[]), prompt) if isinstance(prompt, BaseException)
+                    else Trajectory(prompt_ids=chat.first_prompt(prompt) if chat else _ids(prompt, encode))
                     for prompt in prompts]
     while active := [i for i, t in enumerate(trajectories) if t.end == "running"]:
         completions = await _model_turns(generate, [trajectories[i] for i in active], params, limits)
@@ -110,7 +106,7 @@ async def _model_turns(generate: Generate, trajectories: list[Trajectory], param
 def _advance(t: Trajectory, result: StepResult | BaseException, limits: EnvironmentConfig,
              encode: Callable[[str], list[int]], end_token_ids: Sequence[int], chat: ChatTemplate | None) -> None:
     if isinstance(result, BaseException):
-        t.end, t.error = "environment_error", f"{type(result).__name__}: {result}"
+        _failed(t, result)
         return
     t.reward += float(result.reward)
     start, end = t.turns[-1]
@@ -125,6 +121,11 @@ def _advance(t: Trajectory, result: StepResult | BaseException, limits: Environm
             t.end = "max_total_tokens"  # no room left for a model token after it
         else:
             t.add_observation(observation)
+
+
+def _failed(t: Trajectory, error: BaseException) -> Trajectory:
+    t.end, t.error, t.reward = "environment_error", f"{type(error).__name__}: {error}", 0.0
+    return t
 
 
 _reported: set[str] = set()
@@ -151,6 +152,8 @@ async def _call_all(calls: list[Awaitable[Any]], limits: EnvironmentConfig, what
     for i, task in enumerate(tasks):
         if task in late:
             error = TimeoutError(f"environment {what} took longer than step_timeout_s={limits.step_timeout_s}")
+        elif isinstance(task.exception(), EnvironmentsBlocked):
+            raise task.exception()  # the process cannot start environments any more: not one episode's failure
         elif task.exception() is not None:
             error = task.exception()
         else:
@@ -173,9 +176,7 @@ def _ids(observation: Observation, encode: Callable[[str], list[int]]) -> list[i
 
 def _count(trajectories: list[Trajectory], limits: EnvironmentConfig) -> None:
     for t in trajectories:
-        if t.end == "environment_error":
-            t.reward = 0.0
-        elif t.truncated and limits.truncated_reward is not None:
+        if t.truncated and limits.truncated_reward is not None:
             t.reward = limits.truncated_reward
     record_metric("env/truncated", sum(t.truncated for t in trajectories), "sum")
     record_metric("env/model_turns", sum(len(t.turns) for t in trajectories) / len(trajectories))

@@ -15,7 +15,7 @@ EndReason = Literal["done", "max_turns", "max_total_tokens", "environment_error"
 
 @dataclass
 class Trajectory:
-    prompt_ids: list[int]  # the first prompt (the environment's reset observation)
+    prompt_ids: list[int]  # the first prompt (the environment's reset observation; none when the reset failed)
     # Everything after the prompt, in order: model turns and the environment's observations between them.
     completion_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1: the model's token, 0: the environment's
@@ -37,6 +37,11 @@ class Trajectory:
     @property
     def truncated(self) -> bool:
         return self.end in ("max_turns", "max_total_tokens")
+
+    @property
+    def failed(self) -> bool:
+        """Its environment failed: the episode is not the model's doing, so it is neither scored nor trained."""
+        return self.end == "environment_error"
 
     def add_model_turn(self, completion: Completion) -> None:
         start = len(self.completion_ids)

@@ -22,6 +22,8 @@ def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
         from forge.tasks.openenv import OpenEnvTask
 
         return OpenEnvTask(config.openenv_spec(), held_out=config.held_out)
+    if config.source == "environment":
+        return _environment_task(config, model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -43,6 +45,19 @@ def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
                      chat_template_kwargs=config.chat_template_kwargs)
 
 
+def _environment_task(config: TaskConfig, model: str) -> Any:
+    """A user's environment class as a task; the model's tokenizer is read only for the class's stop texts."""
+    from forge.tasks.environment import EnvironmentTask, resolve_environment, stop_texts, stop_token_ids
+
+    factory = resolve_environment(config.name, config.options)
+    ids: tuple[int, ...] = ()
+    if stop_texts(factory, f"task.name={config.name!r}"):
+        from transformers import AutoTokenizer
+
+        ids = stop_token_ids(factory, AutoTokenizer.from_pretrained(model), f"task.name={config.name!r}")
+    return EnvironmentTask(factory, options=config.options, held_out=config.held_out, stop_token_ids=ids)
+
+
 def load_callable(reference: str, *, field: str) -> Callable[..., Any]:
     """'package.module:function' -> the function; errors name the config field and the value."""
     module_name, _, attr = reference.partition(":")
@@ -50,8 +65,17 @@ def load_callable(reference: str, *, field: str) -> Callable[..., Any]:
         raise ValueError(f"{field}={reference!r}: must be 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{field}={reference!r}: cannot import module {module_name!r} ({e})") from None
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"{field}={reference!r}: importing module {module_name!r} failed: {e}") from None
+        # The job's processes import it too (an isolated environment's host): the module must be on the path of
+        # every one, which is the job's working directory (`python -m` puts it first) and PYTHONPATH.
+        raise ValueError(f"{field}={reference!r}: cannot import module {module_name!r} ({e}); the module must be "
+                         "importable from the job's working directory or PYTHONPATH (add the folder that holds "
+                         f"{module_name.split('.')[0]!r} to PYTHONPATH)") from None
+    except Exception as e:  # the module itself is broken (a SyntaxError, an import it lacks, its own code raised)
+        raise ValueError(f"{field}={reference!r}: importing module {module_name!r} failed: "
+                         f"{type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{field}={reference!r}: module {module_name!r} has no callable {attr!r}")

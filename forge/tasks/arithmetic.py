@@ -51,12 +51,11 @@ class ArithmeticTask:
             raise ValueError(f"ArithmeticTask.num_digits={num_digits}: must be >= 1")
         if not operators or any(op not in OPERATORS for op in operators):
             raise ValueError(f"ArithmeticTask.operators={operators!r}: must be a non-empty subset of {OPERATORS}")
-        num_problems = len(operators) * 10 ** (2 * num_digits)
-        # At most half the problems are held out, so rejection sampling of training problems stays cheap.
-        if not 1 <= held_out <= num_problems // 2:
+        most = self.max_held_out(num_digits, len(operators))
+        if not 1 <= held_out <= most:
             raise ValueError(
-                f"ArithmeticTask.held_out={held_out}: must be in [1, {num_problems // 2}] "
-                f"(half of the {num_problems} problems with num_digits={num_digits})"
+                f"ArithmeticTask.held_out={held_out}: must be in [1, {most}] "
+                f"(half of the {2 * most} problems with num_digits={num_digits})"
             )
         self.seed = seed
         self.num_digits = num_digits
@@ -69,6 +68,11 @@ class ArithmeticTask:
             held[self._draw(rng)] = None
         self._held_out = list(held)
         self._held_out_set = set(held)
+
+    @staticmethod
+    def max_held_out(num_digits: int, num_operators: int = 1) -> int:
+        """At most half the problems are held out, so rejection sampling of training problems stays cheap."""
+        return num_operators * 10 ** (2 * num_digits) // 2
 
     def _draw(self, rng: random.Random) -> Problem:
         high = 10**self.num_digits - 1

@@ -46,10 +46,10 @@ class LookupTask:
             raise ValueError(f"task.name='lookup': the model's tokenizer encodes {QUERY!r} as {query}; the task needs "
                              "it to be one token (it ends a tool call)")
         self.stop_token_ids = tuple(query)
-        pairs = 10**num_digits * 10  # (visible number, hidden digit): what decides an answer
-        if not 1 <= held_out <= pairs // 2:
-            raise ValueError(f"task.held_out={held_out}: must be in [1, {pairs // 2}] for the lookup task with "
-                             f"num_digits={num_digits} (half of its {pairs} number-and-value pairs)")
+        most = self.max_held_out(num_digits)
+        if not 1 <= held_out <= most:
+            raise ValueError(f"task.held_out={held_out}: must be in [1, {most}] for the lookup task with "
+                             f"num_digits={num_digits} (half of its {2 * most} number-and-value pairs)")
         self.num_digits, self.reverse_answer, self.eos_text = num_digits, reverse_answer, eos_text
         rng = random.Random(seed)
         held: dict[tuple[int, int], LookupProblem] = {}
@@ -58,6 +58,11 @@ class LookupTask:
             held.setdefault(self._key(problem), problem)
         self._held_out = list(held.values())
         self._held_out_keys = set(held)
+
+    @staticmethod
+    def max_held_out(num_digits: int) -> int:
+        """Half of the (visible number, hidden digit) pairs, which decide an answer."""
+        return 10**num_digits * 10 // 2
 
     def _draw(self, rng: random.Random) -> LookupProblem:
         high = 10**self.num_digits - 1

@@ -31,17 +31,40 @@ def tagged_answer(completion_text: str) -> str:
     return (tagged[-1] if tagged else completion_text).strip()
 
 
+def check_dataset(name: str, options: dict[str, Any], *, size: int, prefix: str = "task.") -> None:
+    """The dataset exists and takes `options` (their names and values, by its config's own checks): a config error,
+    before anything starts. Errors name the field (`prefix`name, `prefix`options) and the value."""
+    from reasoning_gym.factory import DATASETS
+
+    from forge.tasks.environment import check_options
+
+    if name not in DATASETS:
+        raise ValueError(f"{prefix}name={name!r}: not a reasoning-gym dataset; it has {len(DATASETS)}, e.g. "
+                         f"{', '.join(sorted(DATASETS)[:8])}, ... (reasoning_gym.factory.DATASETS)")
+    config_type = DATASETS[name][1]
+    set_by_forge = ("seed", "size")  # the job's seed and task.size
+    for key in set_by_forge:
+        if key in options:
+            raise ValueError(f"{prefix}options: {key!r} is set by forge (the job's seed and {prefix}size); remove it "
+                             f"from {prefix}options")
+    check_options(config_type, options, field=f"{prefix}options", set_by_forge=set_by_forge)
+    try:
+        config = config_type(seed=0, size=size, **options)  # as reasoning_gym.create_dataset builds it
+        if hasattr(config, "validate"):
+            config.validate()
+    except (TypeError, ValueError, AssertionError) as e:  # reasoning-gym checks its configs with asserts
+        raise ValueError(f"{prefix}options={options!r}: reasoning-gym's {name!r} refuses them "
+                         f"({type(e).__name__}: {e})") from None
+
+
 class ReasoningGymTask:
     def __init__(self, name: str, *, options: dict[str, Any] | None = None, seed: int = 0, size: int = 10_000,
                  held_out: int = 500, tokenizer: Any = None,
                  chat_template_kwargs: dict[str, Any] | None = None) -> None:
         import reasoning_gym
-        from reasoning_gym.factory import DATASETS
 
-        if name not in DATASETS:
-            raise ValueError(f"task.name={name!r}: not a reasoning-gym dataset; it has {len(DATASETS)}, e.g. "
-                             f"{', '.join(sorted(DATASETS)[:8])}, ... (reasoning_gym.factory.DATASETS)")
         options = dict(options or {})
+        check_dataset(name, options, size=size)
         try:
             train = reasoning_gym.create_dataset(name, seed=seed, size=size, **options)
             # Twice the held-out size, so the problems dropped as also in training rarely leave it short.

@@ -110,6 +110,13 @@ async def test_generator_service_follows_published_versions(checkpoint):
         )
         assert not isinstance(good, BaseException) and len(good) == 1
         assert isinstance(bad, BaseException) and "empty" in str(bad)
+
+        # A seed gives the same completion whoever else asks at the same moment (a gateway client's seed).
+        seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+        async with service.session():  # one replica: the requests arrive together and would share a batch
+            crowd = await asyncio.gather(*(service.generate.route("12+34=", seeded) for _ in range(3)))
+            (alone,) = await service.generate.route("12+34=", seeded)
+        assert [c.token_ids for (c,) in crowd] == [alone.token_ids] * 3
     finally:
         await service.stop()
 

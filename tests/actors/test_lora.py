@@ -23,7 +23,8 @@ from actors.trainer_config import TrainerConfig
 from forge.tiny_model import build_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_trainer import assert_same_weights, hf_logprobs, make_batch, run_ranks, trainer_config  # noqa: E402
+from test_trainer import assert_same_weights, hf_logprobs, make_batch, recording, run_ranks, \
+    trainer_config  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}
 
@@ -106,8 +107,26 @@ def test_resume_restores_adapters_and_optimizer_exactly(checkpoint: Path, tmp_pa
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(saved).read_metadata().state_dict_metadata.keys()
-    model_keys = [k for k in keys if not k.startswith(("optimizer", "lr_scheduler", "train_state"))]
+    model_keys = [k for k in keys if not k.startswith(("optimizer", "lr_scheduler", "train_state", "lora."))]
     assert model_keys and all(".lora_" in k for k in model_keys)
+
+
+def test_resume_with_other_lora_settings_is_refused_naming_them(checkpoint: Path, tmp_path: Path) -> None:
+    # Other alpha: every update rescaled; a dropped target: its trained adapter silently left behind.
+    trainer = TitanTrainer(lora_config(checkpoint))
+    trainer.train_step(make_batch(8))
+    saved = trainer.save_checkpoint(tmp_path / "ckpt")
+    for change, says in [
+        ({"alpha": 16.0}, r"alpha=8\.0 there, 16\.0 here"),
+        ({"target_modules": ["q_proj", "v_proj", "lm_head"]},
+         r"target_modules='down_proj,lm_head,q_proj,v_proj' there, 'lm_head,q_proj,v_proj' here"),
+        ({"rank": 8}, r"rank=4 there, 8 here"),
+    ]:
+        other = TitanTrainer(trainer_config(checkpoint, lora={**LORA, **change}))
+        with pytest.raises(RuntimeError, match=r"trainer\.lora differs from the settings the checkpoint's adapters "
+                                               r"were trained with \(" + says):
+            other.load_checkpoint(saved)
+    TitanTrainer(trainer_config(checkpoint, lora={**LORA, "dropout": 0.1})).load_checkpoint(saved)  # no shape
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,6 +175,80 @@ def test_fsdp_resume_continues_exactly(fsdp_results: list[dict]) -> None:
     rank0 = fsdp_results[0]
     assert rank0["resumed_third"]["loss"] == rank0["third"]["loss"]
     assert rank0["resumed_third"]["policy_version"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dropout: on the gradient pass only; every score is the policy itself
+
+
+def dropout_trainer(checkpoint: Path, **overrides) -> TitanTrainer:
+    """A LoRA trainer with dropout 0.1 whose adapters are not zero (B = 0 would hide the dropout on A's input)."""
+    trainer = TitanTrainer(trainer_config(checkpoint, lora={**LORA, "dropout": 0.1}, **overrides))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    return trainer
+
+
+def no_dropout_logprobs(trainer: TitanTrainer, batch) -> torch.Tensor:
+    """The policy's log-probs with dropout off (eval mode), set here rather than by the trainer under test."""
+    trainer.model.eval()
+    try:
+        return trainer.logprobs(batch)
+    finally:
+        trainer.model.train()
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_with_dropout_pi_old_is_the_policy_without_dropout(checkpoint: Path, minibatches: int) -> None:
+    batch = make_batch(20)
+    trainer = dropout_trainer(checkpoint, loss="grpo", minibatches=minibatches, micro_batch_size=2,
+                              loss_params={"clip_eps": 0.2, "tis_cap": 2.0})
+    expected = no_dropout_logprobs(trainer, batch)
+    assert (expected - no_dropout_logprobs(TitanTrainer(trainer_config(checkpoint)), batch)).abs().max() > 1e-2
+    calls = recording(trainer).calls
+    trainer.train_step(batch)
+    pi_old = torch.cat([call["old_logprobs"] for call in calls])
+    torch.testing.assert_close(pi_old, expected, rtol=0, atol=1e-6)
+    # The gradient pass does draw dropout masks: its log-probs are not the policy's.
+    assert (calls[0]["logprobs"] - expected[: len(calls[0]["logprobs"])]).abs().max() > 1e-3
+
+
+def test_with_dropout_scores_are_the_policy_and_repeat_exactly(checkpoint: Path) -> None:
+    trainer = dropout_trainer(checkpoint)
+    batch = make_batch(21)
+    expected = no_dropout_logprobs(trainer, batch)
+    assert torch.equal(trainer.logprobs(batch), expected) and torch.equal(trainer.logprobs(batch), expected)
+    prompt, tokens = [5, 6, 7], [8, 9, 10, 11]
+    trainer.model.eval()
+    canary = trainer.score_tokens(prompt, tokens)  # the weight-sync canary's trainer side, without dropout
+    trainer.model.train()
+    assert trainer.score_tokens(prompt, tokens) == canary and trainer.score_tokens(prompt, tokens) == canary
+    assert trainer.model.training  # back in train mode for the gradient pass
+
+
+def test_with_dropout_micro_batch_recomputation_draws_the_same_masks(checkpoint: Path) -> None:
+    # Exact accumulation: the gradient is that of the loss on the log-probs it reports, although those were computed
+    # without grad and every micro-batch is computed again for its backward pass.
+    batch = make_batch(22)
+    trainer = dropout_trainer(checkpoint, micro_batch_size=1)
+    start = torch.get_rng_state()
+    trainer.optimizers.zero_grad()
+    def adapter_grads() -> dict[str, torch.Tensor]:
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    _, logprobs, _ = trainer.accumulate_gradients(batch, trainer.loss_fn, {})
+    accumulated = adapter_grads()
+
+    torch.set_rng_state(start)  # by hand: the same micro-batches, in the same order, each kept for its backward
+    trainer.optimizers.zero_grad()
+    parts = [trainer._forward(batch.slice(r, r + 1).input_ids, with_entropy=False)[0] for r in range(4)]
+    by_hand = torch.cat(parts)
+    trainer.loss_fn(by_hand, batch).loss.backward()
+    torch.testing.assert_close(logprobs, by_hand.detach(), rtol=0, atol=0)
+    assert_same_weights(accumulated, adapter_grads(), atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,6 +328,15 @@ def test_bad_lora_config_names_the_field_value_and_allowed(checkpoint: Path, lor
         TrainerConfig(model_path=str(checkpoint), lora=lora)
 
 
+def test_lora_dropout_with_activation_checkpointing_is_refused(checkpoint: Path) -> None:
+    # torchtitan's checkpointed blocks recompute without their random state: other masks in the backward pass.
+    with pytest.raises(ValueError, match=r"TrainerConfig.activation_checkpoint='full': must be 'none' with "
+                                         r"lora.dropout=0.1 \(torchtitan's activation checkpointing recomputes dropout "
+                                         r"with new masks\), or set lora.dropout=0"):
+        TrainerConfig(model_path=str(checkpoint), lora={"dropout": 0.1}, activation_checkpoint="full")
+    TrainerConfig(model_path=str(checkpoint), lora={"dropout": 0.0}, activation_checkpoint="full")
+
+
 def test_lora_on_a_tied_lm_head_is_refused(tmp_path: Path) -> None:
     tied = build_tiny_checkpoint(tmp_path / "tied", seed=1, tie_word_embeddings=True)
     with pytest.raises(ValueError, match="'lm_head' is tied to the input embedding"):
@@ -258,3 +360,24 @@ def test_every_allowed_target_is_a_linear_layer_of_the_hf_model() -> None:
 
 if __name__ == "__main__":
     _fsdp_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+
+
+def test_adapters_start_from_their_seed_under_activation_checkpointing(checkpoint: Path) -> None:
+    """On several ranks activation checkpointing wraps the blocks before the adapters are initialised: the
+    wrapper's names must still reach the adapters (they stayed at zero, so A = B = 0 never trained)."""
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+
+    from actors.lora import CHECKPOINT_WRAPPER_PREFIX, init_adapters
+    from actors.model_builder import build_job_config
+
+    trainer = TitanTrainer(lora_config(checkpoint))
+    initial = named(trainer, True)
+    apply_ac(trainer.model, build_job_config(dtype="float32", activation_checkpoint="full").activation_checkpoint)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.zero_()
+    init_adapters(trainer.model, seed=0)
+    again = {name.replace(CHECKPOINT_WRAPPER_PREFIX, ""): t for name, t in named(trainer, True).items()}
+    assert any(CHECKPOINT_WRAPPER_PREFIX in name for name in named(trainer, True))  # the blocks are wrapped
+    assert_same_weights(again, initial, atol=0)

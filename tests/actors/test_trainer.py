@@ -131,6 +131,21 @@ def test_micro_batches_give_the_full_batch_step(checkpoint: Path) -> None:
     assert not torch.equal(before["lm_head.weight"], whole.hf_state_dict()["lm_head.weight"])
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_applies_on_one_rank_and_changes_no_number(checkpoint: Path, mode: str) -> None:
+    # torchtitan applies it inside parallelize_fn, which one rank skips: the setting was silently ignored there.
+    batch = make_batch(1)
+    plain, checkpointed = TitanTrainer(trainer_config(checkpoint)), TitanTrainer(
+        trainer_config(checkpoint, activation_checkpoint=mode))
+    calls = []  # a checkpointed block runs again in the backward pass, recomputing what it did not keep
+    second_block = checkpointed.model.layers["1"]
+    getattr(second_block, "_checkpoint_wrapped_module", second_block).register_forward_hook(lambda *_: calls.append(1))
+    plain_metrics, checkpointed_metrics = plain.train_step(batch), checkpointed.train_step(batch)
+    assert len(calls) == 2  # "selective" checkpoints every second block
+    assert checkpointed_metrics["loss"] == pytest.approx(plain_metrics["loss"], abs=1e-6)
+    assert_same_weights(plain.hf_state_dict(), checkpointed.hf_state_dict(), atol=1e-6)
+
+
 def test_minibatches_are_successive_optimizer_steps_in_one_version(checkpoint: Path) -> None:
     # Two slices of rows, two Adam steps (the second off-policy), but one published policy version.
     batch = make_batch(4)

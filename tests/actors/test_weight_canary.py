@@ -1,5 +1,5 @@
 """The two weight-sync checks: per-tensor checksums refuse a corrupted version at fetch, and the canary catches
-weights that load but are not the trainer's (both sides score the same completion)."""
+weights that load but are not the trainer's (both sides score the same completion, on every generator replica)."""
 
 from pathlib import Path
 
@@ -9,7 +9,8 @@ import torch
 from actors.engines.hf import HFEngine
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
-from actors.weight_canary import CanaryConfig, WeightSyncError, logprob_difference
+from actors.generator import Generator
+from actors.weight_canary import CanaryConfig, WeightSyncError, check_weight_sync, logprob_difference
 from forge.provisioner import get_provisioner
 from forge.shm_weights import HEADER, SHM_DIR, WeightChecksumError
 from forge.tiny_model import build_tiny_checkpoint
@@ -73,3 +74,45 @@ def test_a_difference_within_the_bound_is_returned_and_nan_is_refused():
         logprob_difference([-1.0, -2.0], [-1.0], version=3, bound=1e-3)
     with pytest.raises(ValueError, match="every=-1: must be >= 0"):
         CanaryConfig(every=-1)
+
+
+class _LocalTrainer:
+    """The trainer actor's `score_tokens` endpoint, served by a trainer in this process (the canary's trainer side)."""
+
+    def __init__(self, trainer: TitanTrainer, version: int) -> None:
+        self.trainer, self.version = trainer, version
+        self.score_tokens = self
+
+    async def call(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
+        return self.trainer.score_tokens(prompt_ids, token_ids), self.version
+
+
+async def test_the_canary_scores_every_replica_and_names_the_one_serving_wrong_weights(checkpoint):
+    """Two replicas report the same policy version; replica 1 loaded a corrupt publish of it (its lm_head zeroed)
+    and replica 0 the right one. Scoring one replica could pick replica 0 and pass: every replica is scored."""
+    await get_provisioner().start_weight_store()
+    store = WeightStore("canary-replicas")
+    trainer = TitanTrainer(TrainerConfig(model_path=str(checkpoint)))
+    weights = trainer.hf_state_dict()
+    # The replicas load versions only when asked (no background poll within the test).
+    service = await Generator.options(num_replicas=2, mesh_name="canary-gen").as_service(
+        model=str(checkpoint), weight_namespace="canary-replicas", weight_poll_s=3600)
+    try:
+        await store.publish({**weights, "lm_head.weight": torch.zeros_like(weights["lm_head.weight"])}, version=1)
+        assert await service.replicas[1].actor.update_weights.call_one(1) == 1
+        await store.delete(1)
+        await store.publish(weights, version=1)
+        for _ in range(2):  # whichever replica a routed call would have picked
+            with pytest.raises(WeightSyncError) as failure:
+                await check_weight_sync(_LocalTrainer(trainer, 1), service, PROMPT, COMPLETION, bound=1e-3)
+            message = str(failure.value)
+            assert message.startswith("1 of 2 generator replicas failed the canary: policy version 1: ")
+            assert "the generator replica 1 is not serving the trainer's weights" in message
+            assert "replica 0" not in message
+        assert await service.policy_version.by_replica() == {0: 1, 1: 1}
+
+        # Replica 1 loads the right weights again: every replica passes, and the largest difference is returned.
+        await store.publish(weights, version=2)
+        assert await check_weight_sync(_LocalTrainer(trainer, 2), service, PROMPT, COMPLETION, bound=1e-3) < 1e-5
+    finally:
+        await service.stop()

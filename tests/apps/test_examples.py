@@ -39,6 +39,22 @@ def test_closeness_reward():
     assert closeness_reward("x46", "46", 10.0) == 0.0  # no leading integer
 
 
+def test_the_client_loops_datums_carry_what_the_trainer_scores_a_sample_with():
+    # Hand-built datums dropped a sample's temperature and top_k/top_p kept sets: the trainer then scored the tokens
+    # under another distribution than the one they were drawn from.
+    from apps.examples.client_rl_loop import group_datums
+    from forge.client import Result
+
+    samples = Result.wrap([{"tokens": [7, 8], "logprobs": [-0.5, -0.25], "temperature": 0.7,
+                            "kept_token_ids": [[7, 9], [8]]},
+                           {"tokens": [9], "logprobs": [-1.0], "temperature": 0.7, "kept_token_ids": [[9, 7]]}])
+    first, second = [d.to_json()["loss_fn_inputs"] for d in group_datums([3, 4], samples, [1.0, 0.0])]
+    assert first["temperature"] == second["temperature"] == 0.7
+    assert first["kept_token_ids"] == [[], [7, 9], [8]] and second["kept_token_ids"] == [[], [9, 7]]
+    assert first["advantages"] == [0.0, pytest.approx(1.0, abs=1e-5), pytest.approx(1.0, abs=1e-5)]
+    assert first["reward"] == 1.0 and second["mask"] == [0.0, 1.0]
+
+
 def test_shipped_config_is_valid():
     cfg = validate(load_config(CONFIG), BestOfNConfig)
     assert cfg.replicas == 2 and cfg.sampling.n > 1

@@ -303,6 +303,8 @@ BAD = [
     ("generator.max_batch_size=0", r"generator\.max_batch_size=0: must be >= 1"),
     ("task.source=openenv task.name=tests.forge.environments.openenv_guess:GuessEnvironment",
      r"warm_start\.enabled=true: task\.source='openenv' has no correct episodes to warm start from"),
+    ("task.source=environment task.name=tests.forge.tasks.environment_classes:Good",
+     r"warm_start\.enabled=true: task\.source='environment' has no correct episodes to warm start from"),
 ]
 
 
@@ -313,8 +315,8 @@ def test_bad_config_is_refused_with_the_key_and_value(override, message):
         check_resources(cfg)
 
 
-# A reward that does not import is found by validation (GRPOConfig calls forge.tasks.load_callable before the
-# model's layout check, so it answers without TorchTitan; tests/apps/grpo/test_cli.py checks the imports).
+# A reward that does not import is found by validation (TaskConfig loads it, before the model's layout check, so
+# it answers without TorchTitan; tests/apps/grpo/test_cli.py checks the imports).
 BAD_REWARDS = [
     ("task.reward=no_such_module:score", r"task\.reward='no_such_module:score': cannot import module 'no_such_module' "
                                          r"\(No module named 'no_such_module'\)"),

@@ -19,19 +19,27 @@ ROOT = Path(__file__).resolve().parents[2]
 PIDS = re.compile(r"provisioned mesh ([a-z_]+)-(?:r\d+-)?\d+: \d+ procs \(pids \[([\d, ]+)\]\)")
 
 
-def _command(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "apps.grpo", "--config", "configs/grpo_tiny.yaml", f"run_dir={run_dir}",
+def _command(run_dir: Path, *overrides: str, config: str = "configs/grpo_tiny.yaml") -> list[str]:
+    return [sys.executable, "-m", "apps.grpo", "--config", config, f"run_dir={run_dir}",
             "warm_start.enabled=false", "eval.at_start=false", "eval.at_end=false", "rollout.concurrency=2",
             "replay_buffer.batch_size=32", "trainer.micro_batch_size=32", *overrides]
+
+
+# An OpenEnv environment whose synchronous step sleeps 1000 s on every `block_every`-th step of its process and in the
+# episodes of `block_seeds` (tests/forge/environments/openenv_sleepy.py), trained as a user's YAML would name it.
+SLEEPY = ["task.source=openenv", "task.name=tests.forge.environments.openenv_sleepy:SleepyEnvironment",
+          "task.held_out=16", "eval.num_prompts=16", "rollout.group_size=8", "rollout.max_tokens=1",
+          "rollout.drop_zero_variance_groups=false", "rollout.max_dropped_groups_per_step=null",
+          "trainer.minibatches=1", "checkpoint.interval=0", "environment.step_timeout_s=1"]
 
 
 class RunningJob(WatchedProcess):
     """The app as a subprocess with its output in a file, so a test can watch it while it runs."""
 
-    def __init__(self, run_dir: Path, *overrides: str) -> None:
+    def __init__(self, run_dir: Path, *overrides: str, config: str = "configs/grpo_tiny.yaml") -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        super().__init__(_command(run_dir, *overrides), run_dir.parent / f"{run_dir.name}.log", ROOT,
+        super().__init__(_command(run_dir, *overrides, config=config), run_dir.parent / f"{run_dir.name}.log", ROOT,
                          env=marked_environment(str(run_dir)))
 
     def steps_logged(self) -> int:
@@ -119,3 +127,43 @@ def test_a_reward_that_raises_hangs_or_returns_nan_is_scored_as_failure_and_the_
         assert out.count(f"reward function failed ({kind})") == 1, kind
     summary = json.loads((job.run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["reward_failures"] > 0
+
+
+@pytest.mark.parametrize("isolated", [False, True], ids=["in_process", "isolated"])
+def test_an_environment_whose_step_blocks_costs_its_episodes_and_the_run_finishes(tmp_path, isolated):
+    job = RunningJob(tmp_path / "run", *SLEEPY, "task.options={sleep_s: 1000, block_every: 40, block_seeds: [0, 1]}",
+                     "steps=3", "eval.at_end=true", "checkpoint.final=false",
+                     f"environment.isolated={str(isolated).lower()}",
+                     config="configs/multiturn_tiny.yaml")
+    assert job.finish() == 0, job.output()[-3000:]
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    e = summary["episodes"]
+    assert e["trained"] == 3 * 32 and e["dropped_environment_failure"] > 0, e
+    assert 0 < summary["environment_failures"] <= e["dropped_environment_failure"]  # their groups were dropped whole
+    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
+        e["dropped_zero_variance"] + e["dropped_environment_failure"]
+    out = job.output()
+    assert f"environment failure {e['dropped_environment_failure']})" in out  # the summary's text says so too
+    # Its rewards are partial (1 or 0.5): the held-out score is a mean reward, without the failed episodes.
+    assert "held-out greedy mean reward" in out and "left out: their environment failed" in out, out[-3000:]
+    assert summary["held_out_score"] == "mean reward"
+    assert not processes_with_mark(str(job.run_dir), timeout=5)
+
+
+def test_sigterm_ends_a_job_with_a_blocked_environment_within_30s_with_its_summary(tmp_path):
+    job = RunningJob(tmp_path / "run", *SLEEPY, "task.options={sleep_s: 1000, block_every: 20}", "steps=200",
+                     config="configs/multiturn_tiny.yaml")
+    job.wait_for(lambda: job.steps_logged() >= 1, "step 1")
+    job.proc.send_signal(signal.SIGTERM)
+    sent_at = time.monotonic()
+    code = job.finish(timeout=60)
+    assert time.monotonic() - sent_at < 30
+    assert code == 128 + signal.SIGTERM.value, job.output()[-3000:]
+    assert "=== GRPO run summary ===" in job.output()
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["interrupted"] == "SIGTERM" and summary["steps"] >= 1
+    assert summary["episodes"]["dropped_environment_failure"] > 0
+    assert not processes_with_mark(str(job.run_dir), timeout=5)
+    assert not _job_segments(job.proc.pid)

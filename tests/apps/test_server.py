@@ -22,7 +22,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from apps.server.batches import build_batch
+from apps.server.batches import batch_temperature, build_batch, concat_batches
 from apps.server.errors import ServiceError
 from apps.server.model import warm_started_model
 from apps.server.runtime import endpoint_failure
@@ -163,6 +163,71 @@ def test_batches_align_loss_inputs_and_name_bad_fields():
                                     "loss_fn_inputs": {"logprobs": [0, 0], "advantages": [1.0, 2.0]}})
     with pytest.raises(ServiceError, match="one value on the trained positions"):
         build_batch([varying], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+
+
+def test_kept_sets_of_a_top_k_sample_reach_the_training_batch_and_bad_ones_name_their_position():
+    # A top_k/top_p sample's log-probs are of its truncated distribution: the datum carries the kept sets, and the
+    # trainer renormalises over them (TrainBatch.kept_token_ids, [B, T-1, K], -1 padded: -1 alone is the full vocabulary).
+    datum = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7, 8]}, "loss_fn_inputs": {
+        "logprobs": [0, -0.1, -0.2], "advantages": [0, 1.0, 1.0], "kept_token_ids": [[], [7, 9, 3], [8]]}})
+    plain = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7, 8, 9]},
+                                  "loss_fn_inputs": {"logprobs": [0, 0, -0.1, -0.2], "advantages": [0, 0, 1.0, 1.0]}})
+    batch = build_batch([datum, plain], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+    assert batch.kept_token_ids.dtype == torch.int32 and batch.kept_token_ids.tolist() == [
+        [[-1, -1, -1], [7, 9, 3], [8, -1, -1], [-1, -1, -1]], [[-1, -1, -1]] * 4]
+    chunks = concat_batches([build_batch([plain], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True),
+                             build_batch([datum], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)], 0)
+    assert chunks.kept_token_ids.tolist() == [[[-1, -1, -1]] * 4, [[-1, -1, -1], [7, 9, 3], [8, -1, -1], [-1, -1, -1]]]
+    assert build_batch([plain], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True).kept_token_ids is None
+
+    def refusal(kept: list) -> dict:
+        bad = Datum.model_validate({"model_input": {"input_ids": [5, 6, 7, 8]}, "loss_fn_inputs": {
+            "logprobs": [0, -0.1, -0.2], "advantages": [0, 1.0, 1.0], "kept_token_ids": kept}})
+        with pytest.raises(ServiceError) as error:
+            build_batch([plain, bad], pad_id=0, vocab_size=100, max_len=16, needs_rl_inputs=True)
+        assert error.value.status == 422
+        return error.value.detail[0]
+
+    misaligned = refusal([[], [6, 9], [8]])
+    assert misaligned["loc"] == ["body", "data", 1, "loss_fn_inputs", "kept_token_ids", 1]
+    assert "does not hold input_ids[2]=7, the token sampled from it" in misaligned["msg"]
+    assert "len(input_ids) - 1 = 3" in refusal([[7], [8]])["msg"]
+    assert "outside the vocabulary [0, 100)" in refusal([[], [7, 100], [8]])["msg"]
+    assert "at most 64 kept tokens" in refusal([[], list(range(65)), [8]])["msg"]
+
+
+def test_one_temperature_per_request_and_a_datum_at_another_is_refused_by_name():
+    # The trainer scores a batch at one temperature: a datum's own (a sample's), else trainer.temperature.
+    def datum(temperature: float | None) -> Datum:
+        inputs = {"logprobs": [0, -0.1], "advantages": [0, 1.0]}
+        return Datum.model_validate({"model_input": {"input_ids": [5, 6, 7]}, "loss_fn_inputs": {
+            **inputs, **({} if temperature is None else {"temperature": temperature})}})
+
+    assert batch_temperature([datum(0.7), datum(0.7)], 1.0) == 0.7
+    assert batch_temperature([datum(None), datum(1.0)], 1.0) == 1.0
+    with pytest.raises(ServiceError) as error:
+        batch_temperature([datum(0.7), datum(0.7), datum(None)], 1.0)
+    assert error.value.status == 422
+    assert error.value.detail[0]["loc"] == ["body", "data", 2, "loss_fn_inputs", "temperature"]
+    assert "must equal data[0]'s 0.7 (trainer.temperature=1.0 where none is given)" in error.value.detail[0]["msg"]
+    with pytest.raises(ValueError, match="greater than 0"):
+        datum(0.0)
+
+
+def test_a_lora_session_on_a_server_with_activation_checkpointing_is_refused_naming_it(tmp_path):
+    # actors.lora.init_adapters finds adapters by parameter name, which a checkpointed block's wrapper changes.
+    from apps.server.runtime import TrainingService
+    from apps.server.schemas import CreateSessionRequest
+    from apps.server.config import ServerConfig
+    from forge.config import load_app_config
+
+    tiny = str(ensure_tiny_checkpoint(tmp_path / "tiny-qwen3"))
+    cfg = load_app_config(ROOT / "configs" / "server_tiny.yaml", ["trainer.activation_checkpoint=full"], ServerConfig)
+    request = CreateSessionRequest.model_validate({"lora": {"rank": 4}})
+    with pytest.raises(ServiceError) as error:
+        asyncio.run(TrainingService(cfg, tiny).create_session(request))
+    assert error.value.status == 422 and error.value.detail[0]["loc"] == ["body", "lora"]
+    assert "trainer.activation_checkpoint='none' (it is 'full')" in error.value.detail[0]["msg"]
 
 
 def test_the_first_warm_start_says_what_it_does_and_where_it_caches_and_later_starts_reuse_it(tmp_path, capsys):
@@ -321,6 +386,24 @@ def test_training_steps_change_the_policy_and_reach_the_sampler(service, trainin
     assert sample.policy_version == sync.policy_version
     assert set(sample.samples[0][0].policy_versions) == {sync.policy_version}
     assert service.health().result().policy_version == sync.policy_version
+
+
+def test_a_sample_at_another_temperature_is_scored_at_it(service, training):
+    # Right after a sync the generators serve this session's weights. The trainer's temperature is 1.0
+    # (configs/server_tiny.yaml); these samples' log-probs are at 0.7, and the datums say so.
+    params = SamplingParams(max_tokens=4, temperature=0.7)
+    out = service.create_sampling_client().sample_many(["12+34=", "7+8="], params, num_samples=2).result()
+    pairs = [(prompt, s) for prompt, samples in zip(out.prompt_tokens, out.samples) for s in samples if s.tokens]
+    assert pairs and {s.temperature for _, s in pairs} == {0.7}
+
+    def largest_difference(data: list[ClientDatum]) -> float:
+        scored = training.forward(data).result().loss_fn_outputs
+        return max(abs(x - y) for o, (prompt, s) in zip(scored, pairs)
+                   for x, y in zip(o.logprobs[len(prompt) - 1:], s.logprobs))
+
+    assert largest_difference([ClientDatum.from_sample(prompt, s, 1.0) for prompt, s in pairs]) < 1e-4
+    # Without the temperature the trainer scores at its own: not the distribution the tokens were drawn from.
+    assert largest_difference([ClientDatum(ModelInput.from_ints(prompt + s.tokens)) for prompt, s in pairs]) > 1e-3
 
 
 def test_requests_run_in_seq_id_order_whatever_order_they_arrive_in(http, service, training, data):

@@ -85,6 +85,32 @@ def test_adapters_over_one_base_keep_to_their_sessions_and_the_sampler_reuses_th
     assert list(trainer.sessions) == ["s-a"]
 
 
+def test_a_dropout_sessions_scores_are_its_policy_every_time(tmp_path):
+    # Dropout acts on the gradient pass only: `forward` and the pi_old of a rollout correction are the policy itself.
+    trainer = SharedBaseLoRATrainer(TrainerConfig(model_path=str(build_tiny_checkpoint(tmp_path / "tiny", seed=0))))
+    trainer.add_session("s-d", LoRAConfig(rank=4, dropout=0.1, target_modules=["q_proj", "v_proj", "down_proj"]), 0)
+    batch = _batch(2)
+    trainer.run("s-d", "forward_backward", batch, "grpo", {})
+    trainer.run("s-d", "optim_step", 5e-2, (0.9, 0.999), 1e-8, 0.0, None)  # B leaves 0: dropout now matters
+    first = trainer.run("s-d", "forward_only", batch, None, {})["logprobs"]
+    assert torch.equal(trainer.run("s-d", "forward_only", batch, None, {})["logprobs"], first)
+    batch.behaviour_logprobs = first.clone()  # sampled by this very policy: every correction weight is 1
+    out = trainer.run("s-d", "forward_backward", batch, "grpo", {"tis_cap": 2.0})
+    assert out["metrics"]["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_forward_with_a_rollout_correction_gives_the_losss_value(tmp_path):
+    # The correction needs pi_old, which forward_backward passes and forward did not: a 500 for a valid request.
+    trainer = SharedBaseLoRATrainer(TrainerConfig(model_path=str(build_tiny_checkpoint(tmp_path / "tiny", seed=0))))
+    trainer.add_session("s-c", LoRAConfig(rank=4, target_modules=["q_proj", "v_proj"]), 0)
+    batch = _batch(3)
+    batch.behaviour_logprobs = trainer.run("s-c", "forward_only", batch, None, {})["logprobs"]
+    scored = trainer.run("s-c", "forward_only", batch, "grpo", {"tis_cap": 2.0})
+    trained = trainer.run("s-c", "forward_backward", batch, "grpo", {"tis_cap": 2.0})
+    assert scored["loss"] == pytest.approx(trained["loss"], abs=1e-6)
+    assert scored["metrics"]["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
 # --- the server, through forge.client ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -174,6 +200,61 @@ def test_a_saved_adapter_samples_with_exactly_that_adapter(service, sessions, da
     assert max(abs(x - y) for r, s in zip(a_scores, sampled) for x, y in zip(r, s)) < 1e-4  # A's policy exactly
     assert max(abs(x - y) for r, s in zip(b_scores, sampled) for x, y in zip(r, s)) > 1e-3  # not B's
     assert sampler.sample("12+34=", SamplingParams(max_tokens=6, temperature=0.0)).result().model_path == "lora-a"
+
+
+def test_a_top_k_sample_carries_its_kept_sets_and_trains_on_the_distribution_it_was_drawn_from(service, sessions):
+    a, _ = sessions
+    a.save_weights_for_sampler("lora-a-top-k").result()
+    params = SamplingParams(max_tokens=6, top_k=5, top_p=0.9)
+    out = service.create_sampling_client(model_path="lora-a-top-k").sample("12+34=", params, num_samples=4).result()
+    prompt, samples = out.prompt_tokens[0], [s for s in out.samples[0] if s.tokens]
+    assert samples and all(len(s.kept_token_ids) == len(s.tokens) for s in samples)
+    assert all(token in kept and len(kept) <= 5 for s in samples for token, kept in zip(s.tokens, s.kept_token_ids))
+
+    def largest_difference(data) -> float:
+        scored = [lp[len(prompt) - 1:] for lp in _logprobs(a, data)]
+        return max(abs(x - y) for row, s in zip(scored, samples) for x, y in zip(row, s.logprobs))
+
+    assert largest_difference([ClientDatum.from_sample(prompt, s, 1.0) for s in samples]) < 1e-4
+    # Without the kept sets the trainer scores the full distribution: not the one the tokens were drawn from.
+    assert largest_difference([ClientDatum(ModelInput.from_ints(prompt + s.tokens)) for s in samples]) > 1e-3
+
+
+def test_a_sample_at_another_temperature_trains_at_it(service, data):
+    # The trainer's temperature is 1.0 (configs/server_tiny.yaml); the adapter's samples are drawn at 0.7.
+    session = service.create_lora_training_client(rank=4, target_modules=["q_proj", "v_proj"], seed=3)
+    try:
+        _train(session, data, 1)  # B leaves 0: the adapter is not the base
+        sampler = session.save_weights_and_get_sampling_client("lora-t07")
+        params = SamplingParams(max_tokens=6, temperature=0.7)
+        out = sampler.sample_many(["12+34=", "7+8="], params, num_samples=2).result()
+        pairs = [(prompt, s) for prompt, samples in zip(out.prompt_tokens, out.samples) for s in samples if s.tokens]
+        assert pairs and {s.temperature for _, s in pairs} == {0.7}
+        datums = [ClientDatum.from_sample(prompt, s, 1.0) for prompt, s in pairs]
+
+        def largest_difference(scored: list[list[float]]) -> float:
+            return max(abs(x - y) for row, (prompt, s) in zip(scored, pairs)
+                       for x, y in zip(row[len(prompt) - 1:], s.logprobs))
+
+        assert largest_difference(_logprobs(session, datums)) < 1e-4
+        # forward_backward scores them at 0.7 too: every rollout-correction weight pi / behaviour is 1.
+        trained = session.forward_backward(datums, "grpo", {"tis_cap": 2.0}).result()
+        assert largest_difference([o.logprobs for o in trained.loss_fn_outputs]) < 1e-4
+        assert trained.metrics["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        plain = [ClientDatum(ModelInput.from_ints(prompt + s.tokens)) for prompt, s in pairs]
+        assert largest_difference(_logprobs(session, plain)) > 1e-3  # at the trainer's 1.0: another distribution
+    finally:
+        session.unload().result()
+
+
+def test_a_dropout_session_forwards_its_policy_every_time(service, data):
+    session = service.create_lora_training_client(rank=4, dropout=0.1, target_modules=["q_proj", "v_proj"])
+    try:
+        _train(session, data, 1)  # B leaves 0: dropout now changes what a forward pass with it computes
+        first = _logprobs(session, data)
+        assert _logprobs(session, data) == first
+    finally:
+        session.unload().result()
 
 
 def test_save_state_and_load_state_hold_the_adapter_and_its_optimizer(service, sessions, data):

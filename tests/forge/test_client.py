@@ -193,6 +193,26 @@ def test_result_gives_attribute_access_recursively():
         r.missing
 
 
+def test_a_sample_becomes_a_datum_with_its_kept_sets():
+    prompt = [3, 4, 5]
+    top_k = Result.wrap({"tokens": [7, 8], "logprobs": [-0.5, -0.25], "kept_token_ids": [[7, 9], [8]]})
+    datum = Datum.from_sample(prompt, top_k, 1.5, reward=1.0).to_json()
+    assert datum["model_input"] == {"input_ids": [3, 4, 5, 7, 8]}
+    assert datum["loss_fn_inputs"] == {"logprobs": [0.0, 0.0, -0.5, -0.25], "advantages": [0.0, 0.0, 1.5, 1.5],
+                                       "mask": [0.0, 0.0, 1.0, 1.0], "reward": 1.0,
+                                       "kept_token_ids": [[], [], [7, 9], [8]]}
+    full = Datum.from_sample(prompt, {"tokens": [7], "logprobs": [-0.5], "kept_token_ids": None}, -1.0).to_json()
+    assert "kept_token_ids" not in full["loss_fn_inputs"]  # sampled from the full vocabulary
+
+
+def test_a_sample_becomes_a_datum_at_its_own_temperature():
+    # The server scores a datum at loss_fn_inputs.temperature (the trainer's own when absent): a sample's log-probs
+    # are at the temperature it was drawn at, which the datum must say.
+    sample = Result.wrap({"tokens": [7, 8], "logprobs": [-0.5, -0.25], "temperature": 0.7, "kept_token_ids": None})
+    assert Datum.from_sample([3, 4], sample, 1.0).to_json()["loss_fn_inputs"]["temperature"] == 0.7
+    assert "temperature" not in Datum.from_sample([3, 4], {"tokens": [7], "logprobs": [-0.5]}, 1.0).loss_fn_inputs
+
+
 def test_importing_the_client_loads_no_torch_no_monarch_and_leaves_the_environment_alone():
     script = ("import os, sys, json\n"
               "before = dict(os.environ)\n"

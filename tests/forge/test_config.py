@@ -311,3 +311,11 @@ def test_to_yaml_round_trips_a_validated_config(config_file):
     text = to_yaml(cfg)
     assert validate(OmegaConf.create(text), AppConfig) == cfg
     assert "lr: 0.25" in text
+
+
+def test_to_yaml_never_prints_a_credential():
+    """Apps print their config at start (into logs others read): keys named *api_key / *secret are redacted."""
+    text = to_yaml({"http": {"api_key": "s3cret-key-1", "port": 8000}, "rl": {"admin_api_key": "adm1n-key-2"},
+                    "relay": [{"job_secret": "abc123"}], "open": {"api_key": None}})
+    assert "s3cret-key-1" not in text and "adm1n-key-2" not in text and "abc123" not in text
+    assert text.count("<redacted>") == 3 and "port: 8000" in text and "api_key: null" in text

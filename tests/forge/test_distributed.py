@@ -1,4 +1,5 @@
-"""Tests for forge.distributed: gathering a DTensor to rank 0 alone, and splitting a batch over data-parallel ranks."""
+"""Tests for forge.distributed: joining a process group whose rendezvous store listens on MASTER_ADDR alone, gathering
+a DTensor to rank 0 alone, and splitting a batch over data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from forge.distributed import DataParallel, gather_to_rank0
+from forge.distributed import DataParallel, gather_to_rank0, init_from_environment
 
 WORLD_SIZE = 2
 
@@ -34,9 +36,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    init_from_environment("cpu")
     try:
+        store_listens_on = sorted(c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         placements = {"uneven_rows": Shard(0), "one_row": Shard(0), "columns": Shard(1), "replicated": Replicate(),
                       "bf16": Shard(0)}
@@ -46,7 +50,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dp = DataParallel(WORLD_SIZE, rank, None)
         rows = dp.rows(6)
         all_rows = dp.gather_rows(torch.arange(rows[0], rows[1]))
-        torch.save({"gathered": gathered, "rows": rows, "all_rows": all_rows}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save({"gathered": gathered, "rows": rows, "all_rows": all_rows, "store_listens_on": store_listens_on},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -66,6 +71,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         output, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{output[-4000:]}"
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+def test_the_rendezvous_store_listens_on_master_addr_alone_not_on_every_interface(results: list[dict]) -> None:
+    assert [r["store_listens_on"] for r in results] == [["127.0.0.1"], []]  # rank 0 serves it; torch's own: "::"
 
 
 def test_only_rank_0_holds_the_full_tensors(results: list[dict]) -> None:

@@ -66,6 +66,9 @@ APP = textwrap.dedent('''
                 await asyncio.sleep(3600)
             finally:
                 print("main cancelled", flush=True)
+        if mode == "blocks_its_loop":  # a call that blocks the event loop by mistake: no callback runs any more
+            ready()
+            time.sleep(3600)
         if mode == "shutdown_blocks":  # a clean-up stuck inside a blocking call: only the deadline ends it
             async def blocking_shutdown():
                 time.sleep(3600)
@@ -132,17 +135,32 @@ def test_without_on_stop_a_signal_cancels_main(tmp_path):
     assert "main cancelled" in app.output()
 
 
-def test_a_second_signal_exits_at_once(tmp_path):
-    app = App(tmp_path, "ignores_stop", deadline_s=120)
+@pytest.mark.parametrize("mode, first, second", [
+    ("ignores_stop", signal.SIGINT, signal.SIGTERM),  # main keeps running after on_stop
+    ("blocks_its_loop", signal.SIGTERM, signal.SIGINT),  # the event loop itself is blocked
+])
+def test_a_second_signal_exits_at_once(tmp_path, mode, first, second):
+    app = App(tmp_path, mode, deadline_s=120)
     app.wait_ready()
-    app.proc.send_signal(signal.SIGINT)
+    app.proc.send_signal(first)
     time.sleep(1)
-    assert app.proc.poll() is None, "one signal with on_stop must leave the stopping to main"
-    app.proc.send_signal(signal.SIGTERM)
-    assert app.finish(timeout=30) == 128 + signal.SIGTERM.value, app.output()  # well before the 120 s deadline
+    assert app.proc.poll() is None, "the first signal leaves the job its deadline"
+    app.proc.send_signal(second)
+    assert app.finish(timeout=30) == 128 + second.value, app.output()  # well before the 120 s deadline
     out = app.output()
-    assert "SIGTERM again: killing the job's processes and exiting now" in out
+    assert f"{second.name} again: killing the job's processes and exiting now" in out
     assert "run_job returned" not in out  # it did not wait for main
+
+
+def test_a_signal_ends_a_job_whose_event_loop_is_blocked_within_the_deadline(tmp_path):
+    app = App(tmp_path, "blocks_its_loop", deadline_s=3)
+    app.wait_ready()
+    app.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert app.finish(timeout=30) == 128 + signal.SIGTERM.value, app.output()
+    assert time.monotonic() - sent < 20
+    out = app.output()
+    assert "SIGTERM: stopping the job" in out and "the job did not end within 3s: killing its processes" in out, out
 
 
 def test_the_deadline_ends_a_clean_up_that_blocks(tmp_path):

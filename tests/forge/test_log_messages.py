@@ -1,4 +1,4 @@
-"""forge's log records read as written, whatever Monarch 0.7 does to them (forge.compat, 26)."""
+"""forge's log records read as written, whatever Monarch 0.7 does to them (forge.compat, 28)."""
 
 import logging
 from types import SimpleNamespace

@@ -3,7 +3,8 @@ section refused before anything starts, a mesh across 2 hosts (ranks, rendezvous
 processes known by (host, pid), remote output in a file on its host, each weight version relayed to a host once
 (forge/weight_relay.py), a 2-host FSDP step equal to the 1-host one, apps.grpo with its trainer and generator on
 different hosts, a lost host failing the job by name, and nothing left on any host after shutdown or after the
-controller is SIGKILLed."""
+controller is SIGKILLed. The tests of the section, the job secret and the host agent need no simulated hosts and run
+everywhere; the others (those using the `hosts` fixture) skip where network namespaces cannot be made (not root)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,15 +34,18 @@ from tests.multihost_support import (
 from forge import compat, provisioner
 from forge.actor import mesh_of
 from forge.hosts import HostsConfig, HostsError
+from forge.job_auth import SECRET_VARIABLE
 
 _UNAVAILABLE = namespaces_unavailable()
-pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
 if _UNAVAILABLE is None:
     relaunch_as_controller_host()  # at collection, before any test ran: nothing is lost
 
 
 @pytest.fixture(scope="module")
 def hosts():
+    """Two simulated hosts; every test that uses them (directly or through `job`) skips where they cannot be made."""
+    if _UNAVAILABLE is not None:
+        pytest.skip(_UNAVAILABLE)
     simulated = SimulatedHosts(count=2)
     try:
         simulated.start()
@@ -64,6 +69,13 @@ def _hosts_rebooted_after_a_failure(request):
 
 def _config(hosts: SimulatedHosts, **kwargs) -> HostsConfig:
     return HostsConfig(addresses=hosts.addresses, port=hosts.port, **kwargs)
+
+
+def _listening_beyond_its_address(host) -> list[str]:
+    """Every TCP socket listening on `host` on another address than the host's own or loopback (every interface:
+    `*` or `[::]`)."""
+    listening = [line.split()[3] for line in host.run("ss -ltnH").stdout.splitlines() if line.strip()]
+    return [address for address in listening if address.rsplit(":", 1)[0] not in (host.address, "127.0.0.1")]
 
 
 async def _until(condition, timeout: float, what: str) -> None:
@@ -116,6 +128,79 @@ def test_the_host_mesh_attaches_to_every_hosts_worker():
                                                                              "tcp://198.18.0.3:26601"]
 
 
+def test_the_job_secret_is_made_once_by_the_controller_and_refused_when_missing_or_short(monkeypatch):
+    """The controller makes it (forge.hosts_mesh.allocate_host_mesh); its own host's processes inherit it and the
+    provisioner passes it to other hosts' processes with their environment (checked by the relay test below)."""
+    from forge.job_auth import job_secret, make_job_secret
+
+    monkeypatch.delenv(SECRET_VARIABLE, raising=False)
+    with pytest.raises(RuntimeError, match=f"{SECRET_VARIABLE} is not set in this process"):
+        job_secret()  # a relay without it refuses to start rather than make a secret of its own
+    secret = make_job_secret()
+    assert len(secret) == 64 and os.environ[SECRET_VARIABLE] == secret and job_secret() == secret.encode()
+    assert make_job_secret() == secret  # one per controller: every host gets the same
+    monkeypatch.setenv(SECRET_VARIABLE, "short")
+    with pytest.raises(RuntimeError, match=f"{SECRET_VARIABLE}: 5 characters; a job secret needs at least 32"):
+        job_secret()
+
+
+def test_the_lifeline_holds_only_connections_that_prove_the_job_secret(monkeypatch):
+    """A watch process's lifeline is held for the life of the controller; a stranger's connection is closed after
+    the handshake (it was held for ever too, one file descriptor each)."""
+    from forge import hosts_mesh, job_auth
+
+    monkeypatch.setenv(SECRET_VARIABLE, "s" * 64)
+    monkeypatch.setattr(job_auth, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(hosts_mesh, "controller_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(hosts_mesh, "_lifeline", None)  # this test's own server, forgotten after it
+    monkeypatch.setattr(hosts_mesh, "_lifeline_connections", [])
+    address = hosts_mesh.lifeline_address()
+    with socket.create_connection(address, timeout=10) as silent, \
+            socket.create_connection(address, timeout=10) as guessing:
+        guessing.sendall(bytes(job_auth.NONCE_BYTES + job_auth.MAC_BYTES))
+        for stranger in (silent, guessing):
+            received = b""
+            while chunk := stranger.recv(4096):  # the end of the connection, not the test's 10 s
+                received += chunk
+            assert received.startswith(hosts_mesh._LIFELINE_HELLO)
+            assert len(received) == len(hosts_mesh._LIFELINE_HELLO) + job_auth.NONCE_BYTES
+    with job_auth.connect(address, b"s" * 64, hosts_mesh._LIFELINE_HELLO, timeout=10) as watch:
+        deadline = time.monotonic() + 10
+        while len(hosts_mesh._lifeline_connections) != 1:
+            assert time.monotonic() < deadline, "the watch process's lifeline was not held"
+            time.sleep(0.05)
+        watch.settimeout(1.0)
+        with pytest.raises(TimeoutError):  # held open: nothing sent, not closed
+            watch.recv(1)
+    hosts_mesh._lifeline_connections[0].close()
+
+
+def test_the_host_agent_states_its_trust_boundary_at_start_and_tells_its_processes_its_address(
+        tmp_path, monkeypatch, capsys):
+    from forge import host_agent
+
+    class Served(Exception):
+        pass
+
+    def serve_jobs(address: str) -> None:
+        served.update(address=address, env=dict(os.environ))
+        raise Served
+
+    served: dict = {}
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the agent sets its worker's environment in its own
+    monkeypatch.setattr(host_agent, "serve_jobs", serve_jobs)
+    address = socket.gethostbyname(socket.gethostname())  # the agent refuses an address its host's name does not name
+    with pytest.raises(Served):
+        host_agent.main(["--addr", address, "--port", "26611", "--log-dir", str(tmp_path)])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].startswith(f"forge host agent: trust boundary: Monarch's worker on {address}:26611 ")
+    assert "without authentication" in printed[1] and "private network" in printed[1], printed
+    assert "docs/several_hosts.md" in printed[1]
+    assert served["address"] == f"tcp://{address}:26611"
+    assert served["env"][host_agent.ADDRESS_VARIABLE] == address  # where the relay on this host listens
+    assert served["env"][host_agent.LOG_DIR_VARIABLE] == str(tmp_path)
+
+
 # -- a job across two hosts ---------------------------------------------------------------------------------
 
 
@@ -135,6 +220,9 @@ async def test_a_mesh_across_two_hosts_has_ranks_and_rendezvous_right_on_every_h
     assert {(w["MASTER_ADDR"], w["MASTER_PORT"]) for w in where} == {(hosts.addresses[0], where[0]["MASTER_PORT"])}
     # The rendezvous works across the hosts: gloo over MASTER_ADDR/PORT, every rank in one group.
     assert list((await pair.rank_sum.call()).values()) == [6.0] * 4
+    # No process of the job listens beyond its host's address: the rendezvous store (torch's own listened on every
+    # interface), gloo, Monarch's allocator and host processes.
+    assert {host.name: _listening_beyond_its_address(host) for host in hosts.hosts} == {h.name: [] for h in hosts.hosts}
     mesh = mesh_of(pair)
     assert [str(p) for p in mesh.processes] == [f"{w['host']}:{w['pid']}" for w in where]
     assert not any(p.local for p in mesh.processes)
@@ -236,6 +324,13 @@ async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers
                 # Read from host B's shared memory, never from torchstore by the reader itself.
                 assert "weights/fetches_past_relay" not in answer["metrics"]
         assert seen == sorted(seen)  # a host's readers never go back to an older version
+        assert {host.name: _listening_beyond_its_address(host) for host in hosts.hosts} == {
+            h.name: [] for h in hosts.hosts}  # the relays' servers included
+        # The relays authenticated each other with the job's secret, which no command line or agent log shows.
+        secret = os.environ[SECRET_VARIABLE]
+        for host in hosts.hosts:
+            assert not [p.pid for p in host.processes() if secret in " ".join(p.cmdline())]
+            assert secret not in (host.folder / "agent.log").read_text()
         assert (await relay_b.status.call_one())["relayed"] == {"relayed": 3}
         # Host B holds the relay's copy of the newest version; the copies of versions the trainer deleted are
         # gone (one kept as the spare the next copy is written into).

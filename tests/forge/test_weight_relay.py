@@ -1,6 +1,8 @@
 """The relay's data path in one process, over a real socket: a version streamed from its publisher's segment while
 it is being written, received into another host's segment, read there as it lands (forge/weight_relay.py,
-forge/shm_weights.py). The same path across simulated hosts is in tests/forge/test_multihost.py."""
+forge/shm_weights.py); and the server's handshake: a client without the job's secret gets no byte of a segment and
+no event, and one that stays silent is dropped without holding up the others. The same path across simulated hosts
+is in tests/forge/test_multihost.py."""
 
 import dataclasses
 import errno
@@ -12,7 +14,7 @@ import time
 import pytest
 import torch
 
-from forge import shm_weights, weight_relay
+from forge import job_auth, shm_weights, weight_relay
 from forge.shm_weights import (
     HEADER,
     SHM_DIR,
@@ -27,12 +29,15 @@ from forge.shm_weights import (
     piece_ends,
     segment_state,
 )
-from forge.weight_relay import SegmentServer, receive_segment
+from forge.job_auth import JobAuthenticationError
+from forge.weight_relay import SegmentServer, connect, receive_segment
+
+SECRET = b"0123456789abcdef" * 4  # the job's secret in these tests (forge.hosts.job_secret in a job)
 
 
 @pytest.fixture(scope="module")
 def server():
-    return SegmentServer("127.0.0.1")
+    return SegmentServer("127.0.0.1", SECRET)
 
 
 @pytest.fixture
@@ -73,7 +78,7 @@ class Relay(threading.Thread):
 
     def run(self) -> None:
         try:
-            receive_segment(self.server.address, self.announced, self.writer)
+            receive_segment(self.server.address, self.announced, self.writer, SECRET)
             self.writer.commit()
         except BaseException as error:
             self.error = error
@@ -241,7 +246,7 @@ def test_pieces_are_marked_ready_where_the_pieces_readers_read_end(monkeypatch):
 
 
 def test_the_server_tells_watchers_when_a_segment_starts_completes_and_goes_but_not_of_its_own_copies(server, weights):
-    with socket.create_connection(server.address, timeout=10) as watcher:
+    with connect(server.address, SECRET, timeout=10) as watcher:
         watcher.sendall(b"watch\n")
         lines = watcher.makefile("rb")
         time.sleep(0.2)  # the server follows its folder from the first watcher on
@@ -258,3 +263,93 @@ def test_the_server_tells_watchers_when_a_segment_starts_completes_and_goes_but_
         with pytest.raises(TimeoutError):  # and nothing of its own copy's deletion
             lines.readline()
     assert got == ["started events 7", "changed events 7", "changed events 7"]  # created, committed, deleted
+
+
+# -- who the server serves -----------------------------------------------------------------------------------------
+
+_HELLO_BYTES = len(weight_relay._HELLO) + job_auth.NONCE_BYTES  # all a client without the secret ever gets
+
+
+def _everything_sent_to(connection: socket.socket, timeout_s: float = 10.0) -> bytes:
+    """What the server sends on `connection` until it closes it (fails if it is still open after `timeout_s`)."""
+    connection.settimeout(timeout_s)
+    received = b""
+    while chunk := connection.recv(1 << 16):
+        received += chunk
+    return received
+
+
+def test_a_client_without_the_jobs_secret_gets_no_byte_of_a_segment_and_no_event(server, weights):
+    publisher = Publisher(weights, 8, "guarded")
+    publisher.write(list(weights))
+    publisher.commit()
+    segment = publisher.writer.path.name
+    try:
+        # The protocol without a handshake (what any `nc host port` sends): a segment's name, or `watch` and a
+        # segment created meanwhile (an event for a watcher).
+        for request in (segment.encode() + b"\n", b"watch\n"):
+            with socket.create_connection(server.address, timeout=10) as impostor:
+                impostor.sendall(request.ljust(job_auth.NONCE_BYTES + job_auth.MAC_BYTES, b"\n"))
+                create_segment(SHM_DIR / f"forge-{job_id()}-guarded-v9", 64, 9, None).commit()
+                got = _everything_sent_to(impostor)
+                (SHM_DIR / f"forge-{job_id()}-guarded-v9").unlink()
+            assert got.startswith(weight_relay._HELLO) and len(got) == _HELLO_BYTES, got[:80]
+        # A well-formed handshake under another secret: refused, and it learns nothing more.
+        with pytest.raises(JobAuthenticationError, match="refused this process's proof of the job's secret"):
+            connect(server.address, b"another job's secret".ljust(64, b"!"), timeout=10)
+        with socket.create_connection(server.address, timeout=10) as impostor:
+            hello = impostor.recv(_HELLO_BYTES, socket.MSG_WAITALL)
+            nonce = os.urandom(job_auth.NONCE_BYTES)
+            wrong = job_auth.proof(b"a guess".ljust(64), b"client", hello[len(weight_relay._HELLO):], nonce)
+            impostor.sendall(nonce + wrong)
+            assert _everything_sent_to(impostor) == b""
+        # The same request with the secret is served: the refusals above were the handshake's.
+        with connect(server.address, SECRET, timeout=10) as relay:
+            relay.sendall(segment.encode() + b"\n")
+            assert len(_everything_sent_to(relay)) == 8 + publisher.writer.size + HEADER
+    finally:
+        publisher.writer.path.unlink(missing_ok=True)
+
+
+def test_a_silent_client_is_dropped_after_the_handshake_timeout_and_holds_up_no_other(server, weights, monkeypatch):
+    monkeypatch.setattr(job_auth, "HANDSHAKE_TIMEOUT_S", 0.5)
+    silent = [socket.create_connection(server.address, timeout=10) for _ in range(16)]
+    try:
+        publisher = Publisher(weights, 10, "beside-silent")
+        relay = Relay(server, publisher.announced, "beside-silent-b")
+        relay.start()  # while 16 clients that never answer the challenge hold connections
+        publisher.write(list(weights))
+        final = publisher.commit()
+        relay.join(10)
+        assert relay.error is None, relay.error
+        read = SegmentRead(relay.writer.path, relay.copy, None, arriving=True).verified(final)
+        assert all(torch.equal(read[name], tensor) for name, tensor in weights.items())
+        for connection in silent:  # each got the challenge, then the end of its connection (not the test's 10 s)
+            assert len(_everything_sent_to(connection)) == _HELLO_BYTES
+    finally:
+        for connection in silent:
+            connection.close()
+        for path in (publisher.writer.path, relay.writer.path):
+            path.unlink(missing_ok=True)
+
+
+def test_a_client_refuses_a_server_that_does_not_hold_the_secret():
+    """The handshake goes both ways: a process posing as a segment server cannot feed a relay."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def accept_any_proof() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                connection.sendall(weight_relay._HELLO + os.urandom(job_auth.NONCE_BYTES))
+                connection.recv(job_auth.NONCE_BYTES + job_auth.MAC_BYTES, socket.MSG_WAITALL)
+                connection.sendall(bytes(job_auth.MAC_BYTES))
+                connection.recv(1)
+
+        threading.Thread(target=accept_any_proof, daemon=True).start()
+        with pytest.raises(JobAuthenticationError, match="does not hold this job's secret"):
+            connect(listener.getsockname()[:2], SECRET, timeout=10)
+
+
+def test_the_server_listens_on_the_address_it_is_given_and_never_on_every_interface(server):
+    assert server.address[0] == "127.0.0.1"
+    with pytest.raises(ValueError, match="'0.0.0.0': listen on this host's own address"):
+        SegmentServer("0.0.0.0", SECRET)

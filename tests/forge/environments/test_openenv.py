@@ -196,6 +196,6 @@ def test_grpo_trains_on_an_openenv_environment_named_in_the_config(tmp_path):
     turns = [r["env/model_turns"] for r in rows if "env/model_turns" in r]  # steps that drained a rollout's metrics
     assert turns and min(turns) > 1 and not any(r.get("env/failures") for r in rows)
     assert all(r["canary/logprob_diff"] < 1e-3 for r in rows)  # the canary scores the OpenEnv problem's label
-    assert "held-out greedy accuracy" in result.stdout
+    assert "held-out greedy mean reward" in result.stdout  # an OpenEnv environment's rewards may be partial
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["episodes"]["trained"] == 2 * 32

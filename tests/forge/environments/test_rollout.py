@@ -9,7 +9,7 @@ import pytest
 
 from forge.environments.config import EnvironmentConfig
 from forge.environments.protocol import StepResult
-from forge.environments.rollout import EnvironmentFailure, run_episodes
+from forge.environments.rollout import run_episodes
 from forge.metrics import drain_local
 from forge.types import Completion, SamplingParams
 
@@ -125,14 +125,17 @@ async def test_a_failing_or_hanging_environment_costs_its_episode_only_and_is_co
     assert drain_local()["env/failures"].value() == 2
 
 
-async def test_a_failed_reset_fails_the_group_with_its_error():
+async def test_a_failed_reset_fails_its_episode_only_and_failed_episodes_are_marked_so():
     class BrokenReset(Replier):
         async def reset(self, task):
             raise ValueError("no such problem")
 
-    with pytest.raises(EnvironmentFailure, match="no such problem"):
-        await play(ScriptedModel([[20]]), [Replier(), BrokenReset()])
     drain_local()
+    ok, broken = await play(ScriptedModel([[20]]), [Replier(done_after=1), BrokenReset()])
+    assert (ok.end, ok.failed, ok.reward) == ("done", False, 1.0)
+    assert (broken.end, broken.failed, broken.turns) == ("environment_error", True, [])
+    assert "ValueError: no such problem" in broken.error
+    assert drain_local()["env/failures"].value() == 1
 
 
 def test_limits_are_checked():
@@ -169,9 +172,9 @@ async def test_environments_are_closed_when_a_reset_fails():
         async def reset(self, task):
             raise RuntimeError("no sandbox")
 
-    envs = [ClosingReplier(), FailingReset()]
-    with pytest.raises(EnvironmentFailure):
-        await play(ScriptedModel([[5]]), envs)
+    envs = [ClosingReplier(done_after=1), FailingReset()]
+    played = await play(ScriptedModel([[5]]), envs)
+    assert [t.end for t in played] == ["done", "environment_error"]
     assert [env.closed for env in envs] == [1, 1]
     drain_local()
 
