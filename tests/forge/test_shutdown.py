@@ -193,25 +193,25 @@ def test_a_script_that_never_calls_shutdown_leaves_nothing_behind(tmp_path):
     assert_clean_exit(result)
 
 
-def test_replicas_lost_and_restarted_leave_only_monarchs_host_agent_after_shutdown(tmp_path):
+def test_replicas_lost_and_restarted_leave_no_monarch_process_after_shutdown(tmp_path):
     """Issue 28's script, twice over: SIGKILL a replica, 20 routed calls, wait for the restart; again; shut down.
-    No process of a mesh is left when `shutdown()` returns; what stays until the controller exits is Monarch's host
-    agent, the same one process as before the losses (it does not grow with them; docs/interactive.md)."""
+    Nothing Monarch started is left when `shutdown()` returns (Monarch 0.7 runs a mesh's processes as the
+    controller's own children, with no host process: forge.compat, 26, gone)."""
     result = run_script(tmp_path, """
     from forge.processes import monarch_children
 
     async def main():
         service = await Echo.options(num_replicas=2).as_service()
-        agents = set(monarch_children()) - set(monarch_children(hosts=False))
+        print("mesh processes before:", len(monarch_children()), flush=True)
         for _ in range(2):
             await kill_replica(service, 0)
             assert [value for _, value in [await service.echo.route(i) for i in range(20)]] == list(range(20))
             while service._restarting:
                 await asyncio.sleep(0.1)
         await shutdown()
-        print("mesh processes left:", monarch_children(hosts=False), flush=True)
-        print("host agent unchanged:", set(monarch_children()) == agents and len(agents) == 1, flush=True)
+        print("mesh processes left:", monarch_children(), flush=True)
     asyncio.run(main())
     """)
     assert_clean_exit(result)
-    assert "mesh processes left: []" in result.stdout and "host agent unchanged: True" in result.stdout, result.stdout
+    assert "mesh processes left: []" in result.stdout, result.stdout
+    assert int(result.stdout.split("mesh processes before: ")[1].split()[0]) >= 2, result.stdout
