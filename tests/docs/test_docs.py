@@ -20,7 +20,9 @@ RUN_BY = {
                    "tests/apps/test_server_lora.py::test_the_serving_docs_lora_snippet_runs_against_the_server",
                    "tests/apps/test_gateway.py::test_the_serving_docs_gateway_snippet_runs_against_the_gateway"],
     "interactive.md": [],  # a REPL transcript only: replayed below
-    "several_hosts.md": [],  # tables and shell commands only
+    # Prose, tables, shell commands and YAML only.
+    **{page: [] for page in ("architecture.md", "benchmarks.md", "gpu_models.md", "hosts.md", "lora.md",
+                             "multiturn.md", "off_policy.md", "reliability.md", "several_hosts.md", "stack.md")},
     # The page's environment module, imported by the job its command runs (tests/docs/test_environments_page.py).
     "environments.md": ["tests/docs/test_environments_page.py::test_the_pages_command_trains_on_the_environment"],
 }
