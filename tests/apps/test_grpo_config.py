@@ -146,6 +146,21 @@ def test_vllm_tensor_parallelism_on_cpu_is_refused_before_anything_starts(real_m
                              "+generator.engine_args.tensor_parallel_size=2")
 
 
+def test_vllm_chunked_prefill_on_cpu_is_refused_with_the_config_naming_the_field_and_why(real_models):
+    # forge.compat, 25: refused by the config check, not minutes later when the engine starts in its replica.
+    with pytest.raises(ConfigError, match=r"generator\.engine_args\.enable_chunked_prefill=true: on CPU, vLLM 0\.13's "
+                                          r"engine core dies on a seeded request whose prefill is split across engine "
+                                          r"steps \(forge\.compat, 25\)"):
+        load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "generator.engine=vllm",
+                         "+generator.engine_args.enable_chunked_prefill=true"])
+    cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "generator.engine=vllm",
+                              "+generator.engine_args.enable_chunked_prefill=false"])
+    assert cfg.generator.engine_args["enable_chunked_prefill"] is False
+    # On CUDA vLLM's default (and a request for it) stands.
+    cfg = load_with_real_model(QWEN3_8B, real_models, "+generator.engine_args.enable_chunked_prefill=true")
+    assert cfg.generator.device == "cuda" and cfg.generator.engine_args["enable_chunked_prefill"] is True
+
+
 def test_vllm_samples_at_temperatures_other_than_one():
     # vLLM reports processed log-probs (after temperature), so the behaviour log-probs are the sampled ones.
     cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "generator.engine=vllm"])
