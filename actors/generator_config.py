@@ -17,19 +17,33 @@ HF_ENGINE_ARGS = ("kv_reuse_tokens",)
 
 @dataclass
 class GeneratorConfig:
-    model: str = "???"  # HF checkpoint directory or hub id
-    engine: str = "hf"  # "hf" (transformers) or "vllm" (vLLM's AsyncLLM); both on CPU or GPU
+    """A generator: its engine, and how it batches requests and follows published weights."""
+
+    model: str = "???"
+    """HF checkpoint directory or hub id (apps: `${model}`)."""
+    engine: str = "hf"
+    """`hf` (transformers) or `vllm` (vLLM's AsyncLLM, continuous batching); both on CPU or GPU. The tiny configs
+    use hf, the Qwen3 ones vllm."""
     dtype: str = "float32"
+    """float32, bfloat16 or float16."""
     device: str = "cpu"
+    """cpu or cuda."""
     seed: int = 0
-    max_batch_size: int = 256  # sequences (prompts x n) per engine call
-    batch_wait_s: float = 0.002  # how long a request waits for company before the batch runs
-    weight_poll_s: float = 0.05  # how often the weight store is checked for a newer version
-    torch_threads: int = 1  # CPU threads per generator process (0 = torch's default)
+    """Sampling seed."""
+    max_batch_size: int = 256
+    """Sequences (prompts x n) per engine call: concurrent requests are batched into one."""
+    batch_wait_s: float = 0.002
+    """How long a request waits for company before the batch runs."""
+    weight_poll_s: float = 0.05
+    """How often the weight store is checked for a newer version."""
+    torch_threads: int = 1
+    """CPU threads per generator process (0: torch's default)."""
     weight_namespace: str = "policy"
-    # The engine's own arguments: vllm's AsyncEngineArgs fields (e.g. max_model_len); hf's kv_reuse_tokens (kept KV
-    # for later turns, 0 = none).
+    """The weight store namespace whose versions this generator loads."""
     engine_args: dict = field(default_factory=dict)
+    """The engine's own arguments. vLLM: passed through (`max_model_len`, `enforce_eager`, `tensor_parallel_size`,
+    ...); a key vLLM does not have, or one forge sets, is refused before anything starts. hf: `kv_reuse_tokens`
+    (65536: tokens of past key values kept for later turns; 0: none)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:

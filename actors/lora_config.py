@@ -18,11 +18,18 @@ LORA_TARGETS = {"qwen3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 
 @dataclass
 class LoRAConfig:
+    """LoRA with peft's layers on the TorchTitan model, exported in peft's format."""
+
     rank: int = 16
-    alpha: float = 32.0  # the update is (alpha / rank) * B @ A
-    # On the adapter's input, on the gradient pass only: every score (pi_old, the canary, `forward`) is without it.
+    """The adapters' rank (at most the model's hidden size)."""
+    alpha: float = 32.0
+    """The update is (alpha / rank) * B @ A."""
     dropout: float = 0.0
+    """On the adapter's input, on the gradient pass only: every score (pi_old, the canary, `forward`) is without
+    it."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Adapted modules, named as peft names them on the HF model (q_proj, k_proj, v_proj, o_proj, gate_proj,
+    up_proj, down_proj, lm_head); checked against the model before anything starts."""
 
     def __post_init__(self) -> None:
         require_field(self, "rank", is_int(self.rank) and self.rank >= 1, "an int >= 1")

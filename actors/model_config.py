@@ -31,12 +31,21 @@ def require_field(config: object, name: str, ok: bool, allowed: str) -> None:
 
 @dataclass
 class ModelConfig:
-    model_path: str  # HF checkpoint folder or hub id: architecture, tokenizer and (by default) weights
-    family: str = "qwen3"  # torchtitan train spec of that checkpoint: qwen3 | llama3
-    init_checkpoint: str | None = None  # a torchtitan/DCP checkpoint to take the initial weights from
-    dtype: str = "float32"  # compute dtype (the trainer keeps float32 parameters; a frozen model stores this)
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
-    temperature: float = 1.0  # the generator's sampling temperature: log-probs are of logits / temperature
+    """A model the trainer or the reference model builds with TorchTitan."""
+
+    model_path: str
+    """HF checkpoint folder or hub id: architecture, tokenizer and (by default) weights (apps: `${model}`)."""
+    family: str = "qwen3"
+    """TorchTitan model family of that checkpoint: qwen3 or llama3."""
+    init_checkpoint: str | None = None
+    """A TorchTitan/DCP checkpoint to take the initial weights from."""
+    dtype: str = "float32"
+    """Compute dtype (the trainer keeps float32 parameters; a frozen model stores this)."""
+    device: str = "cpu"
+    """cpu (gloo) or cuda (nccl)."""
+    temperature: float = 1.0
+    """The generator's sampling temperature (log-probs are of logits / temperature); must equal
+    `rollout.temperature`."""
 
     def __post_init__(self) -> None:
         path = self.model_path

@@ -13,13 +13,24 @@ SAMPLE_ORDERS = ("random", "oldest")
 
 @dataclass
 class ReplayBufferConfig:
+    """The buffer between the rollouts and the trainer, and its staleness bound."""
+
     batch_size: int = 16
-    max_policy_age: int = 1  # 0 = strictly on-policy (synchronous)
+    """Episodes per training step (in apps.grpo a multiple of `rollout.group_size`, divisible by
+    `resources.trainer_procs`)."""
+    max_policy_age: int = 1
+    """0: synchronous, strictly on-policy; k: generation may run k policy versions ahead of training."""
     dp_size: int = 1
+    """Data-parallel ranks a sample is split for (1 or `resources.trainer_procs`)."""
     max_buffer_size: int | None = None
+    """Episodes held at most (null: no bound; else at least `batch_size`)."""
     max_resample_count: int = 1
+    """How many times one episode may be sampled."""
     seed: int = 0
-    sample_order: str = "random"  # random | oldest (oldest usable first: nothing ages out while held)
+    """Seed of the random sample order."""
+    sample_order: str = "random"
+    """`random` (seeded) or `oldest` (oldest usable episodes first, so none ages out while held; the shipped GRPO
+    configs)."""
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, "an int >= 1")

@@ -18,27 +18,52 @@ PUBLISH_DTYPES = ("float32", "bfloat16", "float16")  # what a generator may run 
 
 @dataclass
 class TrainerConfig(ModelConfig):
+    """The TorchTitan trainer: optimizer, schedule, loss, parallelism, LoRA."""
+
     lr: float = 1e-6
+    """AdamW learning rate (TorchTitan's builder)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_steps: int = 0
-    lr_decay: str = "constant"  # after warmup: constant | linear | cosine (to 0 at max_steps)
-    max_steps: int = 1_000_000  # the LR schedule's length; training past it is an error
-    max_grad_norm: float = 1.0  # float("inf"): report the norm, never clip
-    micro_batch_size: int = 8  # sequences per forward/backward pass on each rank
-    minibatches: int = 1  # optimizer steps per train_step, each on 1/minibatches of the batch's rows
-    loss: Any = "grpo"  # a name in losses.LOSSES, a callable, or "package.module:function"
+    """Linear learning-rate warmup steps."""
+    lr_decay: str = "constant"
+    """After the warmup: constant, linear or cosine (to 0 at `max_steps`)."""
+    max_steps: int = 1_000_000
+    """The LR schedule's length; training past it is an error (at least `steps`)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (inf: report the norm, never clip)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass on each rank; micro-batches give the full-batch step (tested with
+    DAPO's token-mean loss)."""
+    minibatches: int = 1
+    """Optimizer steps per training step, each on 1/minibatches of the batch's rows (one published version)."""
+    loss: Any = "grpo"
+    """grpo, dapo, gspo, cispo, dr_grpo, or `package.module:function` (dr_grpo needs
+    `rollout.normalize_advantages: false`)."""
     loss_params: dict[str, Any] = field(default_factory=dict)
+    """The loss's hyperparameters (e.g. `clip_eps`, `kl_coef`, `kl_estimator`) and the rollout corrections `tis_cap`,
+    `token_mask_band`, `seq_mask_band` (docs/off_policy.md)."""
     tensor_parallel_degree: int = 1
-    activation_checkpoint: str = "none"  # torchtitan's activation checkpointing: none | selective | full
+    """Tensor-parallel degree (GPUs)."""
+    activation_checkpoint: str = "none"
+    """TorchTitan's activation checkpointing: none, selective or full (GPUs)."""
     checkpoint_dir: str | None = None
-    checkpoint_interval: int = 0  # save into checkpoint_dir every N steps; 0: only when asked
-    torch_threads: int = 0  # CPU threads per trainer process on device=cpu (0 = torch's default, one per core)
-    # The dtype published weights are cast to: the generator's (apps set it from generator.dtype). None: `dtype`.
+    """Where the trainer saves its own checkpoints (apps.grpo checkpoints the job through `checkpoint`)."""
+    checkpoint_interval: int = 0
+    """Save into `checkpoint_dir` every N steps; 0: only when asked."""
+    torch_threads: int = 0
+    """CPU threads per trainer process on device=cpu (0: torch's default, one per core; the tiny configs: 1, the
+    generator has the other core)."""
     publish_dtype: str | None = None
-    # Train low-rank adapters on a frozen base (None: full fine-tuning); publishes and exports the adapter only.
+    """The dtype published weights are cast to: the generator's (apps set it from `generator.dtype`); null:
+    `dtype`."""
     lora: LoRAConfig | None = None
+    """Train low-rank adapters on a frozen base (null: full fine-tuning); publishes and exports the adapter only
+    (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,10 +18,14 @@ from typing import Any
 
 @dataclass
 class CanaryConfig:
-    every: int = 0  # training steps between checks; 0 = off
-    # The largest |log p_trainer - log p_generator| allowed on a canary token. fp32 on both sides agrees to
-    # ~1e-5; a bf16 generator against an fp32 trainer differs by up to ~1e-1 on real models.
+    """Every `every` steps the trainer and every healthy generator replica score a fixed completion; a larger
+    difference than `max_logprob_diff` ends the job, naming each replica at fault."""
+
+    every: int = 0
+    """Training steps between checks (0: off; the tiny configs: 10)."""
     max_logprob_diff: float = 1e-3
+    """The largest |log p_trainer - log p_generator| allowed on a canary token. fp32 on both sides agrees to ~1e-5;
+    a bf16 generator against an fp32 trainer differs by up to ~1e-1 on real models."""
 
     def __post_init__(self) -> None:
         if self.every < 0:

@@ -44,9 +44,13 @@ class ConfigError(ValueError):
     """A bad config or override; the message is meant for the user and holds every fact needed."""
 
 
-def parse_args(argv: Sequence[str], *, description: str = "") -> tuple[Path | None, list[str], argparse.Namespace]:
-    """Parses `--config PATH`, `--resume` and the overrides; `-h` prints usage and exits."""
-    parser = argparse.ArgumentParser(prog=program_name(), description=description)
+def parse_args(argv: Sequence[str], *, description: str = "",
+               epilog: str = "") -> tuple[Path | None, list[str], argparse.Namespace]:
+    """Parses `--config PATH`, `--resume` and the overrides; `-h` prints usage and exits. `epilog` (an app's
+    configuration reference) is printed after the options as it is written, line breaks and all."""
+    formatter = argparse.RawDescriptionHelpFormatter if epilog else argparse.HelpFormatter
+    parser = argparse.ArgumentParser(prog=program_name(), description=description, epilog=epilog or None,
+                                     formatter_class=formatter)
     parser.add_argument("--config", type=Path, metavar="PATH", help="YAML config file")
     parser.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help=_OVERRIDE_HELP)

@@ -29,11 +29,18 @@ class HostsError(ValueError):
 
 @dataclass
 class HostsConfig:
-    addresses: list[str] = field(default_factory=list)  # IPs where the per-host agents listen
-    port: int = 26600  # the agents' port, the same on every host
-    procs_per_host: int | None = None  # how many processes a host offers (None: not checked)
-    roles: dict[str, list[int]] = field(default_factory=dict)  # role -> indices of its hosts
-    connect_timeout_s: float = 3.0  # the reachability check's bound per host
+    """Several hosts: the per-host agents, and the hosts each mesh runs on (docs/hosts.md)."""
+
+    addresses: list[str] = field(default_factory=list)
+    """IPs where the per-host agents listen (`python -m forge.host_agent`); empty: this host only."""
+    port: int = 26600
+    """The agents' port, the same on every host."""
+    procs_per_host: int | None = None
+    """How many processes a host offers (null: not checked)."""
+    roles: dict[str, list[int]] = field(default_factory=dict)
+    """A mesh's name -> the indices of its hosts; unlisted roles run on host 0."""
+    connect_timeout_s: float = 3.0
+    """The reachability check's bound per host."""
 
     @property
     def enabled(self) -> bool:

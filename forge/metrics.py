@@ -199,12 +199,20 @@ def _fmt(value: float) -> str:
 
 @dataclass
 class MetricsConfig:
+    """Where each step's metrics go."""
+
     console: bool = True
+    """A progress line per step on the console."""
     console_keys: list[str] | None = None
-    jsonl: str | None = None  # path of the JSONL file
-    tensorboard: str | None = None  # log dir
+    """The metrics the console line shows (null: all)."""
+    jsonl: str | None = None
+    """Path of the JSONL file (apps.grpo: `${run_dir}/metrics.jsonl` when null)."""
+    tensorboard: str | None = None
+    """TensorBoard log dir (null: none)."""
     wandb_project: str | None = None
+    """Weights & Biases project (null: none)."""
     wandb_run_name: str | None = None
+    """Weights & Biases run name."""
 
 
 @dataclass

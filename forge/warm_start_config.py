@@ -8,16 +8,27 @@ from dataclasses import dataclass
 
 @dataclass
 class WarmStartConfig:
+    """Supervised warm start on the task's answers, stopped at a greedy accuracy (multi-turn tasks train on correct
+    episodes); cached in `model_cache`."""
+
     enabled: bool = True
-    target_accuracy: float = 0.2  # stop as soon as greedy accuracy on `eval_prompts` reaches this
+    """Warm-start before GRPO (tasks without reference answers, openenv and environment ones, need false)."""
+    target_accuracy: float = 0.2
+    """Stop as soon as greedy accuracy on `eval_prompts` training problems reaches this (tiny: 0.15)."""
     lr: float = 1e-3
+    """Learning rate (tiny: 3e-3)."""
     batch_size: int = 64
+    """Examples per step."""
     max_steps: int = 3000
+    """Steps at most."""
     eval_every: int = 20
+    """Steps between accuracy checks (tiny: 5)."""
     eval_prompts: int = 200
-    # Once a check reaches this accuracy, check after every step: accuracy can jump past the target between two
-    # checks (the multi-turn task: 26% -> 42% in 5 steps). None: every `eval_every` steps throughout.
+    """Prompts per accuracy check."""
     check_every_step_from: float | None = None
+    """Once a check reaches this accuracy, check after every step: accuracy can jump past the target between two
+    checks (the multi-turn task: 26% -> 42% in 5 steps; multi-turn tiny: 0.26). null: every `eval_every` steps
+    throughout."""
 
     def __post_init__(self) -> None:
         if not 0 < self.target_accuracy <= 1:

@@ -19,9 +19,12 @@ DESCRIPTION = "Asynchronous GRPO: rollout loops and the training loop run concur
 
 
 def load_job_config(argv: list[str]) -> tuple[GRPOConfig, bool]:
-    """Parse, resolve `model: tiny` to the built checkpoint, validate: every config error before any process."""
-    path, overrides, args = parse_args(argv, description=DESCRIPTION)
-    from apps.grpo.config import GRPOConfig  # the schema: imported once the arguments have parsed
+    """Parse, resolve `model: tiny` to the built checkpoint, validate: every config error before any process.
+    `--help` prints the configuration reference (docs/configuration.md)."""
+    from apps.grpo.config import GRPOConfig  # the schema (no torch: see the module's docstring)
+    from apps.grpo.config_reference import reference
+
+    path, overrides, args = parse_args(argv, description=DESCRIPTION, epilog=reference())
 
     job = load_app_config(path, overrides, GRPOConfig)
     return job, bool(args.resume or job.resume)

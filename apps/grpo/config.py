@@ -31,17 +31,26 @@ from forge.warm_start_config import WarmStartConfig
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 8  # completions per prompt (the GRPO group)
+    """How episodes are generated: the GRPO group, sampling, and which groups are kept."""
+
+    group_size: int = 8
+    """Completions per prompt (the GRPO group)."""
     max_tokens: int = 6
+    """Sampling: tokens generated per completion (per model turn in multi-turn tasks)."""
     temperature: float = 1.0
+    """Sampling temperature; `trainer.temperature` must equal it."""
     top_p: float = 1.0
-    concurrency: int = 4  # prompt groups generating at once (the replay buffer may allow fewer)
-    normalize_advantages: bool = True  # divide by the group's std (False for Dr. GRPO)
-    drop_zero_variance_groups: bool = False  # DAPO's dynamic sampling
-    # Dynamic sampling's budget (verl's max_num_gen_batches, per group): once this many groups were dropped while one
-    # training step waits, the step's further zero-variance groups are kept (advantage 0) instead, so a policy that
-    # solves most prompts does not make each step generate ever more groups. None: no budget.
+    """Sampling: nucleus mass kept (the kept set is replayed by the trainer: docs/off_policy.md)."""
+    concurrency: int = 4
+    """Prompt groups generating at once (the replay buffer may allow fewer)."""
+    normalize_advantages: bool = True
+    """Divide advantages by the group's std (false for Dr. GRPO)."""
+    drop_zero_variance_groups: bool = False
+    """DAPO's dynamic sampling: skip groups whose rewards are all equal (counted)."""
     max_dropped_groups_per_step: int | None = None
+    """Dynamic sampling's budget (verl's max_num_gen_batches, per group): past this many groups dropped while one
+    training step waits, that step keeps its further zero-variance groups (advantage 0), so a policy that solves most
+    prompts cannot make each step generate ever more. null: no budget; needs `drop_zero_variance_groups`."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.group_size <= 1 << 16:
@@ -66,11 +75,20 @@ class RolloutConfig:
 
 @dataclass
 class ResourcesConfig:
+    """How many processes each actor gets, and whether they get GPUs."""
+
     generator_replicas: int = 1
-    generator_procs: int = 1  # processes per replica (tensor-parallel engines)
-    trainer_procs: int = 1  # data-parallel ranks (FSDP)
+    """Generator service replicas."""
+    generator_procs: int = 1
+    """Processes per generator replica (1 with vllm: a tensor-parallel vLLM replica is one process with
+    `generator.engine_args.tensor_parallel_size` GPUs)."""
+    trainer_procs: int = 1
+    """FSDP data-parallel ranks of the trainer."""
     reference_procs: int = 1
+    """Ranks of the reference model."""
     with_gpus: bool = False
+    """One GPU per process (a tensor-parallel vLLM replica's process: `tensor_parallel_size` GPUs), assigned without
+    overlap; too few GPUs is an error before anything starts."""
 
     def __post_init__(self) -> None:
         for name in ("generator_replicas", "generator_procs", "trainer_procs", "reference_procs"):
@@ -80,10 +98,16 @@ class ResourcesConfig:
 
 @dataclass
 class EvalConfig:
+    """Greedy accuracy on the task's held-out problems."""
+
     at_start: bool = True
+    """Evaluate before the first step."""
     at_end: bool = True
-    every: int = 0  # also every N steps (0 = never)
+    """Evaluate after the last step."""
+    every: int = 0
+    """Also every N steps (0: never)."""
     num_prompts: int = 500
+    """Held-out prompts per evaluation."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -94,10 +118,16 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # save the whole job every N steps (0 = only at the end when `final` is set)
+    """Job checkpoints (trainer, buffer, RNG, step, version), written atomically; `--resume` reads the newest."""
+
+    interval: int = 0
+    """Save the whole job every N steps (0: only at the end, when `final` is set)."""
     final: bool = True
+    """Save when the job ends, also when it is stopped by a signal."""
     folder: str = "${run_dir}/checkpoints"
-    keep: int = 2  # newest job checkpoints kept on disk
+    """Where checkpoints go."""
+    keep: int = 2
+    """Newest job checkpoints kept on disk."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -108,21 +138,34 @@ class CheckpointConfig:
 
 @dataclass
 class ReferenceSection:
-    enabled: bool = False  # a frozen reference model for the KL term (trainer.loss_params.kl_coef > 0)
+    """A frozen reference model for the KL term."""
+
+    enabled: bool = False
+    """Run it (for `trainer.loss_params.kl_coef` > 0)."""
     chunk_rows: int = 4
+    """Rows per forward pass."""
 
 
 @dataclass
 class GRPOConfig:
+    """The whole job."""
+
     # The actors' own config sections. Their model paths are `${model}` in the YAML files.
     generator: GeneratorConfig
     trainer: TrainerConfig
-    model: str = "tiny"  # "tiny" (built by forge, cached in model_cache), an HF checkpoint folder, or a hub id
+    model: str = "tiny"
+    """`tiny` (built by forge into `model_cache`), an HF checkpoint folder, or a hub id; `${model}` fills the actors'
+    model paths."""
     model_cache: str = ".cache/forge"
+    """Where the tiny model and warm-start checkpoints are cached."""
     run_dir: str = "runs/grpo"
+    """metrics.jsonl, summary.json, hf_model/, checkpoints/."""
     seed: int = 0
+    """RNG seed."""
     steps: int = 100
+    """Training steps (one published policy version each)."""
     resume: bool = False
+    """Resume from the newest checkpoint in `checkpoint.folder` (as `--resume`)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)

@@ -7,17 +7,25 @@ from dataclasses import dataclass
 
 @dataclass
 class EnvironmentConfig:
-    max_turns: int = 4  # model turns per episode
-    max_total_tokens: int = 256  # prompt + model + environment tokens
-    step_timeout_s: float = 10.0  # per reset / step call of an environment
-    truncated_reward: float | None = 0.0  # a truncated episode's reward; None: what its environment gave so far
-    # Run the environments in their own actor process (forge.environments.actor): a crash or a blocking call
-    # there costs its episodes (counted in env/failures), never the job.
+    """Multi-turn tasks: each episode's limits, where its environment runs, and chat mode (docs/multiturn.md)."""
+
+    max_turns: int = 4
+    """Model turns per episode."""
+    max_total_tokens: int = 256
+    """Prompt + model + environment tokens per episode."""
+    step_timeout_s: float = 10.0
+    """Per reset / step call of an environment; past it the episode's group is dropped (counted)."""
+    truncated_reward: float | None = 0.0
+    """A truncated episode's reward; null: what its environment gave so far."""
     isolated: bool = False
-    # Chat mode (forge/environments/chat.py): the first prompt and each observation wrapped by the model's chat
-    # template, by token ids (task.chat_template_kwargs reach it); its end-of-turn token ends a turn, not the episode.
+    """Run the environments in their own actor process (forge.environments.actor): a crash or a blocking call there
+    costs its episodes (counted in env/failures), never the job."""
     chat_template: bool = False
-    system_prompt: str | None = None  # chat mode: a system message before the first prompt
+    """Chat mode (forge/environments/chat.py): the first prompt and each observation wrapped by the model's chat
+    template, by token ids (`task.chat_template_kwargs` reach it); its end-of-turn token ends a turn, not the
+    episode."""
+    system_prompt: str | None = None
+    """Chat mode: a system message before the first prompt (needs `chat_template`)."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens"):

@@ -12,35 +12,55 @@ FORGE_TASKS = ("arithmetic", "gsm8k", "lookup")
 
 @dataclass
 class TaskConfig:
-    # "forge": a task of forge's own (`name`: arithmetic, gsm8k, or lookup: multi-turn, forge/tasks/lookup.py);
-    # "reasoning_gym": any reasoning-gym dataset by its name, with `options` passed to it and its own scorer as the
-    # reward; "openenv": an OpenEnv environment used unchanged (`name`: 'package.module:Class', `options`: its
-    # constructor's keyword arguments; forge/tasks/openenv.py), multi-turn; "environment": a class written to forge's
-    # own Environment protocol, named the same way (forge/tasks/environment.py, docs/environments.md), multi-turn.
+    """What the job trains on, and how it is scored."""
+
     source: Literal["forge", "reasoning_gym", "openenv", "environment"] = "forge"
+    """`forge`: a task of forge's own (`name`). `reasoning_gym`: any reasoning-gym dataset by its name, with
+    `options` passed to it and its own scorer as the reward. `openenv`: an OpenEnv environment used unchanged
+    (forge/tasks/openenv.py, docs/multiturn.md), multi-turn. `environment`: a class written to forge's Environment
+    protocol (`async reset(problem)`, `async step(action) -> StepResult`; forge/tasks/environment.py,
+    docs/environments.md), multi-turn. openenv and environment need `warm_start.enabled: false`."""
     name: str = "arithmetic"
-    # reasoning_gym: the dataset's config fields; openenv and environment: the class's constructor's keyword arguments
+    """forge: `arithmetic` (built in), `gsm8k` (via `datasets`, scored by math-verify) or `lookup` (the built-in
+    multi-turn task, forge/tasks/lookup.py: its environment scores the episodes, so `reward` is refused);
+    reasoning_gym: the dataset's name; openenv and environment: the class, `package.module:Class` (its module
+    importable: PYTHONPATH; an openenv one is an `Environment` subclass, or the `EnvClient` subclass of a served
+    one; an environment one may declare `stop_texts`, one-token texts that end a model turn)."""
     options: dict[str, Any] = field(default_factory=dict)
-    size: int = 10_000  # reasoning_gym: training problems generated (held-out ones come from another seed)
-    # arithmetic and lookup: built-in tasks (problems generated from `seed`)
+    """reasoning_gym: the dataset's config fields; openenv and environment: the class's constructor's keyword
+    arguments, checked against its signature when the config is read."""
+    size: int = 10_000
+    """reasoning_gym: training problems generated (held-out ones come from another seed, and any also in training
+    is dropped)."""
     num_digits: int = 2
-    reverse_answer: bool = False  # write answers least-significant digit first (learned much faster)
+    """arithmetic and lookup: operand size (problems generated from `seed`)."""
+    reverse_answer: bool = False
+    """arithmetic: write answers least-significant digit first (learned much faster; tiny: true)."""
     held_out: int = 500
-    # gsm8k-style math: loaded with `datasets` (a hub id or a local path / data files)
+    """Held-out evaluation set size (environments: evaluation episodes use seeds [0, held_out))."""
     dataset: str = "openai/gsm8k"
+    """gsm8k: loaded with `datasets`, a hub id or a local path / data files (a single data file is split into
+    disjoint training and held-out rows)."""
     dataset_config: str | None = "main"
+    """gsm8k: the dataset's config name."""
     train_split: str = "train"
+    """gsm8k: the training split."""
     eval_split: str = "test"
-    # gsm8k and reasoning_gym ask in the model's chat template when its tokenizer has one, and multi-turn tasks do
-    # with environment.chat_template; these reach the template (e.g. Qwen3's enable_thinking).
+    """gsm8k: the held-out split."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # The reward: "package.module:function" taking (completion_text, answer) -> float; None = the task's own.
+    """gsm8k and reasoning_gym ask in the model's chat template when its tokenizer has one (stopping at its
+    end-of-turn token), and multi-turn tasks do with `environment.chat_template`; these reach the template (Qwen3
+    configs: `enable_thinking: false`)."""
     reward: str | None = None
+    """`package.module:function` taking (completion_text, answer) -> float; null: the task's exact-match reward. A
+    reward that raises, hangs past `reward_timeout_s` or returns NaN scores 0, is counted in `reward/failures`, and
+    its traceback is printed once per kind of failure; the run goes on."""
     reward_timeout_s: float = 10.0
-    # openenv: the Action field the model's text fills and the Observation field it reads (None: the type's one str
-    # field beyond OpenEnv's own)
+    """Per reward call."""
     action_field: str | None = None
+    """openenv: the Action field the model's text fills (null: the type's one str field beyond OpenEnv's own)."""
     observation_field: str | None = None
+    """openenv: the Observation field the model reads (null: the type's one str field beyond OpenEnv's own)."""
 
     def __post_init__(self) -> None:
         if self.source == "forge" and self.name not in FORGE_TASKS:
