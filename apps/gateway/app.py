@@ -30,7 +30,7 @@ from apps.server.auth import presented_key, require_key
 from apps.server.errors import ServiceError
 from apps.server.serving import install_error_handlers
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 409, 422, 429, 500, 502, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422, 429, 500, 502, 504)}
 
 
 def build_app(gateway: Gateway) -> FastAPI:

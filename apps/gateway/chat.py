@@ -16,7 +16,7 @@ from apps.gateway.schemas import (
     TokenLogprob,
     Usage,
 )
-from apps.server.errors import ServiceError, field_error
+from apps.server.errors import field_error
 from forge.types import Completion
 
 
@@ -58,9 +58,10 @@ class PromptEncoder:
         ids = list(context.ids) + after if after is not None else self._render(messages)
         if not ids:
             raise field_error(["messages"], "", "the messages hold no text: a prompt needs at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ServiceError(400, f"the prompt has {len(ids)} tokens; the model's window is {self.max_model_len} "
-                                    f"(at most {self.max_model_len - 1} prompt tokens leave room to generate)")
+        if len(ids) >= self.max_model_len:  # 400 naming `messages` (the error's `param`), as OpenAI answers it
+            raise field_error(["messages"], f"{len(ids)} tokens", f"the prompt has {len(ids)} tokens; the model's "
+                              f"window is {self.max_model_len} (at most {self.max_model_len - 1} prompt tokens leave "
+                              "room to generate)", status=400)
         return ids
 
     def context(self, messages: list[ChatMessage], completion: Completion) -> ChatContext:

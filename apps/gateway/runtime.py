@@ -212,7 +212,8 @@ class Gateway:
         try:
             return await asyncio.wait_for(call, self.cfg.rl.call_timeout_s)
         except asyncio.TimeoutError:
-            raise ServiceError(504, "the replay buffer did not answer in time") from None
+            raise ServiceError(504, f"the replay buffer did not answer within rl.call_timeout_s="
+                                    f"{self.cfg.rl.call_timeout_s}s") from None
 
     async def _train_loop(self) -> None:
         while True:

@@ -19,6 +19,6 @@ def not_found(what: str, value: str, known: list[str]) -> ServiceError:
     return ServiceError(404, f"{what} {value!r} not found; known: {shown}")
 
 
-def field_error(loc: list[str | int], value: Any, message: str) -> ServiceError:
-    """A 422 shaped like FastAPI's own validation errors."""
-    return ServiceError(422, [{"loc": ["body", *loc], "msg": message, "input": value, "type": "value_error"}])
+def field_error(loc: list[str | int], value: Any, message: str, status: int = 422) -> ServiceError:
+    """A 422 (or `status`) shaped like FastAPI's own validation errors."""
+    return ServiceError(status, [{"loc": ["body", *loc], "msg": message, "input": value, "type": "value_error"}])
