@@ -78,6 +78,14 @@ to 0.7.0 are listed after the table with the check that retired them.
 29  torchstore 0.1.2 calls Monarch 0.7's deprecated        pytest ignores that one warning (pyproject.toml); can go
     `is_rdma_available` on every transfer (4,011           with 27
     DeprecationWarnings in tests/forge/test_weight_store)
+30  Monarch 0.7 starts threads at import (telemetry-      forge's variables are written before Monarch is imported:
+    worker, OpenTelemetry) that call getenv, which is not  JOB_ENVIRONMENT at the top of this module, a host agent's
+    safe against a concurrent setenv: a controller died    in its worker's own environment (forge.host_agent), the
+    of SIGSEGV in telemetry-worker, in libc, right after   job id read, never written (forge.shm_weights); left: a
+    start (dmesg; test_grpo_faults, once in a fresh-clone  mesh process's RANK etc. (ProcAgent.set_environment, once,
+    `make test`; /tmp/envrace*.py stress loops, 1.9M      after start-up) and a multi-host controller's transport
+    writes and 20 starts, did not reproduce it)            and secret; can go when Monarch's threads read no
+                                                           environment once started
 
 Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
  1  CPU stand-ins for libcuda/libcudart/libnccl/libibverbs/libmlx5 (`forge/native`): 0.7.0's `_rust_bindings`
@@ -112,11 +120,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: F401 (11)
-
-logger = logging.getLogger(__name__)
-
 # -- 2, 3, 16. the environment of a job's processes ---------------------------------------------------------
 # 2 can go when a busy process is no longer declared dead at the default deadline (run tests/forge with
 # the variable unset on a loaded 2-core host). 3 can go when `import torchstore` prints nothing.
@@ -126,11 +129,22 @@ JOB_ENVIRONMENT = {
     "HYPERACTOR_MESSAGE_DELIVERY_TIMEOUT": "3600s",  # 16
 }
 
+# -- 30. the environment is written before Monarch starts its threads ---------------------------------------------
+# `import monarch.actor` starts threads (telemetry-worker, OpenTelemetry) that read the environment, and glibc's
+# getenv is not safe against a concurrent setenv (`os.environ[k] = v`). So the job's variables are written here,
+# before this module imports Monarch (values the user set win; later setdefaults find them and write nothing).
+# Can go when Monarch's threads no longer read the environment once started.
+for _key, _value in JOB_ENVIRONMENT.items():
+    os.environ.setdefault(_key, _value)
+
+from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: F401 (11)
+
+logger = logging.getLogger(__name__)
 
 def configure_job_environment() -> None:
-    """Set what every process of the job needs before the first mesh is spawned (values the user set win)."""
-    for key, value in JOB_ENVIRONMENT.items():
-        os.environ.setdefault(key, value)
+    """What every process of the job needs before the first mesh is spawned: JOB_ENVIRONMENT (written when this
+    module was imported, 30) read into Monarch's configuration."""
     reload_config_from_env()
     plain_log_messages()
 
@@ -149,8 +163,7 @@ def plain_log_messages() -> None:
 
 def import_torchstore() -> Any:
     """torchstore, imported quietly, with its storage volumes dropping replies to callers that are gone (8)."""
-    os.environ.setdefault("HYPERACTOR_CODEC_MAX_FRAME_LENGTH", JOB_ENVIRONMENT["HYPERACTOR_CODEC_MAX_FRAME_LENGTH"])
-    import torchstore
+    import torchstore  # HYPERACTOR_CODEC_MAX_FRAME_LENGTH is set (3, 30)
     from torchstore.storage_volume import StorageVolume
 
     StorageVolume._handle_undeliverable_message = drop_undeliverable

@@ -58,14 +58,12 @@ def own_address_problem(address: str) -> str | None:
     return None
 
 
-def configure_agent_environment(log_dir: str, address: str) -> None:
-    """What the processes this host's worker spawns inherit (set before the worker starts)."""
-    from forge import compat
+def worker_environment(log_dir: str, address: str) -> dict[str, str]:
+    """The environment of this host's Monarch worker, which the job's processes here inherit; given to the worker's
+    process, never written into this one's after Monarch started its threads (forge.compat, 30)."""
+    from forge import compat  # JOB_ENVIRONMENT is in os.environ from here on
 
-    os.environ[LOG_DIR_VARIABLE] = log_dir
-    compat.configure_job_environment()  # deadlines
-    compat.use_tcp_transport_in_environment()
-    os.environ[ADDRESS_VARIABLE] = address
+    return {**os.environ, compat.TRANSPORT_VARIABLE: "tcp", LOG_DIR_VARIABLE: log_dir, ADDRESS_VARIABLE: address}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,20 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         parser.error(problem)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    configure_agent_environment(args.log_dir, args.addr)
+    environment = worker_environment(args.log_dir, args.addr)
     from forge.hosts import worker_address
 
     address = worker_address(args.addr, args.port)
     print(f"forge host agent: Monarch worker on {address} (process output in {args.log_dir})", flush=True)
     print(TRUST_BOUNDARY.format(address=args.addr, port=args.port, user=getpass.getuser()), flush=True)
-    serve_jobs(address)
+    serve_jobs(address, environment)
     return 1  # not reached
 
 
 WORKER_RESTART_PAUSE_S = 0.5  # a worker that cannot start (port taken) is retried, not spun on
 
 
-def serve_jobs(address: str) -> None:
+def serve_jobs(address: str, environment: dict[str, str]) -> None:
     """One Monarch worker per job, for ever: a job's end (`HostMesh.shutdown`) ends its worker's process, and the
     next job needs a fresh one on the same address."""
     import subprocess
@@ -105,7 +103,7 @@ def serve_jobs(address: str) -> None:
              f"run_worker_loop_forever(address={address!r}, ca='trust_all_connections')")
     while True:
         # `forge.host_agent` in its command line: how a job's process knows its host's worker (forge.compat, 22).
-        code = subprocess.call([sys.executable, "-c", serve, "forge.host_agent"])
+        code = subprocess.call([sys.executable, "-c", serve, "forge.host_agent"], env=environment)
         print(f"forge host agent: worker exited ({code}); starting the next", flush=True)
         time.sleep(WORKER_RESTART_PAUSE_S)
 

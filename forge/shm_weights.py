@@ -101,8 +101,9 @@ class Manifest:
 
 
 def job_id() -> str:
-    """Identifies this job's segments; set by the provisioner for every process it spawns."""
-    return os.environ.setdefault("FORGE_JOB_ID", str(os.getpid()))
+    """Identifies this job's segments: the controller's pid, which the provisioner passes to every process it
+    spawns as FORGE_JOB_ID (read, never written here: forge.compat, 30)."""
+    return os.environ.get("FORGE_JOB_ID") or str(os.getpid())
 
 
 def shm_free_bytes() -> int:

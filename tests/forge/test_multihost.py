@@ -182,12 +182,12 @@ def test_the_host_agent_states_its_trust_boundary_at_start_and_tells_its_process
     class Served(Exception):
         pass
 
-    def serve_jobs(address: str) -> None:
-        served.update(address=address, env=dict(os.environ))
+    def serve_jobs(address: str, environment: dict[str, str]) -> None:
+        served.update(address=address, env=environment)
         raise Served
 
     served: dict = {}
-    monkeypatch.setattr(os, "environ", dict(os.environ))  # the agent sets its worker's environment in its own
+    before = dict(os.environ)
     monkeypatch.setattr(host_agent, "serve_jobs", serve_jobs)
     address = socket.gethostbyname(socket.gethostname())  # the agent refuses an address its host's name does not name
     with pytest.raises(Served):
@@ -199,6 +199,8 @@ def test_the_host_agent_states_its_trust_boundary_at_start_and_tells_its_process
     assert served["address"] == f"tcp://{address}:26611"
     assert served["env"][host_agent.ADDRESS_VARIABLE] == address  # where the relay on this host listens
     assert served["env"][host_agent.LOG_DIR_VARIABLE] == str(tmp_path)
+    assert served["env"]["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] == "tcp"
+    assert dict(os.environ) == before  # the worker's environment is its own: this process writes none (compat 30)
 
 
 # -- a job across two hosts ---------------------------------------------------------------------------------
