@@ -25,14 +25,19 @@ from pydantic import BaseModel
 
 from forge.provisioner import free_port
 from tests.docs.snippets import python_blocks, run_block
+from tests.apps.app_faults import Endpoint, actor
 from tests.support import start_http_app, stop_http_app
+from apps.gateway.app import build_app
 from apps.gateway.chat import PromptEncoder
+from apps.gateway.config import GatewayConfig
 from apps.gateway.errors import openai_error
+from apps.gateway.runtime import Gateway
 from apps.gateway.schemas import ChatMessage
 from apps.gateway.sessions import Interaction, RLSession, trajectory_episodes
 from apps.server.errors import ServiceError
 from apps.server.serving import install_error_handlers
 from bench.gateway_load import percentile, run_load
+from forge.config import load_app_config
 from forge.tiny_model import build_tokenizer
 from forge.types import Completion, Episode, TrainBatch
 
@@ -222,6 +227,36 @@ def test_errors_reach_the_openai_client_in_openais_shape():
     assert error.value.body["message"] == "server-side failure: RuntimeError: the replay buffer is gone"
     missing = TestClient(app).get("/v1/nowhere")  # routing errors too
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def _one_token_reply(prompt_ids, params):
+    return [Completion(prompt_ids=list(prompt_ids), token_ids=[7], text="4", logprobs=[-0.1], finish_reason="length",
+                       policy_versions=[0])]
+
+
+def test_a_generation_or_export_past_rl_call_timeout_s_is_504_naming_it_and_nothing_waits_on(tmp_path):
+    # The gateway's own code (runtime.py, app.py) over HTTP, without processes: a generator service and a replay
+    # buffer that never answer stand in for the actors (a module gateway cannot be given a call that hangs).
+    cfg = load_app_config(ROOT / "configs/gateway_tiny.yaml", [f"model_cache={tmp_path}", f"rl.admin_api_key={ADMIN}",
+                                                               "rl.call_timeout_s=0.5"], GatewayConfig)
+    gateway = Gateway(cfg, cfg.model)
+    stuck = Endpoint()
+    gateway.generators, gateway.buffer = actor(generate=stuck), actor(add=stuck)
+    chat = {"model": "default", "messages": [{"role": "user", "content": "2+2="}]}
+    with TestClient(build_app(gateway)) as client:
+        session = client.post("/rl/start_session", json={}, headers=_admin()).json()
+        key = _bearer(session["api_key"])
+        timed_out = client.post("/v1/chat/completions", json=chat, headers=key)
+        assert timed_out.status_code == 504, timed_out.text
+        assert timed_out.json()["error"] == {"message": "generation did not finish within rl.call_timeout_s=0.5s",
+                                             "type": "server_error", "param": None, "code": "timeout"}
+        assert stuck.cancelled == 1 and gateway.sessions.lookup(session["api_key"]).busy == 0
+        gateway.generators = actor(generate=Endpoint(_one_token_reply))  # the session goes on: answered, then exported
+        assert client.post("/v1/chat/completions", json=chat, headers=key).status_code == 200
+        export = client.post("/rl/end_session", json={}, headers=key)
+        assert export.status_code == 504 and stuck.cancelled == 2
+        assert export.json()["error"]["message"] == "the replay buffer did not answer within rl.call_timeout_s=0.5s"
+        assert gateway.counts["export_failures"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,22 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from apps.server.app import build_app
 from apps.server.batches import batch_temperature, build_batch, concat_batches
+from apps.server.config import ServerConfig
 from apps.server.errors import ServiceError
 from apps.server.model import warm_started_model
-from apps.server.runtime import endpoint_failure
+from apps.server.runtime import TrainingService, endpoint_failure
 from apps.server.schemas import Datum
 from apps.server.sequencer import Sequencer
 from apps.server.serving import install_error_handlers
 from forge.compat import report_endpoint_errors
+from forge.config import load_app_config
 from forge.provisioner import free_port
 from forge.tiny_model import ensure_tiny_checkpoint
 from forge.warm_start import WarmStartConfig
 from tests.docs.snippets import python_blocks, run_block
+from tests.apps.app_faults import Endpoint, actor
 from tests.support import start_http_app, stop_http_app
 from forge.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 
@@ -143,6 +147,38 @@ def test_failures_in_the_trainer_are_500_with_the_cause():
     assert runtime.status_code == 500 and "RuntimeError: NCCL communicator was aborted" in runtime.json()["detail"]
     bug = client.get("/bug")
     assert bug.status_code == 500 and bug.json()["detail"] == "server-side failure: KeyError: 'a bug in the server'"
+
+
+def test_calls_past_call_timeout_s_or_spawn_timeout_s_are_504_naming_the_setting_and_nothing_waits_on(tmp_path):
+    # The server's own code (runtime.py, app.py) over HTTP, without processes: a generator service and trainers that
+    # never answer stand in for the actors (the module server cannot be given a call that hangs).
+    cfg = load_app_config(ROOT / "configs/server_tiny.yaml", [f"model_cache={tmp_path}", f"run_dir={tmp_path / 'run'}",
+                                                              "sessions.call_timeout_s=0.5",
+                                                              "sessions.spawn_timeout_s=0.5"], ServerConfig)
+    service = TrainingService(cfg, cfg.model)
+    stuck = Endpoint()
+    service.generators = actor(generate_batch=stuck)
+    datum = {"model_input": {"input_ids": [5, 6, 7]}, "loss_fn_inputs": {}}
+    with TestClient(build_app(service)) as client:
+        sample = client.post("/api/v1/sample", json={"prompt": "1+1="})
+        assert sample.status_code == 504 and sample.json() == {
+            "detail": "sampling did not finish within call_timeout_s=0.5s"}
+        service.idle_trainers = [actor(reset=stuck)]  # a new session takes an unloaded session's trainer
+        created = client.post("/api/v1/create_session", json={})
+        assert created.status_code == 504 and created.json() == {
+            "detail": "resetting a trainer took longer than spawn_timeout_s=0.5s"}
+        assert service.creating == {"full": 0, "lora": 0} and not service.sessions
+        service.idle_trainers = [actor(reset=Endpoint(lambda: None), forward=stuck)]
+        session_id = client.post("/api/v1/create_session", json={}).json()["session_id"]
+        forward = client.post("/api/v1/forward", json={"model_id": session_id, "data": [datum]})
+        assert forward.status_code == 504 and forward.json() == {
+            "detail": "forward did not finish within call_timeout_s=0.5s"}
+        assert stuck.cancelled == 3 and service.sessions[session_id].busy == 0
+        # The session's order moves on past the request that timed out.
+        service.sessions[session_id].trainer = actor(forward=Endpoint(
+            lambda batch, *rest: {"loss": 0.0, "metrics": {}, "logprobs": torch.zeros(1, 3)}))
+        answered = client.post("/api/v1/forward", json={"model_id": session_id, "data": [datum]})
+        assert answered.status_code == 200 and answered.json()["seq_id"] == 1, answered.text
 
 
 def test_batches_align_loss_inputs_and_name_bad_fields():
