@@ -26,7 +26,7 @@ from forge import compat
 from forge.compat import EndpointError, raise_if_failed
 
 from monarch._src.actor.endpoint import EndpointProperty  # noqa: E402
-from monarch.actor import Actor, endpoint  # noqa: E402
+from monarch.actor import Actor, concurrent_endpoint, endpoint  # noqa: E402
 
 from forge.provisioner import ProvisionedMesh, actor_mesh_name, get_provisioner  # noqa: E402
 
@@ -76,7 +76,8 @@ class ForgeActor(Actor):
     """Base class of forge's actors. Subclasses add `@endpoint` methods and may override `setup`.
 
     Exceptions raised by endpoints reach callers as `EndpointError` (with the remote traceback) through
-    the handles `as_actor` and `as_service` return.
+    the handles `as_actor` and `as_service` return. An actor serves its calls concurrently: each runs as a task
+    of its own, so a call that awaits does not hold up the next one (as asyncio code expects).
     """
 
     placement: Placement = Placement()
@@ -84,9 +85,14 @@ class ForgeActor(Actor):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for name, value in list(vars(cls).items()):
-            if isinstance(value, EndpointProperty) and not value._explicit_response_port \
-                    and not getattr(value._method, "_forge_reports_errors", False):
-                value._method = compat.report_endpoint_errors(cls.__name__, name, value._method)
+            if isinstance(value, EndpointProperty) and not value._explicit_response_port:
+                # Each call runs as a task of its own: an endpoint that awaits (an environment's step, a batch
+                # being gathered) never holds up the actor's next message. Monarch 0.7 runs a plain endpoint's
+                # calls one after another.
+                served = concurrent_endpoint(compat.report_endpoint_errors(cls.__name__, name, value._method),
+                                             propagate=value._propagator, instrument=value._instrument)
+                served.__set_name__(cls, name)
+                setattr(cls, name, served)
 
     @classmethod
     def options(

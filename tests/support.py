@@ -52,6 +52,18 @@ class EchoActor(ForgeActor):
         return value
 
     @endpoint
+    async def wait_until_opened(self) -> str:
+        """Returns once `open` was called: only an actor that serves its calls concurrently ever sees it."""
+        self._gate = getattr(self, "_gate", None) or asyncio.Event()
+        await self._gate.wait()
+        return "opened"
+
+    @endpoint
+    async def open(self) -> None:
+        self._gate = getattr(self, "_gate", None) or asyncio.Event()
+        self._gate.set()
+
+    @endpoint
     async def info(self) -> dict:
         return {"pid": os.getpid(), "calls": self.calls, "setup_done": self.setup_done, "env": dict(os.environ)}
 

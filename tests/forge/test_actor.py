@@ -40,6 +40,21 @@ async def test_an_endpoint_may_return_a_bare_tensor():
         await ForgeActor.shutdown(actor)
 
 
+async def test_a_call_that_awaits_does_not_hold_up_the_next_one():
+    """Monarch 0.7 serves a plain endpoint's calls one after another; a ForgeActor serves them concurrently (an
+    environment host's blocked step must not hold up the other episodes' calls)."""
+    import asyncio
+
+    actor = await EchoActor.options(mesh_name="gate").as_actor()
+    try:
+        waiting = asyncio.ensure_future(actor.wait_until_opened.call_one())
+        await asyncio.sleep(0.5)
+        await asyncio.wait_for(actor.open.call_one(), timeout=30)
+        assert await asyncio.wait_for(waiting, timeout=30) == "opened"
+    finally:
+        await ForgeActor.shutdown(actor)
+
+
 async def test_an_actor_with_sync_endpoints_serves_them_and_reports_their_errors():
     """Monarch 0.7 refuses an actor mixing sync and async endpoints; a ForgeActor's run as async ones."""
     actor = await SyncEndpointActor.options(mesh_name="sync").as_actor()
