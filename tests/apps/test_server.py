@@ -131,7 +131,7 @@ def test_failures_in_the_trainer_are_500_with_the_cause():
 
     @app.post("/{name}")
     async def call(name: str):
-        raised = report_endpoint_errors("Trainer", name, getattr(Trainer, name))(Trainer())
+        raised = await report_endpoint_errors("Trainer", name, getattr(Trainer, name))(Trainer())
         raise endpoint_failure(raised.exception())
 
     @app.get("/bug")
