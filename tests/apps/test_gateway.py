@@ -38,7 +38,7 @@ from apps.server.errors import ServiceError
 from apps.server.serving import install_error_handlers
 from bench.gateway_load import percentile, run_load
 from forge.config import load_app_config
-from forge.tiny_model import build_tokenizer
+from forge.tiny_model import DEFAULT_MODEL_ARGS, build_tokenizer
 from forge.types import Completion, Episode, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -449,16 +449,27 @@ def test_streamed_completions_arrive_as_openai_chunks_and_are_recorded(http):
                                                  stream=True)))
 
 
-def test_reward_before_any_interaction_is_409_and_an_off_temperature_chat_is_not_trained(http):
+def test_reward_before_any_interaction_is_409_and_off_policy_sampling_is_answered_but_not_trained(http):
     session = _start(http)
     key = _bearer(session["api_key"])
     early = http.post("/rl/set_reward", json={"reward": 1.0}, headers=key)
     assert early.status_code == 409 and "no interaction yet" in early.json()["error"]["message"]
-    greedy = http.post("/v1/chat/completions", headers=key, json={
-        "model": "default", "messages": [{"role": "user", "content": "3+4="}], "temperature": 0})
-    assert greedy.status_code == 200 and greedy.json()["forge"]["trainable"] is False
+    before = _stats(http)
+    trainable = {}
+    # trainer.temperature is 1.0 (configs/gateway_tiny.yaml): greedy, another temperature, or top-p filtering give
+    # log-probs that are not the trainer's; the trainer's temperature, asked for explicitly, is trained.
+    for sampling in ({"temperature": 0}, {"temperature": 0.7}, {"top_p": 0.9}, {"temperature": 1.0, "top_p": 0.5},
+                     {"temperature": 1.0, "top_p": 1.0}):
+        reply = http.post("/v1/chat/completions", headers=key, json={
+            "model": "default", "messages": [{"role": "user", "content": "3+4="}], **sampling})
+        assert reply.status_code == 200, (sampling, reply.text)
+        trainable[str(sampling)] = reply.json()["forge"]["trainable"]
+    assert list(trainable.values()) == [False, False, False, False, True], trainable
+    # Each request re-encodes "3+4=" alone: five one-interaction episodes, of which only the last is trained.
     ended = http.post("/rl/end_session", headers=key).json()
-    assert ended["interactions"] == 1 and ended["exported_episodes"] == 0
+    assert ended["interactions"] == 5 and ended["exported_episodes"] == 1
+    after = _stats(http)
+    assert after["skipped_interactions"] - before["skipped_interactions"] == 4
 
 
 def test_conflicts_are_409_and_refresh_ends_and_exports_the_old_session(http):
@@ -507,6 +518,28 @@ def test_malformed_bodies_are_422_with_field_errors(http):
     assert refused.value.param == "n" and refused.value.type == "invalid_request_error"
     assert "n: " in refused.value.message and refused.value.body["message"].startswith("n: ")
     http.post("/rl/end_session", headers=key)
+
+
+def test_a_prompt_longer_than_the_model_window_is_400_naming_messages_its_length_and_the_window(http):
+    session = _start(http)
+    key = _bearer(session["api_key"])
+    window = DEFAULT_MODEL_ARGS["max_position_embeddings"]  # the tiny model's (one token per character)
+    too_long = http.post("/v1/chat/completions", headers=key, json={
+        "model": "default", "messages": [{"role": "user", "content": "1+1=" * 75}]})
+    assert too_long.status_code == 400, too_long.text
+    assert too_long.json()["error"] == {
+        "message": f"messages: the prompt has 300 tokens; the model's window is {window} (at most {window - 1} "
+                   "prompt tokens leave room to generate)",
+        "type": "invalid_request_error", "param": "messages", "code": "bad_request"}
+    assert "400" in http.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]["responses"]
+    client = openai.OpenAI(base_url=_v1(http), api_key=session["api_key"], max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:  # what an OpenAI client raises
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "9" * window}])
+    assert refused.value.param == "messages" and f"the prompt has {window} tokens" in refused.value.message
+    # Refused before anything was generated or recorded: the session goes on.
+    assert http.post("/v1/chat/completions", headers=key, json={
+        "model": "default", "messages": [{"role": "user", "content": "1+1="}]}).status_code == 200
+    assert http.post("/rl/end_session", headers=key).json()["interactions"] == 1
 
 
 def test_an_idle_session_times_out_and_is_exported(http):
