@@ -101,7 +101,7 @@ Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
 23  retrying torchstore's `init` when it overtook its controller's constructor ("Actor object is missing when
     executing method init"): 0.7 runs an actor's constructor as its first message and says "missing" only after the
     constructor raised (monarch/_src/actor/actor_mesh.py, `_lookup`), with a quoted method name the retry never
-    matched; 20 job starts in a row without it (/tmp/m07c/e23_loop.sh): not re-run yet (the heavy lock was held).
+    matched; 20 job starts in a row without it (/tmp/m07c/e23_loop.sh): 20/20 initialized, none printed it (6.0-6.6 s each).
 """
 
 from __future__ import annotations
