@@ -11,9 +11,6 @@ to 0.7.0 are listed after the table with the check that retired them.
  3  torchstore sets HYPERACTOR_CODEC_MAX_FRAME_LENGTH at   set it first, quietly (`configure_job_environment`,
     import and prints a warning in every process           `import_torchstore`)
  4  any unhandled supervision event exits the controller   `install_fault_hook` routes them to the provisioner
- 5  the host process forwards children's output, and the   every process writes straight to the controller's
-    first forwarded line can deadlock it (a re-entrant     stdout/stderr (`route_output_to_controller`)
-    lock in hyperactor's `Named::typename` cache)
  7  (0.1.2: an endpoint that raised could wedge or crash  endpoints return their error; handles re-raise it as
     the caller; 0.7.0 passes the check below, 1,000       `EndpointError` (`report_endpoint_errors`, which also makes
     raises in a row in 2.4 s) Monarch 0.7 refuses an       a ForgeActor's sync endpoints async); kept as forge's
@@ -98,6 +95,11 @@ Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
     on every host (`attach_to_workers`, a 1-D `hosts` mesh; forge.hosts_mesh, forge.host_agent).
 26  the local host agent behind `this_host()` that HostMesh.shutdown could not stop (0.1.2): 0.7 spawns a mesh's
     processes as the controller's own children with no host process (tests/forge/test_shutdown.py: none is left).
+ 5  each process of a mesh on the controller's host writing straight to the controller's stdout/stderr
+    (`route_output_to_controller`; 0.1.2's host process could deadlock forwarding a child's first line): 0.7 forwards
+    nothing by default (enable_log_forwarding False); a local proc is the controller's child and inherits its
+    stdout/stderr (/tmp/m07c/e5_output.py local 20: 20/20 starts of a 2-process mesh printing at start-up finished
+    in 19 s, all 120 lines in the controller's output file).
 23  retrying torchstore's `init` when it overtook its controller's constructor ("Actor object is missing when
     executing method init"): 0.7 runs an actor's constructor as its first message and says "missing" only after the
     constructor raised (monarch/_src/actor/actor_mesh.py, `_lookup`), with a quoted method name the retry never
@@ -243,50 +245,6 @@ def install_fault_hook(handler: Callable[[Any], None]) -> None:
     import monarch.actor
 
     monarch.actor.unhandled_fault_hook = handler
-
-
-# -- 5. process output -----------------------------------------------------------------------
-# 5 can go when 20 starts in a row of a job whose processes print at start-up all finish (tests/apps).
-
-
-def append_mode_for_file_output() -> None:
-    """The controller's stdout/stderr, when regular files, in append mode: its processes append to the same
-    files (`route_output_to_controller`), and a writer at its own offset would overwrite their lines."""
-    import fcntl
-
-    for fd in (1, 2):
-        with contextlib.suppress(OSError):
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
-
-
-def route_output_to_controller(controller_pid: int) -> None:
-    """Point this process's stdout and stderr at the controller's, so Monarch's host never forwards a line."""
-    for fd in (1, 2):
-        target = f"/proc/{controller_pid}/fd/{fd}"
-        try:
-            flags = os.O_WRONLY | (os.O_APPEND if stat.S_ISREG(os.stat(target).st_mode) else 0)
-            opened = os.open(target, flags)
-        except OSError:  # a socket or a closed descriptor: keep Monarch's pipe
-            continue
-        (sys.stdout if fd == 1 else sys.stderr).flush()
-        os.dup2(opened, fd)
-        os.close(opened)
-
-
-def _kill_host_tree_and_exit() -> None:
-    """Kill the job's other processes on this host (everything this host's Monarch worker, `forge.host_agent`,
-    started; the worker itself stays for the next job) and this process."""
-    import psutil
-
-    me = psutil.Process()
-    worker = me.parent()
-    is_worker = worker is not None and "forge.host_agent" in worker.cmdline()
-    for proc in worker.children(recursive=True) if is_worker else []:
-        if proc.pid != me.pid:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-    os._exit(1)
 
 
 # -- 7, 8. endpoint errors and undeliverable replies ----------------------------------------------------------

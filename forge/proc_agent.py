@@ -2,9 +2,9 @@
 
 It tells the controller who its process is (host, pid, address), sets the process's environment
 (CUDA_VISIBLE_DEVICES, RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) before any user actor exists, hands
-the process's metrics to the controller each step, and keeps the process's output off Monarch's log pipe:
-on the controller's host it writes to the controller's stdout/stderr (forge.compat, 5), on another host
-to a file there (forge.compat, 20). On a host other than the controller's, the agent of the provisioner's
+the process's metrics to the controller each step, and on a host other than the controller's writes the
+process's output to a file there (forge.compat, 20); on the controller's host a process inherits the controller's
+stdout/stderr. On a host other than the controller's, the agent of the provisioner's
 watch mesh answers for the liveness, memory and killing of that host's processes (pids mean nothing
 elsewhere).
 """
@@ -32,9 +32,7 @@ class ProcAgent(Actor):
         self.local = processes.is_this_host(controller_pid, controller_started)
         compat.plain_log_messages()
         self.log_file = ""
-        if self.local:
-            compat.route_output_to_controller(controller_pid)
-        else:
+        if not self.local:  # on the controller's host a process inherits the controller's stdout/stderr
             folder = Path(os.environ.get(LOG_DIR_VARIABLE, DEFAULT_LOG_DIR)) / job_id
             folder.mkdir(parents=True, exist_ok=True)
             self.log_file = str(folder / f"{mesh_name}.{current_rank().rank}.log")

@@ -125,7 +125,6 @@ class Provisioner:
 
     def __post_init__(self) -> None:
         compat.configure_job_environment()
-        compat.append_mode_for_file_output()
         self._free_gpus = list(self.gpus)
         self._closing = False
         self._busy: set[asyncio.Future] = set()  # spawns (and actor set-ups) under way
