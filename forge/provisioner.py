@@ -150,8 +150,8 @@ class Provisioner:
 
     @contextlib.asynccontextmanager
     async def busy(self, what: str) -> AsyncIterator[None]:
-        """Marks work (a spawn, an actor's set-up) that shutdown must let finish before it stops processes:
-        killing a mesh Monarch is still spawning panics the controller (forge.compat, 10)."""
+        """Marks work (a spawn, an actor's set-up) that shutdown must let finish before it stops processes: a mesh
+        still being spawned is not yet in `meshes`, and would be left running."""
         self.refuse_if_closing(what)
         done = asyncio.get_running_loop().create_future()
         self._busy.add(done)
@@ -463,7 +463,7 @@ class Provisioner:
             try:
                 await asyncio.wait_for(mesh.procs.stop(), timeout=timeout)
             except Exception as e:
-                # Only a mesh that did not stop cleanly is killed (forge.compat, 10).
+                # A mesh that did not stop cleanly is killed.
                 logger.debug("stopping mesh %s: %s", mesh.name, e)
                 await self._kill(mesh)
         self._free_gpus = sorted(self._free_gpus + mesh.gpus)
