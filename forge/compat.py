@@ -40,8 +40,14 @@ to 0.7.0 are listed after the table with the check that retired them.
     the first Monarch call): a proc mesh on a remote host  (forge.hosts_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
     never answers                                          in the per-host agents' environment (forge.host_agent)
 19  every process listens on the address its host's name   the per-host agent refuses to start when its name does
-    resolves to (127.0.0.1 on a stock Debian /etc/hosts:   not resolve to its configured IP (forge.host_agent); the
-    the controller then hangs silently)                    controller's name is checked the same way (forge.hosts_mesh)
+    resolves to. 0.7 no longer hangs on a name that        not resolve to its configured IP (forge.host_agent); the
+    resolves to loopback only (127.0.0.1 on a stock        controller's name is checked the same way (forge.hosts_mesh),
+    Debian /etc/hosts): under tcp its first call panics    each naming what to map in /etc/hosts before anything
+    ("hostname resolved to no non-loopback, non-link-      starts; can go when a process takes its address from its
+    local address; configure an explicit transport         worker's, not from its host's name
+    address": /tmp/m07c/e19_listen.py, this host, name
+    -> 127.0.0.1); it still takes a process's address
+    from its host's name
 20  5 on a remote host: a remote process that prints one   every remote process writes to a file on its host under
     line through Monarch's pipe can deadlock its host      FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent);
     process (4 runs in 12 with one warning line)           can go with 5
