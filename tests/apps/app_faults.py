@@ -15,16 +15,24 @@ from typing import Any, Callable
 import psutil
 
 from forge.service import Service
-from tests.support import job_processes
 
 # The restarts forge.service gives a replica (the apps' generator services keep the default).
 MAX_RESTARTS: int = inspect.signature(Service.__init__).parameters["max_restarts"].default
 
 
 def newest_job_process(controller_pid: int) -> int:
-    """The job's most recently started Monarch process: a generator replica when the app spawned it last (the
-    gateway does at start; a replica's restart spawns only it)."""
-    return max(job_processes(controller_pid), key=lambda pid: psutil.Process(pid).create_time())
+    """The most recently started Monarch process under the app's controller: a generator replica when the app
+    spawned it last (the gateway does at start; a replica's restart spawns only it). Found among the controller's
+    descendants (since forge.compat 30 the controller's own environment has no FORGE_JOB_ID to find them by)."""
+    found = []
+    for proc in psutil.Process(controller_pid).children(recursive=True):
+        try:
+            if any("monarch" in part for part in proc.cmdline()):
+                found.append((proc.create_time(), proc.pid))
+        except psutil.Error:
+            pass
+    assert found, f"no Monarch process under the controller {controller_pid}"
+    return max(found)[1]
 
 
 def kill_the_generator_for_good(controller_pid: int, log: Path, victim: int, serves: Callable[[], None],
