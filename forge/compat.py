@@ -162,7 +162,7 @@ def configure_job_environment() -> None:
     plain_log_messages()
 
 
-# -- 26. log messages ----------------------------------------------------------------------------------------
+# -- 28. log messages ----------------------------------------------------------------------------------------
 # Can go when, with the prefix left on, a record that two handlers see reads "[actor=...] message" once.
 
 
@@ -183,7 +183,7 @@ def import_torchstore() -> Any:
     return torchstore
 
 
-# -- 25. torchstore's controller on Monarch 0.7 ---------------------------------------------------------------
+# -- 27. torchstore's controller on Monarch 0.7 ---------------------------------------------------------------
 # Can go when a torchstore release accepts Monarch >= 0.2 (its Controller declares no sync endpoint next to
 # its async ones: `TorchstoreController` below is then torchstore's Controller unchanged).
 
