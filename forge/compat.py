@@ -80,13 +80,12 @@ to 0.7.0 are listed after the table with the check that retired them.
     `is_rdma_available` on every transfer (4,011           with 27
     DeprecationWarnings in tests/forge/test_weight_store)
 30  Monarch 0.7 starts threads at import (telemetry-      forge's variables are written before Monarch is imported:
-    worker, OpenTelemetry) that call getenv, which is not  JOB_ENVIRONMENT at the top of this module, a host agent's
-    safe against a concurrent setenv: a controller died    in its worker's own environment (forge.host_agent), the
-    of SIGSEGV in telemetry-worker, in libc, right after   job id read, never written (forge.shm_weights); left: a
-    start (dmesg; test_grpo_faults, once in a fresh-clone  mesh process's RANK etc. (ProcAgent.set_environment, once,
-    `make test`; /tmp/envrace*.py stress loops, 1.9M      after start-up) and a multi-host controller's transport
-    writes and 20 starts, did not reproduce it)            and secret; can go when Monarch's threads read no
-                                                           environment once started
+    worker, OpenTelemetry) that call getenv, which is not  JOB_ENVIRONMENT and FORGE_JOB_ID at the top of this
+    safe against a concurrent setenv: a controller died    module, a host agent's in its worker's own environment
+    of SIGSEGV in telemetry-worker, in libc, right after   (forge.host_agent); left: a mesh process's RANK etc.
+    start (dmesg; test_grpo_faults, once in a fresh-clone  (ProcAgent.set_environment, once, after start-up) and a
+    `make test`; /tmp/envrace*.py stress loops, 1.9M      multi-host controller's transport and secret; can go
+    writes and 20 starts, did not reproduce it)            when Monarch's threads read no environment once started
 
 Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
  1  CPU stand-ins for libcuda/libcudart/libnccl/libibverbs/libmlx5 (`forge/native`): 0.7.0's `_rust_bindings`
@@ -149,6 +148,9 @@ JOB_ENVIRONMENT = {
 # Can go when Monarch's threads no longer read the environment once started.
 for _key, _value in JOB_ENVIRONMENT.items():
     os.environ.setdefault(_key, _value)
+# The job's id (forge.shm_weights.job_id): the controller's pid, inherited by what it starts (a process spawned on
+# another host gets it from the provisioner), so a job's processes carry it from their start.
+os.environ.setdefault("FORGE_JOB_ID", str(os.getpid()))
 
 from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: F401 (11)
