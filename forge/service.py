@@ -85,6 +85,7 @@ class Service:
         self._next = itertools.count()
         self._restarting: dict[int, asyncio.Task] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._context: contextvars.Context | None = None
         self._changed: asyncio.Condition | None = None
         self._stopped = False
         self._merging: dict[str, list[_MergedCall]] = {}  # route_batch calls waiting to be sent, per endpoint
@@ -94,6 +95,7 @@ class Service:
     async def start(cls, actor_cls: type, placement: Any, args: tuple, kwargs: dict, **options: Any) -> Service:
         service = cls(actor_cls, placement, args, kwargs, **options)
         service._loop = asyncio.get_running_loop()
+        service._context = contextvars.copy_context()
         service._changed = asyncio.Condition()
         provisioner = get_provisioner()
         provisioner.refuse_if_closing(f"starting service {service.name!r}")
@@ -129,7 +131,10 @@ class Service:
     def _failure_from_monitor(self, index: int, generation: int, failure: MeshFailure) -> None:
         # Monarch calls this on its own thread.
         if self._loop is not None and not self._stopped:
-            self._loop.call_soon_threadsafe(self._mark_unhealthy, index, failure.message, generation)
+            # In the service's own context, not the Monarch thread's: the restart this may start spawns on
+            # `this_host()`, which Monarch 0.7 looks up in the caller's context (on its thread: no proc mesh).
+            self._loop.call_soon_threadsafe(self._mark_unhealthy, index, failure.message, generation,
+                                            context=self._context)
 
     def _mark_unhealthy(self, index: int, reason: str, generation: int) -> None:
         if self._stopped or index >= len(self.replicas):

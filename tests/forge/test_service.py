@@ -88,6 +88,39 @@ async def test_route_batch_keeps_sessions_and_fails_only_the_caller_whose_items_
         assert [(pid, value) for pid, value, _ in result] == [(pinned, f"{i}"), (pinned, f"{i + 1}")]
 
 
+async def test_a_failure_monarch_reports_on_its_own_thread_is_handled_in_the_services_context(service):
+    """Monarch calls a mesh's failure callback on its thread, whose context is not the controller's; the restart
+    it starts spawns on `this_host()`, which Monarch 0.7 looks up in the current context (a second restart
+    failed with "'NoneType' object has no attribute 'slice'" when it ran in Monarch's)."""
+    import contextvars
+    import threading
+    from types import SimpleNamespace
+
+    where: contextvars.ContextVar[str] = contextvars.ContextVar("where", default="the service's context")
+    seen: list[str] = []
+    marked = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    original = service._mark_unhealthy
+
+    def mark_unhealthy(index: int, reason: str, generation: int) -> None:
+        seen.append(where.get())
+        loop.call_soon(marked.set)
+
+    def monarchs_thread() -> None:
+        where.set("Monarch's thread")
+        service._failure_from_monitor(0, service.replicas[0].generation, SimpleNamespace(message="a test report"))
+
+    service._mark_unhealthy = mark_unhealthy
+    try:
+        thread = threading.Thread(target=monarchs_thread)
+        thread.start()
+        thread.join()
+        await asyncio.wait_for(marked.wait(), timeout=10)
+    finally:
+        service._mark_unhealthy = original
+    assert seen == ["the service's context"]
+
+
 async def test_least_loaded_routing_prefers_idle_replica():
     svc = await EchoActor.options(num_replicas=2, routing="least_loaded", mesh_name="ll").as_service()
     try:
