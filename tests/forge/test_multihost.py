@@ -484,9 +484,8 @@ def test_a_sigkilled_controller_leaves_nothing_on_any_host_within_60_s(hosts, tm
     try:
         _wait_until_ready(job, tmp_path)
         assert all(_job_processes(host) and host.shared_memory() for host in hosts.hosts)  # version 1 on A and B
-        # Monarch's processes on the controller's own host (its controller actors), though no mesh runs here.
+        # Monarch 0.7 runs no process of a multi-host job on the controller's own host; any there must go too.
         local = [p for p in psutil.Process(job.pid).children(recursive=True) if "bootstrap" in " ".join(p.cmdline())]
-        assert local
         os.kill(job.pid, signal.SIGKILL)
         killed = time.monotonic()
         job.wait(timeout=10)
