@@ -140,7 +140,7 @@ class ForgeActor(Actor):
         args = tuple(_plain(a) for a in args)
         kwargs = {k: _plain(v) for k, v in kwargs.items()}
         try:
-            # Shutdown lets a set-up under way finish before it stops the mesh (forge.compat, 10).
+            # Shutdown lets a set-up under way finish before it stops the mesh, so no mesh spawned meanwhile is left.
             async with provisioner.busy(f"spawning {cls.__name__} on mesh {mesh.name!r}"):
                 name = actor_mesh_name(mesh.name, cls.__name__.lower())
                 actor = ActorHandle(mesh.procs.spawn(name, cls, *args, **kwargs))

@@ -8,7 +8,7 @@ Run once on every host of the job, before the controller starts (the same port o
 The worker spawns the job's processes on this host when the controller, attached to every host's worker
 (forge.hosts_mesh), asks. They inherit this environment: forge's job deadlines and the tcp transport
 (forge.compat), FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output
-(a remote process never prints through Monarch's log pipe: forge.compat, 5 and 20), and FORGE_HOST_ADDRESS, the
+(each remote process writes its output there: forge.compat, 20), and FORGE_HOST_ADDRESS, the
 address given here, where forge's own servers on this host listen (the weight relay's). The job's secret comes
 from the controller with the rest of a process's environment (forge.provisioner), never through this agent.
 

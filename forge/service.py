@@ -294,8 +294,8 @@ class Service:
         return ServiceEndpoint(self, name)
 
     async def stop(self) -> None:
-        """Refuse new calls, let restarts under way finish (their new replica is stopped, never killed
-        mid-spawn: forge.compat, 10), give calls in flight `DRAIN_WAIT_S`, then stop every replica."""
+        """Refuse new calls, let restarts under way finish (their new replica is stopped once spawned:
+        one killed mid-spawn could be left running), give calls in flight `DRAIN_WAIT_S`, then stop every replica."""
         if self._stopped:
             return
         self._stopped = True
