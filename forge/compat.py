@@ -327,7 +327,6 @@ def report_endpoint_errors(cls_name: str, name: str, method: Callable) -> Callab
             return await method(self, *args, **kwargs)
         except Exception as error:
             return RaisedInEndpoint(cls_name, name, f"{type(error).__name__}: {error}", traceback.format_exc())
-    wrapped._forge_reports_errors = True
     return wrapped
 
 
