@@ -22,7 +22,7 @@ from actors.engines import make_engine
 from actors.generator_config import GeneratorConfig  # noqa: F401  (re-exported: `from actors.generator import GeneratorConfig`)
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.types import Completion, CompletionBatch, SamplingParams
+from rl.types import Completion, CompletionBatch, SamplingParams
 from forge.weight_store import RELAY_WAIT_S, WeightStore, WeightVersionError
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
                    kept_token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(logits / temperature) at the target tokens, in float32: [..., V], [...] -> [...].
 
-    With `kept_token_ids` ([..., K], -1 padded: what top-k / top-p sampling kept, see forge.types) a position
+    With `kept_token_ids` ([..., K], -1 padded: what top-k / top-p sampling kept, see rl.types) a position
     with kept ids is renormalised over exactly those tokens, the distribution the sampler drew from: its log-prob
     is z_target / T - logsumexp(z_kept / T). A position whose ids are all -1 uses the full vocabulary. A target
     outside its position's kept set cannot have been sampled from it: a ValueError, not a log-prob of -inf.

@@ -17,7 +17,7 @@ from actors.model_builder import build_job_config, build_model, parallel_dims, r
 from actors.model_config import ModelConfig, is_int, require_field
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import DataParallel, init_from_environment, local_device
-from forge.types import EpisodeBatch, TrainBatch
+from rl.types import EpisodeBatch, TrainBatch
 
 
 @dataclass

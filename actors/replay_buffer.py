@@ -1,6 +1,6 @@
 """A staleness-bounded replay buffer: the hand-off between rollout loops and the trainer.
 
-`ReplayBuffer` is plain Python; `ReplayBufferActor` serves it on a proc mesh. Policy versions are those of `forge.types.Episode`
+`ReplayBuffer` is plain Python; `ReplayBufferActor` serves it on a proc mesh. Policy versions are those of `rl.types.Episode`
 (one per generated token); an episode is as old as its oldest token.
 
 The buffer also decides how much rollout work may be under way (`reserve`): it counts what it holds and what rollouts
@@ -19,7 +19,7 @@ import torch
 from actors.replay_buffer_config import ReplayBufferConfig, check_int
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.types import Episode, EpisodeBatch, TrainBatch
+from rl.types import Episode, EpisodeBatch, TrainBatch
 
 __all__ = ["ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
 
@@ -158,7 +158,7 @@ class ReplayBuffer:
         if not isinstance(episodes, EpisodeBatch):
             for episode in episodes:
                 if not isinstance(episode, Episode):
-                    raise ValueError(f"ReplayBuffer.add: expected forge.types.Episode, got {type(episode).__name__}")
+                    raise ValueError(f"ReplayBuffer.add: expected rl.types.Episode, got {type(episode).__name__}")
             episodes = EpisodeBatch.pack(episodes)
         empty = (episodes.completion_lengths == 0).nonzero().flatten().tolist()
         if empty:
@@ -315,7 +315,7 @@ class ReplayBufferActor(ForgeActor):
     async def add(self, episodes: EpisodeBatch, reserved: bool = False) -> int:
         """Store a packed batch of episodes (see `ReplayBuffer.add`)."""
         if not isinstance(episodes, EpisodeBatch):
-            raise ValueError(f"ReplayBufferActor.add: episodes must be a forge.types.EpisodeBatch "
+            raise ValueError(f"ReplayBufferActor.add: episodes must be a rl.types.EpisodeBatch "
                              f"(EpisodeBatch.pack(episodes)), got {type(episodes).__name__}")
         self.buffer.add(episodes, reserved)
         record_metric("buffer/size", len(self.buffer), "max")

@@ -30,7 +30,7 @@ from actors.model_builder import build_job_config, build_model, parallel_dims, r
 from actors.trainer_config import TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
 from forge.loss_rules import PI_OLD_PARAMS, uses_old_logprobs
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 from losses import LossOutput, get_loss
 from losses.mismatch import mismatch_metrics, version_lags
 

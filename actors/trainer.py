@@ -26,7 +26,7 @@ from actors.trainer_config import TrainerConfig
 from actors.weight_publisher import WeightPublisher
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import init_from_environment, local_device
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 from forge.weight_store import WeightStore
 
 __all__ = ["TitanTrainer", "TrainerActor", "TrainerConfig", "check_input_ids"]

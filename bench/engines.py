@@ -30,8 +30,8 @@ import torch
 
 from actors.engines.hf import HFEngine
 from actors.engines.vllm import VLLMEngine
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import SamplingParams
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import SamplingParams
 
 # ~52M parameters: 10 layers of hidden 640 (the tiny default is ~0.4M).
 MODELS = {

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from forge.types import Episode, EpisodeBatch, TrainBatch
+from rl.types import Episode, EpisodeBatch, TrainBatch
 from monarch._src.actor.pickle import flatten, unflatten
 
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from forge.sampling import SamplingParams
+from rl.sampling import SamplingParams
 
 # The parity model: the tiny Qwen3 of the tests, wider and deeper, with weights spread wider than the default
 # init (std 0.1, not 0.02) so next-token distributions are peaked as a trained model's, not near uniform:
@@ -53,7 +53,7 @@ def parity_prompts(count: int = 8, vocab: int = 99, seed: int = 0) -> list[list[
 
 
 def build_parity_checkpoint(path: str | Path) -> Path:
-    from forge.tiny_model import build_tiny_checkpoint
+    from rl.tiny_model import build_tiny_checkpoint
 
     return build_tiny_checkpoint(path, seed=0, **PARITY_MODEL)
 
@@ -76,7 +76,7 @@ def logprob_parity(checkpoint: Path, *, device: str, dtype: str, sampling: str, 
     from actors.logprobs import token_logprobs
     from actors.titan_trainer import TitanTrainer
     from actors.trainer_config import TrainerConfig
-    from forge.types import Episode, TrainBatch
+    from rl.types import Episode, TrainBatch
 
     params = SamplingParams(n=2, max_tokens=max_tokens, seed=0, **SAMPLINGS[sampling])
     engine = HFEngine(checkpoint, dtype=dtype, device=device, seed=0, kv_reuse_tokens=0)
@@ -105,7 +105,7 @@ def logprob_parity(checkpoint: Path, *, device: str, dtype: str, sampling: str, 
 
 def step_batch(rows: int = 8, length: int = 40, vocab: int = 99, prompt: int = 8, seed: int = 0):
     """A right-padded RL batch of random tokens with responses of different lengths and mixed advantages."""
-    from forge.types import TrainBatch
+    from rl.types import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, vocab, (rows, length), generator=gen)
@@ -162,7 +162,7 @@ def write_shape_checkpoint(shape: str, path: Path, device: str) -> Path:
     """A HF checkpoint of a Qwen3 shape (bench.publish_to_ready.SHAPES) with random bf16 weights and the tiny
     character tokenizer: what HFEngine and TitanTrainer load."""
     from bench.publish_to_ready import build_model, qwen3_config
-    from forge.tiny_model import build_tokenizer
+    from rl.tiny_model import build_tokenizer
 
     model = build_model(qwen3_config(shape), torch.bfloat16, torch.device(device), seed=0)
     model.save_pretrained(path)
@@ -222,7 +222,7 @@ def trainer_throughput(checkpoint: Path, *, device: str, rows: int, length: int,
     tokens/s per step after one warm-up step, and peak GPU memory. Tries each micro-batch size in turn until one fits."""
     from actors.titan_trainer import TitanTrainer
     from actors.trainer_config import TrainerConfig
-    from forge.types import TrainBatch
+    from rl.types import TrainBatch
 
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     gen = torch.Generator().manual_seed(0)

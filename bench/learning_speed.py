@@ -33,10 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from actors.engines.hf import HFEngine  # noqa: E402
-from forge.tasks.arithmetic import ArithmeticTask, Problem  # noqa: E402
-from forge.tiny_model import ensure_tiny_checkpoint  # noqa: E402
-from forge.warm_start import WarmStartConfig, warm_start  # noqa: E402
-from forge.types import Episode, SamplingParams, TrainBatch  # noqa: E402
+from rl.tasks.arithmetic import ArithmeticTask, Problem  # noqa: E402
+from rl.tiny_model import ensure_tiny_checkpoint  # noqa: E402
+from apps.warm_start.config import WarmStartConfig  # noqa: E402
+from apps.warm_start.supervised import warm_start  # noqa: E402
+from rl.types import Episode, SamplingParams, TrainBatch  # noqa: E402
 from losses import group_advantages, grpo  # noqa: E402
 
 
@@ -51,7 +52,7 @@ class LearningSpeedConfig:
     reverse_answer: bool = True
     held_out: int = 500
     max_tokens: int = 4
-    # Supervised warm start (forge.warm_start, as the app runs it): stop at the threshold's greedy accuracy.
+    # Supervised warm start (apps.warm_start.supervised, as the app runs it): stop at the threshold's greedy accuracy.
     warm_lr: float = 3e-3
     warm_batch_size: int = 64
     warm_threshold: float = 0.15

@@ -39,8 +39,8 @@ from actors.engines import Engine
 from actors.engines.hf import HFEngine
 from bench.engines import MODELS
 from forge.metrics import drain_local
-from forge.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
-from forge.types import SamplingParams
+from rl.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
+from rl.types import SamplingParams
 
 CACHING = {"on": True, "off": False}
 ENGINES = ("vllm", "hf")

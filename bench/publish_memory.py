@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.weight_sync import qwen3_layer_shapes
+from bench.weight_sync_actors import qwen3_layer_shapes
 
 METHODS = ("forge", "torch.save", "copy")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

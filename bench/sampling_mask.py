@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from actors.engines.hf import HFEngine
 from actors.logprobs import token_logprobs
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import Episode, SamplingParams, TrainBatch
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import Episode, SamplingParams, TrainBatch
 
 BAND = (0.5, 2.0)
 

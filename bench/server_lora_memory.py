@@ -1,5 +1,5 @@
 """Memory of the training service's sessions: LoRA sessions (adapters over one shared base, one process) side by
-side with full-model sessions (a trainer process each), measured on a running server through forge.client.
+side with full-model sessions (a trainer process each), measured on a running server through apps.server.client.
 
     cd <repo> && .venv/bin/python -m bench.server_lora_memory                                  # forge's tiny model
     cd <repo> && .venv/bin/python -m bench.server_lora_memory --hidden-size 1024 --layers 8     # a larger shape
@@ -10,7 +10,7 @@ optim_step (so its optimizer state exists), each LoRA session also saves its ada
 the sampler is built). Figures: the resident memory (RSS) of the server's trainer processes, read from the
 server's `GET /api/v1/memory` after every session has stepped; the generator and the server process are
 shared by both kinds and listed apart. A larger shape is a randomly initialized Qwen3 checkpoint with the
-tiny tokenizer (`forge.tiny_model.build_tiny_checkpoint`), so its size is the blocks'.
+tiny tokenizer (`rl.tiny_model.build_tiny_checkpoint`), so its size is the blocks'.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from forge.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from apps.server.client import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="forge-bench-lora-memory-"))
     overrides = ["warm_start.enabled=false"]
     if args.hidden_size is not None:
-        from forge.tiny_model import build_tiny_checkpoint
+        from rl.tiny_model import build_tiny_checkpoint
 
         h = args.hidden_size
         model = build_tiny_checkpoint(run_dir / "model", seed=0, hidden_size=h, intermediate_size=3 * h,

@@ -41,7 +41,7 @@ import psutil
 
 from tests.multihost_support import SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
 
-from bench.weight_sync import DTYPES, Publisher, Reader, _delete_torchstore_prefix, state_dict_shapes
+from bench.weight_sync_actors import DTYPES, Publisher, Reader, delete_torchstore_prefix, state_dict_shapes
 from actors.generator_config import GeneratorConfig
 from forge import provisioner
 from forge.actor import endpoint, mesh_of
@@ -150,7 +150,7 @@ async def torchstore_once(publisher: RelayPublisher, readers: RelayReader, key: 
     await readers.fetch_torchstore.call(key, None)
     seconds, cpu = time.perf_counter() - start, cpu_seconds(hosts) - cpu
     await _check(readers, expected, "torchstore")
-    await _delete_torchstore_prefix(key + "/")
+    await delete_torchstore_prefix(key + "/")
     return seconds, published, cpu
 
 

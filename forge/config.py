@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
 import re
 import sys
-import tempfile
 import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -37,7 +37,6 @@ _OVERRIDE_HELP = (
 )
 
 
-TINY_MODEL = "tiny"  # `model: tiny` names forge's tiny checkpoint (forge/tiny_model.py)
 
 
 class ConfigError(ValueError):
@@ -96,21 +95,28 @@ def validate(cfg: DictConfig | dict, schema: type[T], *, path: str = "") -> T:
     return _build(cfg, schema, path)
 
 
-def load_app_config(path: str | Path | None, overrides: Sequence[str], schema: type[T]) -> T:
-    """Load and validate an app's config, `model: tiny` resolved to forge's tiny checkpoint in `model_cache`
-    (its path fills `${model}`). A first run checks the job against the tiny model's config.json before
-    building the checkpoint, so a config error costs no torch import even then."""
-    cfg = load_config(path, overrides)
-    if cfg.get("model", TINY_MODEL) != TINY_MODEL:
-        return validate(cfg, schema)
-    from forge.tiny_model import ensure_tiny_checkpoint, is_built, write_tiny_config
-
-    tiny = Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3"
-    if not is_built(tiny):
-        with tempfile.TemporaryDirectory() as config_only:
-            validate(load_config(path, [*overrides, f"model={write_tiny_config(config_only)}"]), schema)
-        ensure_tiny_checkpoint(tiny)
-    return validate(load_config(path, [*overrides, f"model={tiny}"]), schema)
+def load_callable(reference: str, *, field: str) -> Callable[..., Any]:
+    """'package.module:function' -> the function; errors name the config field and the value."""
+    module_name, _, attr = reference.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{field}={reference!r}: must be 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"{field}={reference!r}: importing module {module_name!r} failed: {e}") from None
+        # The job's processes import it too (an isolated environment's host): the module must be on the path of
+        # every one, which is the job's working directory (`python -m` puts it first) and PYTHONPATH.
+        raise ValueError(f"{field}={reference!r}: cannot import module {module_name!r} ({e}); the module must be "
+                         "importable from the job's working directory or PYTHONPATH (add the folder that holds "
+                         f"{module_name.split('.')[0]!r} to PYTHONPATH)") from None
+    except Exception as e:  # the module itself is broken (a SyntaxError, an import it lacks, its own code raised)
+        raise ValueError(f"{field}={reference!r}: importing module {module_name!r} failed: "
+                         f"{type(e).__name__}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{field}={reference!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
 
 
 SECRET_SUFFIXES = ("api_key", "secret")  # a key so named is a credential: its value is never printed

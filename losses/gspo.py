@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 from losses.terms import Band, check_hyperparams, clip_active, clipped_surrogate, importance_ratio, loss_metrics, masked_mean
 from losses.types import LossOutput
 

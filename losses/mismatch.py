@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from forge.loss_rules import MONITOR_BAND
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 from losses.terms import Band, correction_weight, in_band
 
 MISMATCH_METRICS = ("abs_logp_diff", "kl_k3", "chi2", "out_of_band", "masked", "tis_truncated", "token_share")

@@ -12,7 +12,7 @@ import math
 import torch
 
 from forge.loss_rules import KL_ESTIMATORS, check_hyperparams  # noqa: F401  (re-exported for the losses)
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

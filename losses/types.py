@@ -14,5 +14,5 @@ class LossOutput:
     metrics: dict[str, float]
 
 
-# loss_fn(logprobs [B, T-1], batch: forge.types.TrainBatch, *, old_logprobs=None, **hyperparams) -> LossOutput
+# loss_fn(logprobs [B, T-1], batch: rl.types.TrainBatch, *, old_logprobs=None, **hyperparams) -> LossOutput
 LossFn = Callable[..., LossOutput]

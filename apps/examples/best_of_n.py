@@ -21,9 +21,9 @@ from forge.config import ConfigError, load_config, parse_args, validate
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger, MetricsConfig
 from forge.provisioner import get_provisioner
-from forge.tasks.arithmetic import ArithmeticTask, Problem
-from forge.tiny_model import ensure_tiny_checkpoint
-from forge.types import SamplingParams
+from rl.tasks.arithmetic import ArithmeticTask, Problem
+from rl.tiny_model import ensure_tiny_checkpoint
+from rl.types import SamplingParams
 
 
 @dataclass

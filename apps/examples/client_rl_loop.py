@@ -4,7 +4,7 @@
     python -m apps.examples.client_rl_loop --base-url http://127.0.0.1:8000 --steps 20
 
 The server holds the model, the optimizer and the generators; this process only makes HTTP calls (through
-`forge.client`) and scores answers to 2-digit additions. It prints held-out greedy accuracy before and after.
+`apps.server.client`) and scores answers to 2-digit additions. It prints held-out greedy accuracy before and after.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from forge.client import AdamParams, Datum, SamplingClient, SamplingParams, ServiceClient
-from forge.tasks.arithmetic import ArithmeticTask, Problem
+from apps.server.client import AdamParams, Datum, SamplingClient, SamplingParams, ServiceClient
+from rl.tasks.arithmetic import ArithmeticTask, Problem
 
 
 @dataclass

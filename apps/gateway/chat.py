@@ -17,7 +17,7 @@ from apps.gateway.schemas import (
     Usage,
 )
 from apps.server.errors import field_error
-from forge.types import Completion
+from rl.types import Completion
 
 
 # Stands in for the reply when a chat template renders a continued conversation: what the template puts after it

@@ -8,7 +8,7 @@ from typing import Literal
 from actors.generator_config import GeneratorConfig
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
-from forge.warm_start_config import WarmStartConfig
+from apps.warm_start.config import WarmStartConfig
 
 
 @dataclass

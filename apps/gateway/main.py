@@ -13,7 +13,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from apps.gateway.config import GatewayConfig
-from forge.config import ConfigError, load_app_config, parse_args, to_yaml
+from apps.app_config import load_app_config
+from forge.config import ConfigError, parse_args, to_yaml
 from forge.lifecycle import run_job
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from apps.server.runtime import endpoint_failure
 from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.types import EpisodeBatch, SamplingParams
+from rl.types import EpisodeBatch, SamplingParams
 
 logger = logging.getLogger(__name__)
 WEIGHTS = "policy"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
-    from forge.types import Episode
+    from rl.types import Episode
 
 
 # --- OpenAI chat completions ------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 and the trajectory each session exports as replay-buffer episodes when it ends. Plain Python (no actors).
 
 A conversation of several requests is one episode: a request whose prompt starts with exactly the previous request's
-prompt and generated ids continues it (forge.environments.trajectory.Trajectory: the new tokens between, the user's
+prompt and generated ids continues it (rl.environments.trajectory.Trajectory: the new tokens between, the user's
 message and the template's, go in masked out; the reply's tokens masked in, with their log-probs and versions).
 A request that re-sends the conversation verbatim (the reply as the gateway answered it) gets such a prompt: the
 encoder continues the session's exact ids (apps/gateway/chat.py, ChatContext). Any other request (a message edited,
@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 from apps.gateway.chat import ChatContext
 from apps.server.errors import ServiceError
-from forge.environments.trajectory import Trajectory
-from forge.types import Completion, Episode
+from rl.environments.trajectory import Trajectory
+from rl.types import Completion, Episode
 
 
 @dataclass

@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from forge.config import ConfigError, load_app_config, parse_args, to_yaml
+from apps.app_config import load_app_config
+from forge.config import ConfigError, parse_args, to_yaml
 
 if TYPE_CHECKING:
     from apps.grpo.config import GRPOConfig

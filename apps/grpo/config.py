@@ -21,12 +21,12 @@ from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
 from actors.weight_canary import CanaryConfig
-from forge.environments.config import EnvironmentConfig
+from rl.environments.config import EnvironmentConfig
 from forge.hosts import HostsConfig
 from forge.loss_rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
-from forge.tasks.config import TaskConfig
-from forge.warm_start_config import WarmStartConfig
+from rl.tasks.config import TaskConfig
+from apps.warm_start.config import WarmStartConfig
 
 
 @dataclass

@@ -22,9 +22,9 @@ from actors.replay_buffer import ReplayBufferActor
 from actors.trainer import TrainerActor
 from apps.grpo.config import GRPOConfig
 from forge.provisioner import get_provisioner
-from forge import tasks
-from forge.tasks import load_callable
-from forge.warm_start import warm_start
+from rl import tasks
+from forge.config import load_callable
+from apps.warm_start.supervised import warm_start
 
 WEIGHTS = "policy"  # the weight store namespace the trainer publishes to and the generators follow
 

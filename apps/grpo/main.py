@@ -31,12 +31,12 @@ from apps.grpo.rollouts import EPISODE_BITS, held_out_score, make_rollout, warm_
 from apps.grpo.summary import EpisodeCounters, RunSummary
 from forge import weight_store
 from forge.actor import rank0
-from forge.environments.threads import EnvironmentsBlocked
+from rl.environments.threads import EnvironmentsBlocked
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger, record_metric
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
-from forge.types import EpisodeBatch, SamplingParams, TrainBatch
+from rl.types import EpisodeBatch, SamplingParams, TrainBatch
 from losses.advantages import group_advantages
 
 

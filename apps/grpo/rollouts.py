@@ -3,13 +3,13 @@
 Both have `group(problem, params, version) -> (samples, rewards, environment_failures)`,
 `evaluate(problems, params) -> rewards` and `to_episodes(samples, ...)` (the group packed for the buffer).
 Single-turn: one completion per episode, scored by the task's reward (or the user's). Multi-turn (a task with
-`environment()`): G episodes of one problem, played against the task's environments (forge.environments), token in /
+`environment()`): G episodes of one problem, played against the task's environments (rl.environments), token in /
 token out, scored by the environments. An episode whose environment failed is not the model's doing: its group is
 dropped by the job (`environment_failures` says how many failed) and an evaluation leaves it out of its mean (None);
 it is never scored 0. A multi-turn
 group's turns all go to one generator replica (a service session), so each turn continues a sequence that replica has
 just generated. Groups generating at once share actor calls (`route_batch`): one message per replica and turn, not
-one per group. Environments run on threads of their own (forge.environments.threads), or in their own process with
+one per group. Environments run on threads of their own (rl.environments.threads), or in their own process with
 `environment.isolated`: the job's event loop never runs their code.
 """
 
@@ -26,13 +26,13 @@ from typing import Any
 from apps.grpo.config import GRPOConfig
 from apps.grpo.launch import warm_started_model as single_turn_warm_start
 from apps.grpo.rewards import RewardScorer
-from forge.environments.actor import EnvironmentHost, RemoteEnvironment
-from forge.environments.chat import ChatTemplate
-from forge.environments.rollout import run_episodes
-from forge.environments.threads import ThreadedEnvironment
-from forge.environments.trajectory import Trajectory
-from forge.types import Completion, CompletionBatch, EpisodeBatch, SamplingParams
-from forge.warm_start_multiturn import warm_start_multiturn
+from rl.environments.actor import EnvironmentHost, RemoteEnvironment
+from rl.environments.chat import ChatTemplate
+from rl.environments.rollout import run_episodes
+from rl.environments.threads import ThreadedEnvironment
+from rl.environments.trajectory import Trajectory
+from rl.types import Completion, CompletionBatch, EpisodeBatch, SamplingParams
+from apps.warm_start.multiturn import warm_start_multiturn
 
 
 EPISODE_BITS = 16  # an episode id is its group id, then its index in the group in this many bits
@@ -106,7 +106,7 @@ class MultiTurn:
             lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))
         self.encode = lambda text: list(encoded(text))
         self.end_token_ids = [tokenizer.eos_token_id]
-        # environment.chat_template: turns wrapped by the model's chat template, by token ids (forge.environments.chat)
+        # environment.chat_template: turns wrapped by the model's chat template, by token ids (rl.environments.chat)
         self.chat = (ChatTemplate(tokenizer, system_prompt=cfg.environment.system_prompt,
                                   chat_template_kwargs=cfg.task.chat_template_kwargs)
                      if cfg.environment.chat_template else None)
@@ -153,7 +153,7 @@ async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any, rewards: RewardS
 
 def warm_started_model(cfg: GRPOConfig, task: Any) -> tuple[str, float | None]:
     """`cfg.model`, first trained briefly on the task when `warm_start.enabled` (cached by its inputs): a multi-turn
-    task on its correct episodes (forge.warm_start_multiturn), arithmetic on its answers (apps.grpo.launch)."""
+    task on its correct episodes (apps.warm_start.multiturn), arithmetic on its answers (apps.grpo.launch)."""
     if not is_multi_turn(task):
         return single_turn_warm_start(cfg, task)
     if not cfg.warm_start.enabled:

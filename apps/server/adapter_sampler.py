@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.accelerate import init_empty_weights
 
 from actors.engines.hf import HFEngine
-from forge.types import Completion, SamplingParams
+from rl.types import Completion, SamplingParams
 
 
 def shared_base_model(base_hf_state: dict[str, torch.Tensor], model_path: str) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""Request data -> `forge.types.TrainBatch`, checked datum by datum (errors give the datum's index and field)."""
+"""Request data -> `rl.types.TrainBatch`, checked datum by datum (errors give the datum's index and field)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from apps.server.errors import ServiceError, field_error
 from apps.server.schemas import Datum
 from forge.loss_rules import uses_old_logprobs
-from forge.sampling import MAX_KEPT_TOKENS
-from forge.types import TrainBatch
+from rl.sampling import MAX_KEPT_TOKENS
+from rl.types import TrainBatch
 from losses import LOSSES, get_loss
 
 _SUPPLIED = {"logprobs", "batch", "old_logprobs"}  # the trainer passes these itself
@@ -201,7 +201,7 @@ def _check_kept(kept: list[list[int]] | None, ids: list[int], loc: list, vocab_s
             continue
         if len(kept_ids) > MAX_KEPT_TOKENS:
             raise field_error([*loc, t], f"{len(kept_ids)} ids", f"at most {MAX_KEPT_TOKENS} kept tokens per "
-                                                                 "position (forge.sampling.MAX_KEPT_TOKENS)")
+                                                                 "position (rl.sampling.MAX_KEPT_TOKENS)")
         if any(not 0 <= k < vocab_size for k in kept_ids):
             raise field_error([*loc, t], kept_ids[:8], f"token ids outside the vocabulary [0, {vocab_size})")
         if ids[t + 1] not in kept_ids:

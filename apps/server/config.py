@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from actors.generator_config import GeneratorConfig
 from actors.trainer_config import TrainerConfig
-from forge.warm_start_config import WarmStartConfig
+from apps.warm_start.config import WarmStartConfig
 
 
 def is_loopback(host: str) -> bool:

@@ -38,7 +38,7 @@ from apps.server.adapter_sampler import AdapterSampler
 from apps.server.training_actor import ServerTrainer
 from forge.actor import endpoint
 from forge.distributed import init_from_environment
-from forge.types import Completion, SamplingParams
+from rl.types import Completion, SamplingParams
 
 _STATEFUL = ("optimizer", "lr_scheduler", "train_state")
 

@@ -12,7 +12,8 @@ import asyncio
 import sys
 
 from apps.server.config import ServerConfig
-from forge.config import ConfigError, load_app_config, parse_args, to_yaml
+from apps.app_config import load_app_config
+from forge.config import ConfigError, parse_args, to_yaml
 from forge.lifecycle import run_job
 
 STARTUP_TIMEOUT_S = 600.0  # spawning the generators; Monarch start-up on a loaded 2-core host has taken minutes

@@ -9,8 +9,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from forge.tasks.arithmetic import ArithmeticTask
-from forge.warm_start import WarmStartConfig, warm_start
+from rl.tasks.arithmetic import ArithmeticTask
+from apps.warm_start.config import WarmStartConfig
+from apps.warm_start.supervised import warm_start
 
 
 def is_tiny(model: str, model_cache: str) -> bool:
@@ -20,7 +21,7 @@ def is_tiny(model: str, model_cache: str) -> bool:
 def warm_started_model(model: str, model_cache: str, config: WarmStartConfig, *, seed: int,
                        max_tokens: int = 4) -> tuple[str, float | None]:
     """The checkpoint to serve: for forge's tiny model with `config.enabled`, its supervised warm start on
-    2-digit addition (`forge.warm_start.warm_start`, called as apps.grpo calls it, cached by its inputs in
+    2-digit addition (`apps.warm_start.supervised.warm_start`, called as apps.grpo calls it, cached by its inputs in
     `model_cache/warm_start`); otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
     if not (config.enabled and is_tiny(model, model_cache)):
         return (str(Path(model).resolve()) if Path(model).exists() else model), None

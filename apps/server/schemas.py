@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from forge.sampling import SamplingParams
+from rl.sampling import SamplingParams
 
 SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 CheckpointName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
@@ -286,7 +286,7 @@ class SampleRequest(_Strict):
     num_samples: int | None = Field(None, ge=1, le=MAX_SAMPLES,
                                     description="completions per prompt (default: sampling_params.n)")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams,
-                                            description="forge.sampling.SamplingParams (its checks are these 422s)")
+                                            description="rl.sampling.SamplingParams (its checks are these 422s)")
 
     @model_validator(mode="after")
     def _one_form(self) -> SampleRequest:
@@ -316,11 +316,11 @@ class SampledSequence(BaseModel):
     policy_versions: list[int]
     kept_token_ids: list[list[int]] | None = Field(
         None, description="with top_k/top_p: per token, the token ids its sampling step kept (None: the full "
-        "vocabulary). Train on the sample with them as loss_fn_inputs.kept_token_ids (forge.client.Datum.from_sample "
+        "vocabulary). Train on the sample with them as loss_fn_inputs.kept_token_ids (apps.server.client.Datum.from_sample "
         "does), or the trainer's log-probs are of another distribution than `logprobs`")
     temperature: float = Field(
         description="the temperature `logprobs` are at: the request's sampling temperature (greedy, 0, is scored at "
-        "1). Train on the sample with it as loss_fn_inputs.temperature (forge.client.Datum.from_sample does), or the "
+        "1). Train on the sample with it as loss_fn_inputs.temperature (apps.server.client.Datum.from_sample does), or the "
         "trainer scores it at its own trainer.temperature")
 
 

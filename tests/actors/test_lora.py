@@ -20,7 +20,7 @@ from actors.engines.hf import HFEngine
 from actors.lora_config import LORA_TARGETS
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
-from forge.tiny_model import build_tiny_checkpoint
+from rl.tiny_model import build_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import assert_same_weights, hf_logprobs, make_batch, recording, run_ranks, \

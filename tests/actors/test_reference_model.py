@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from actors.reference_model import ReferenceConfig, ReferenceModel
 from actors.trainer import TitanTrainer, TrainerConfig
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import TrainBatch
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import TrainBatch
 
 VOCAB = 99
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.replay_buffer import ReplayBuffer, ReplayBufferConfig
-from forge.types import Episode, EpisodeBatch, TrainBatch
+from rl.types import Episode, EpisodeBatch, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 

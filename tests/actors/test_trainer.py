@@ -21,8 +21,8 @@ from actors.checkpoint import CHECKSUMS_FILE
 from actors.logprobs import token_entropy
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import TrainBatch
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import TrainBatch
 
 PROMPT_LEN = 4
 
@@ -562,7 +562,7 @@ def test_trainer_logprobs_replay_the_generators_kept_sets(checkpoint: Path) -> N
     """Top-p / top-k rollouts of the hf engine at the trainer's weights: the log-probs the trainer scores and
     trains on renormalise over each token's kept set, so they equal the behaviour log-probs within 1e-5."""
     from actors.engines.hf import HFEngine
-    from forge.types import Episode, SamplingParams
+    from rl.types import Episode, SamplingParams
 
     engine = HFEngine(checkpoint, seed=0)
     trainer = TitanTrainer(trainer_config(checkpoint, temperature=0.7, micro_batch_size=5))

@@ -13,7 +13,7 @@ from actors.generator import Generator
 from actors.weight_canary import CanaryConfig, WeightSyncError, check_weight_sync, logprob_difference
 from forge.provisioner import get_provisioner
 from forge.shm_weights import HEADER, SHM_DIR, WeightChecksumError
-from forge.tiny_model import build_tiny_checkpoint
+from rl.tiny_model import build_tiny_checkpoint
 from forge.weight_store import WeightStore
 
 PROMPT, COMPLETION = [5, 12, 7, 20, 9], [14, 3, 8, 1]

@@ -20,8 +20,8 @@ from actors.weight_publisher import WeightPublisher
 from forge import shm_weights
 from forge.actor import ForgeActor, rank0
 from forge.provisioner import get_provisioner
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import Episode, TrainBatch
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import Episode, TrainBatch
 from forge.weight_store import WeightStore
 
 

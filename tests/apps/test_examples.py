@@ -11,7 +11,7 @@ import pytest
 from apps.examples.best_of_n import BestOfNConfig, main
 from apps.examples.scorer import closeness_reward
 from forge.config import load_config, validate
-from forge.tasks.arithmetic import ArithmeticTask
+from rl.tasks.arithmetic import ArithmeticTask
 from tests.support import job_processes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def test_the_client_loops_datums_carry_what_the_trainer_scores_a_sample_with():
     # Hand-built datums dropped a sample's temperature and top_k/top_p kept sets: the trainer then scored the tokens
     # under another distribution than the one they were drawn from.
     from apps.examples.client_rl_loop import group_datums
-    from forge.client import Result
+    from apps.server.client import Result
 
     samples = Result.wrap([{"tokens": [7, 8], "logprobs": [-0.5, -0.25], "temperature": 0.7,
                             "kept_token_ids": [[7, 9], [8]]},

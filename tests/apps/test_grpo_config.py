@@ -229,7 +229,7 @@ def test_the_reference_model_starts_from_the_trainers_init_checkpoint(tmp_path):
 
 def test_gsm8k_job_asks_in_the_models_chat_template_and_stops_at_its_end_of_turn(real_models, tmp_path):
     from apps.grpo.launch import make_task
-    from forge.tiny_model import build_tokenizer
+    from rl.tiny_model import build_tokenizer
 
     model = tmp_path / "Qwen3-1.7B"  # the real config.json beside a small tokenizer with a ChatML template
     shutil.copytree(real_models["Qwen/Qwen3-1.7B"], model)
@@ -316,9 +316,9 @@ BAD = [
     ("+no_such_section.key=1", r"no_such_section=\{'key': 1\}: unknown key\. Allowed keys: generator, trainer, "),
     ("checkpoint.keep=0", r"checkpoint\.keep=0: must be >= 1"),
     ("generator.max_batch_size=0", r"generator\.max_batch_size=0: must be >= 1"),
-    ("task.source=openenv task.name=tests.forge.environments.openenv_guess:GuessEnvironment",
+    ("task.source=openenv task.name=tests.rl.environments.openenv_guess:GuessEnvironment",
      r"warm_start\.enabled=true: task\.source='openenv' has no correct episodes to warm start from"),
-    ("task.source=environment task.name=tests.forge.tasks.environment_classes:Good",
+    ("task.source=environment task.name=tests.rl.tasks.environment_classes:Good",
      r"warm_start\.enabled=true: task\.source='environment' has no correct episodes to warm start from"),
 ]
 
@@ -335,7 +335,7 @@ def test_bad_config_is_refused_with_the_key_and_value(override, message):
 BAD_REWARDS = [
     ("task.reward=no_such_module:score", r"task\.reward='no_such_module:score': cannot import module 'no_such_module' "
                                          r"\(No module named 'no_such_module'\)"),
-    ("task.reward=forge.tasks:no_such_fn", r"task\.reward='forge\.tasks:no_such_fn': module 'forge\.tasks' has no "
+    ("task.reward=rl.tasks:no_such_fn", r"task\.reward='forge\.tasks:no_such_fn': module 'forge\.tasks' has no "
                                            r"callable 'no_such_fn'"),
 ]
 

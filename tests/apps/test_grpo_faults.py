@@ -26,8 +26,8 @@ def _command(run_dir: Path, *overrides: str, config: str = "configs/grpo_tiny.ya
 
 
 # An OpenEnv environment whose synchronous step sleeps 1000 s on every `block_every`-th step of its process and in the
-# episodes of `block_seeds` (tests/forge/environments/openenv_sleepy.py), trained as a user's YAML would name it.
-SLEEPY = ["task.source=openenv", "task.name=tests.forge.environments.openenv_sleepy:SleepyEnvironment",
+# episodes of `block_seeds` (tests/rl/environments/openenv_sleepy.py), trained as a user's YAML would name it.
+SLEEPY = ["task.source=openenv", "task.name=tests.rl.environments.openenv_sleepy:SleepyEnvironment",
           "task.held_out=16", "eval.num_prompts=16", "rollout.group_size=8", "rollout.max_tokens=1",
           "rollout.drop_zero_variance_groups=false", "rollout.max_dropped_groups_per_step=null",
           "trainer.minibatches=1", "checkpoint.interval=0", "environment.step_timeout_s=1"]

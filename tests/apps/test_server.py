@@ -32,14 +32,14 @@ from apps.server.schemas import Datum
 from apps.server.sequencer import Sequencer
 from apps.server.serving import install_error_handlers
 from forge.compat import report_endpoint_errors
-from forge.config import load_app_config
+from apps.app_config import load_app_config
 from forge.provisioner import free_port
-from forge.tiny_model import ensure_tiny_checkpoint
-from forge.warm_start import WarmStartConfig
+from rl.tiny_model import ensure_tiny_checkpoint
+from apps.warm_start.config import WarmStartConfig
 from tests.docs.snippets import python_blocks, run_block
 from tests.apps.app_faults import Endpoint, actor
 from tests.support import start_http_app, stop_http_app
-from forge.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
+from apps.server.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 
 ROOT = Path(__file__).resolve().parents[2]
 # 20 supervised steps (cached after the first run): the warm start's output and caching are tested on their own
@@ -255,7 +255,7 @@ def test_a_lora_session_on_a_server_with_activation_checkpointing_is_refused_nam
     from apps.server.runtime import TrainingService
     from apps.server.schemas import CreateSessionRequest
     from apps.server.config import ServerConfig
-    from forge.config import load_app_config
+    from apps.app_config import load_app_config
 
     tiny = str(ensure_tiny_checkpoint(tmp_path / "tiny-qwen3"))
     cfg = load_app_config(ROOT / "configs" / "server_tiny.yaml", ["trainer.activation_checkpoint=full"], ServerConfig)
@@ -386,7 +386,7 @@ def test_malformed_bodies_are_422_with_field_errors(http, training):
     assert param.status_code == 422 and param.json()["detail"][0]["loc"] == ["body", "loss_fn_params", "clip"]
     sample = http.post("/api/v1/sample", json={"prompt": "1+1=", "sampling_params": {"top_p": 0}})
     assert sample.status_code == 422 and sample.json()["detail"][0]["loc"] == ["body", "sampling_params"]
-    assert "SamplingParams.top_p=0.0: must be in (0, 1]" in sample.json()["detail"][0]["msg"]  # forge.sampling's check
+    assert "SamplingParams.top_p=0.0: must be in (0, 1]" in sample.json()["detail"][0]["msg"]  # rl.sampling's check
     vocab = http.post("/api/v1/sample", json={"prompt": [10 ** 6]})
     assert vocab.status_code == 422 and "token ids must be in" in vocab.json()["detail"][0]["msg"]
     base = http.post("/api/v1/create_session", json={"base_model": "Qwen/Qwen3-8B"})

@@ -1,8 +1,8 @@
-"""The training service's LoRA sessions: adapters over one shared base, through the client SDK (forge.client).
+"""The training service's LoRA sessions: adapters over one shared base, through the client SDK (apps.server.client).
 
 The shared trainer is first tested in this process (no Monarch): several adapters over one model, sessions
 isolated down to their pending gradients, the sampler on the trainer's own base tensors. Then one server
-(`python -m apps.server`, a subprocess) is started for the module and driven only through `forge.client`.
+(`python -m apps.server`, a subprocess) is started for the module and driven only through `apps.server.client`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from apps.server.adapter_sampler import AdapterSampler
 from apps.server.batches import build_batch
 from apps.server.lora_trainer import SharedBaseLoRATrainer
 from apps.server.schemas import Datum
-from forge.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
+from apps.server.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 from forge.provisioner import free_port
-from forge.tiny_model import build_tiny_checkpoint
+from rl.tiny_model import build_tiny_checkpoint
 from tests.docs.snippets import python_blocks, run_block
 from tests.support import start_http_app, stop_http_app
 
@@ -111,7 +111,7 @@ def test_forward_with_a_rollout_correction_gives_the_losss_value(tmp_path):
     assert scored["metrics"]["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
-# --- the server, through forge.client ---------------------------------------------------------------------
+# --- the server, through apps.server.client ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("server-lora")

@@ -1,7 +1,7 @@
 """bench.episode_transport: the three ways carry the same episodes, and the table has a row per length."""
 
 from bench.episode_transport import main, make_episodes
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 
 
 def test_the_ways_compared_carry_the_same_episodes():

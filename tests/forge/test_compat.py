@@ -28,7 +28,7 @@ def probe(modules: str) -> dict:
 
 
 def test_importing_forge_libraries_changes_no_environment_and_loads_no_monarch():
-    modules = "forge, forge.client, forge.types, forge.sampling, losses, losses.grpo"
+    modules = "forge, apps.server.client, rl.types, rl.sampling, losses, losses.grpo"
     result = probe(modules)
     assert result["changed"] == [], f"import {modules} changed {result['changed']}"
     assert result["monarch"] == [], f"import {modules} loaded {result['monarch'][:5]}"

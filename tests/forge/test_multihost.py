@@ -367,7 +367,7 @@ async def test_each_version_crosses_to_host_b_once_through_its_relay_and_readers
 
 
 async def test_a_two_host_fsdp_step_equals_the_one_host_two_process_step(hosts, job):
-    from forge.tiny_model import build_tiny_checkpoint
+    from rl.tiny_model import build_tiny_checkpoint
 
     model = str(build_tiny_checkpoint(hosts.folder / "tiny", seed=0))
     across = await TrainStepProbe.options(procs=1, hosts=2, mesh_name="pair").as_actor()  # a rank on A, one on B

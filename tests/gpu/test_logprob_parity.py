@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.gpu_checks import SAMPLINGS, build_parity_checkpoint, logprob_parity, parity_prompts
-from forge.sampling import SamplingParams
+from rl.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 
 L = math.log
 

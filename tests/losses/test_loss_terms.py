@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from forge.types import TrainBatch
+from rl.types import TrainBatch
 from losses.terms import check_hyperparams, correction_weight, importance_ratio, kl_estimate, masked_mean
 
 # Two categorical distributions over 4 tokens: pi_theta = p, pi_ref = q.

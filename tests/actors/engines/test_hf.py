@@ -12,11 +12,11 @@ from actors.engines import Engine, make_engine
 from actors.engines.hf import HFEngine
 from actors.engines.kv_store import BLOCK
 from actors.logprobs import token_logprobs
-from forge import sampling
+from rl import sampling
 from forge.metrics import drain_local
-from forge.sampling import MAX_KEPT_TOKENS
-from forge.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
-from forge.types import Episode, SamplingParams, TrainBatch
+from rl.sampling import MAX_KEPT_TOKENS
+from rl.tiny_model import SPECIAL_TOKENS, build_tiny_checkpoint
+from rl.types import Episode, SamplingParams, TrainBatch
 
 PROMPTS = ["1+2=", "12+34=", "what is 99+1? 99+1="]  # different lengths: left padding in every batch
 

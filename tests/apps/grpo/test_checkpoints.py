@@ -14,7 +14,7 @@ from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from apps.grpo.checkpoints import JobCheckpoints
 from forge.compat import EndpointError, RaisedInEndpoint
-from forge.tiny_model import build_tiny_checkpoint
+from rl.tiny_model import build_tiny_checkpoint
 
 
 class _Endpoint:

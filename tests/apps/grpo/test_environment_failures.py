@@ -16,14 +16,14 @@ from apps.grpo.config import RolloutConfig
 from apps.grpo.main import GRPOJob
 from apps.grpo.rollouts import MultiTurn, held_out_score
 from apps.grpo.summary import EpisodeCounters, RunSummary
-from forge.environments.config import EnvironmentConfig
-from forge.environments.openenv import OpenEnvSpec
-from forge.environments.threads import stranded_threads
+from rl.environments.config import EnvironmentConfig
+from rl.environments.openenv import OpenEnvSpec
+from rl.environments.threads import stranded_threads
 from forge.metrics import drain_local
-from forge.tasks import TaskConfig
-from forge.types import Completion, SamplingParams
+from rl.tasks import TaskConfig
+from rl.types import Completion, SamplingParams
 
-SLEEPY = "tests.forge.environments.openenv_sleepy:SleepyEnvironment"
+SLEEPY = "tests.rl.environments.openenv_sleepy:SleepyEnvironment"
 
 
 class FakeGenerators:

@@ -1,0 +1,72 @@
+"""The supervised warm start of a multi-turn task: teacher-forced on correct episodes, model turns only.
+
+A correct episode is the task's `transcript(problem)`: (text, written by the model) segments. Each segment is
+encoded on its own and the ids are concatenated, exactly as the rollout appends observations by id, so the warm
+start trains on the token sequences the model will see. Labels cover the model's segments (and the EOS after the
+last one); the accuracy that stops it is the multi-turn greedy accuracy, played against the task's environments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Callable
+
+from rl.environments.config import EnvironmentConfig
+from rl.environments.rollout import run_episodes
+from rl.types import SamplingParams
+from apps.warm_start.config import WarmStartConfig
+from apps.warm_start.supervised import log_now, padded_batch, train_until_accurate
+
+
+def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: Any,
+                         train_problems: Callable[[int], list], eval_problems: list, limits: EnvironmentConfig,
+                         config: WarmStartConfig, seed: int, max_tokens: int,
+                         log: Callable[[str], None] = log_now) -> tuple[Path, float]:
+    """Train on `task.transcript(p)` for `train_problems(n)` until greedy multi-turn accuracy on `eval_problems`
+    reaches the target; returns the saved checkpoint directory and the accuracy reached."""
+
+    def batch(tokenizer, n: int):
+        rows, labels = [], []
+        for problem in train_problems(n):
+            ids, learned = transcript_ids(tokenizer, task.transcript(problem))
+            rows.append(ids)
+            labels.append([t if m else -100 for t, m in zip(ids, learned)])
+        return padded_batch(rows, labels, tokenizer.pad_token_id)
+
+    def accuracy(model, tokenizer) -> float:
+        return asyncio.run(greedy_episode_accuracy(model, tokenizer, task, eval_problems, limits, max_tokens))
+
+    return train_until_accurate(model_dir, out_dir, cache_key={"eval": [tuple(map(str, p)) for p in eval_problems[:20]],
+                                                               "multiturn": True},
+                                batch=batch, accuracy=accuracy, config=config, seed=seed, log=log,
+                                what=f"greedy multi-turn accuracy on {len(eval_problems)} problems")
+
+
+def transcript_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """The episode's ids (segments encoded one by one, EOS after the last model segment) and which ones the model
+    writes (so they are learned)."""
+    ids, learned = [], []
+    last_model = max(i for i, (_, by_model) in enumerate(segments) if by_model)
+    for i, (text, by_model) in enumerate(segments):
+        piece = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if i == last_model else [])
+        ids += piece
+        learned += [by_model] * len(piece)
+    return ids, learned
+
+
+async def greedy_episode_accuracy(model, tokenizer, task: Any, problems: list, limits: EnvironmentConfig,
+                                  max_tokens: int) -> float:
+    """Mean reward of greedy episodes of `problems`, played in one batch per turn with the training model itself."""
+    from actors.engines.hf import HFEngine
+
+    engine = HFEngine.from_model(model, tokenizer)
+
+    async def generate(prompts: list[list[int]], params: SamplingParams):
+        return [out[0] for out in engine.generate(prompts, params)]
+
+    params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(task.stop_token_ids))
+    played = await run_episodes(generate, [task.environment() for _ in problems], problems, params, limits,
+                                encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                end_token_ids=[tokenizer.eos_token_id])
+    return sum(t.reward for t in played) / len(played)

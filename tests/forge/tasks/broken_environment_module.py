@@ -1,3 +1,0 @@
-"""A module that cannot be imported: its own code fails (tests/forge/tasks/test_environment.py)."""
-
-import no_such_dependency_of_the_environment  # noqa: F401
