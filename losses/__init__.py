@@ -6,8 +6,7 @@ Every loss has the signature `loss_fn(logprobs, batch, *, old_logprobs=None, **h
 
 from __future__ import annotations
 
-import importlib
-
+from forge.config import load_callable
 from forge.loss_rules import check_loss_name
 from losses.advantages import group_advantages, zero_variance_groups
 from losses.cispo import cispo
@@ -30,15 +29,7 @@ def get_loss(name: str | LossFn) -> LossFn:
     check_loss_name(name)
     if name in LOSSES:
         return LOSSES[name]
-    module_name, _, function_name = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except (ImportError, ValueError) as e:  # ValueError: an empty module name
-        raise ValueError(f"loss={name!r}: cannot import module {module_name!r} ({e})") from e
-    loss_fn = getattr(module, function_name, None)
-    if not callable(loss_fn):
-        raise ValueError(f"loss={name!r}: module {module_name!r} has no callable {function_name!r}")
-    return loss_fn
+    return load_callable(name, field="loss")
 
 
 __all__ = ["LOSSES", "LossFn", "LossOutput", "get_loss", "group_advantages", "zero_variance_groups",

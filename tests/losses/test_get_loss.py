@@ -52,7 +52,7 @@ def test_unknown_name_lists_the_allowed_ones():
     ("name", "message"),
     [
         ("no_such_module_xyz:fn", r"loss='no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
-        (":fn", r"loss=':fn': cannot import module ''"),
+        (":fn", r"loss=':fn': must be 'package.module:function'"),
         ("losses.grpo:nope", r"loss='losses.grpo:nope': module 'losses.grpo' has no callable 'nope'"),
         ("math:pi", r"loss='math:pi': module 'math' has no callable 'pi'"),
     ],
