@@ -20,15 +20,15 @@ the base, never an accumulation of merges. A full-weight version replaces the ba
 
 KV reuse across turns. A multi-turn episode's next prompt is its previous prompt, the model's tokens and the
 observation (by id), and its turns reach the same replica; the engine keeps the past key values of the sequences it
-generated (`actors/engines/kv_store.py`, at most `kv_reuse_tokens` tokens, least recently used out) and a prompt that
-starts with one of them prefills only its new suffix. In the batch, row r's kept KV sits right-aligned in the first
-P columns of the cache (P: the longest reused prefix), its new tokens right-aligned after them; the attention mask
-covers exactly the kept and the new tokens, and positions count them (so the gap between them changes nothing).
-Tokens and log-probs equal those without reuse within float rounding (the same arithmetic, in other batch shapes).
-Every weight change (load_weights, a staged swap, a LoRA version) drops the kept KV, and a batch during which the
-weights changed keeps none. Each prompt records `generator/prefix_cached_tokens` (sum) and
-`generator/prefix_cached_share`, as the vLLM engine does, and `generator/prefill_s` (the batch's first forward pass,
-cache assembly included).
+generated in its prefix cache (`actors/engines/prefix_cache.py`, at most `kv_reuse_tokens` tokens, least recently
+used out), and a prompt that starts with one of them prefills only its new suffix. In the batch, row r's kept KV
+sits right-aligned in the first P columns of the cache (P: the longest reused prefix), its new tokens right-aligned
+after them; the attention mask covers exactly the kept and the new tokens, and positions count them (so the gap
+between them changes nothing). Tokens and log-probs equal those without reuse within float rounding (the same
+arithmetic, in other batch shapes). Every weight change (load_weights, a staged swap, a LoRA version) drops the kept
+KV, and a batch during which the weights changed keeps none. Each prompt records `generator/prefix_cached_tokens`
+(sum) and `generator/prefix_cached_share`, as the vLLM engine does, and `generator/prefill_s` (the batch's first
+forward pass, cache assembly included).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from actors.engines import lora_weights
-from actors.engines.kv_store import KVStore
+from actors.engines.prefix_cache import PrefixCache
 from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.metrics import record_metric
 from rl.types import Completion, SamplingParams
@@ -98,7 +98,8 @@ class HFEngine:
         self._weights_lock = threading.Lock()  # held while the weights are used (generate) or written
         self._staged_lock = threading.Lock()  # guards _staged
         self._staged: tuple[dict[str, torch.Tensor], int] | None = None
-        self._kv = KVStore(kv_reuse_tokens) if kv_reuse_tokens else None  # used under the weights lock only
+        # used under the weights lock only
+        self._prefix_cache = PrefixCache(kv_reuse_tokens) if kv_reuse_tokens else None
         self._weight_changes = 0  # a batch keeps its KV only if no weight change came during it
 
     @property
@@ -143,8 +144,8 @@ class HFEngine:
         are taken over by pointer (the engine owns them from now on): the swap then costs microseconds, not
         a copy of the whole model under the lock. Others are copied. Kept KV is dropped: new weights, new KV."""
         self._weight_changes += 1
-        if self._kv is not None:
-            self._kv.clear()
+        if self._prefix_cache is not None:
+            self._prefix_cache.clear()
         if lora_weights.is_adapter(state_dict):
             self._merge_adapter(state_dict, version)
             return
@@ -218,7 +219,8 @@ class HFEngine:
         start = time.perf_counter()
         self._apply_staged()  # the start of a batch is a step boundary too; before the lookup: a swap drops the KV
         weight_changes = self._weight_changes
-        matches = [self._kv.match(ids) if self._kv is not None else (None, 0) for ids in prompts]
+        matches = [self._prefix_cache.match(ids) if self._prefix_cache is not None else (None, 0)
+                   for ids in prompts]
         if len({len(ids) for ids in prompts}) == 1 and all(reused for _, reused in matches):
             # Equal lengths, all reused: the shortest reuse for every row leaves the batch without padding, so
             # transformers drops the attention mask (SDPA's GQA and causal kernel, no per-step copy of the cache).
@@ -242,7 +244,7 @@ class HFEngine:
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         # Positions count real tokens only, so padding (left, or between reused and new tokens) shifts none.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        cache = self._kv.assemble(hits, past) if past else DynamicCache()
+        cache = self._prefix_cache.assemble(hits, past) if past else DynamicCache()
         # A row stops at max_tokens or at the end of the model window, whichever comes first.
         budgets = [min(params.max_tokens, self.max_model_len - len(ids)) for ids in rows]
         budgets = torch.tensor(budgets, device=self.device)
@@ -289,10 +291,10 @@ class HFEngine:
         lengths = torch.stack(step_active, dim=1).sum(dim=1).tolist()
         kept = torch.stack(step_kept, dim=1).cpu() if params.truncates else None  # [batch, steps, K]
         stopped = stopped.tolist()
-        if self._kv is not None and self._weight_changes == weight_changes:
+        if self._prefix_cache is not None and self._weight_changes == weight_changes:
             # A row's KV covers its prompt and its tokens but the last step's (sampled, never fed back).
             steps = len(step_tokens)
-            self._kv.keep_batch(cache, attention_mask,
+            self._prefix_cache.keep_batch(cache, attention_mask,
                                 [ids + tokens[row][: min(lengths[row], steps - 1)] for row, ids in enumerate(rows)],
                                 [kept_sequence for kept_sequence, _ in hits])
         completions = []

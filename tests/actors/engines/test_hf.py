@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from actors import engines
 from actors.engines import Engine, make_engine
 from actors.engines.hf import HFEngine
-from actors.engines.kv_store import BLOCK
+from actors.engines.prefix_cache import BLOCK
 from actors.logprobs import token_logprobs
 from rl import sampling
 from forge.metrics import drain_local
@@ -274,7 +274,7 @@ def test_bad_prompts_are_refused_naming_the_request(engine):
 def test_make_engine(checkpoint, monkeypatch):
     engine = make_engine("hf", model=checkpoint)
     assert isinstance(engine, HFEngine) and isinstance(engine, Engine)
-    assert make_engine("hf", model=checkpoint, kv_reuse_tokens=0)._kv is None  # generator.engine_args reach it
+    assert make_engine("hf", model=checkpoint, kv_reuse_tokens=0)._prefix_cache is None  # generator.engine_args reach it
     with pytest.raises(ValueError, match=r"kind='sglang'.*\['hf', 'vllm'\]"):
         make_engine("sglang")
     monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)  # as on a host without vllm
@@ -393,7 +393,7 @@ def test_a_weight_change_drops_the_kept_kv(checkpoint, swap):
     weights = _lora(engine, 0) if swap == "lora" else _scaled(engine, 1.5)
     for target in (engine, full):
         (target.load_weights if swap == "load_weights" else target.stage_weights)(weights, 1)
-    assert len(engine._kv) == 0 and engine._kv.tokens == 0
+    assert len(engine._prefix_cache) == 0 and engine._prefix_cache.tokens == 0
     following = [g[0].prompt_ids + g[0].token_ids + [7, 8, 9] for g in first]
     got, cached = cached_tokens(engine, following, greedy)
     assert cached == 0
@@ -422,7 +422,7 @@ def test_a_batch_whose_weights_changed_mid_generation_keeps_no_kv(checkpoint):
     [[completion]] = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0))
     engine.model.forward = forward
     assert completion.policy_versions == [0, 0, 1, 1, 1]
-    assert len(engine._kv) == 0  # its KV mixes two versions' weights: not kept
+    assert len(engine._prefix_cache) == 0  # its KV mixes two versions' weights: not kept
     _, cached = cached_tokens(engine, [prompt + completion.token_ids], SamplingParams(max_tokens=2))
     assert cached == 0
 
@@ -435,15 +435,15 @@ def test_kept_kv_is_bounded_least_recently_used_first(checkpoint):
     a, b, c = (random_ids(rng, engine.model.config.vocab_size, 40) for _ in range(3))
     for prompt in (a, b):
         engine.generate([prompt], greedy)  # keeps 40 + 3 tokens each (the 4th was never fed back)
-    assert len(engine._kv) == 2 and engine._kv.tokens == 86
+    assert len(engine._prefix_cache) == 2 and engine._prefix_cache.tokens == 86
     _, cached = cached_tokens(engine, [a + [9] * BLOCK], greedy)
     assert cached == len(a)  # a's kept sequence (a + its first 3 tokens) up to where the prompts part
     # Its own 59 tokens pushed out b, added after a but used less recently.
-    assert engine._kv.tokens == 43 + 59
+    assert engine._prefix_cache.tokens == 43 + 59
     _, cached = cached_tokens(engine, [b + [9] * BLOCK], greedy)
     assert cached == 0
     engine.generate([c * 4], greedy)  # 163 tokens to keep: more than the bound, not kept
-    assert engine._kv.tokens <= bound and all(len(ids) < 100 for ids in engine._kv._sequences)
+    assert engine._prefix_cache.tokens <= bound and all(len(ids) < 100 for ids in engine._prefix_cache._sequences)
 
 
 def test_reuse_off_and_bad_bounds(checkpoint):
@@ -451,7 +451,7 @@ def test_reuse_off_and_bad_bounds(checkpoint):
     prompt = random_ids(random.Random(5), off.model.config.vocab_size, 40)
     off.generate([prompt], SamplingParams(max_tokens=3))
     _, cached = cached_tokens(off, [prompt + [9] * 4], SamplingParams(max_tokens=3))
-    assert cached == 0 and off._kv is None
+    assert cached == 0 and off._prefix_cache is None
     with pytest.raises(ValueError, match=r"HFEngine.kv_reuse_tokens=-1: must be >= 0"):
         HFEngine(checkpoint, kv_reuse_tokens=-1)
-    assert HFEngine.from_model(off.model, off.tokenizer)._kv is None  # a model trained in place: nothing kept
+    assert HFEngine.from_model(off.model, off.tokenizer)._prefix_cache is None  # a model trained in place: nothing kept

@@ -1,8 +1,8 @@
-"""The past key values the hf engine keeps between `generate` calls (KV reuse across turns).
+"""The hf engine's prefix cache: the past key values it keeps between `generate` calls (KV reuse across turns).
 
 A multi-turn episode's next prompt is its previous prompt, the model's tokens and the observation, by token id, and
 a group's turns reach the same replica; so the KV the engine computed for the previous turn is the KV of the next
-prompt's prefix. The store keeps, per finished sequence, the KV of every token whose KV was computed (the prompt and
+prompt's prefix. The cache keeps, per finished sequence, the KV of every token whose KV was computed (the prompt and
 the generated tokens, except a last token that was never fed back), and finds for a new prompt the kept sequence
 sharing its longest prefix. It is bounded in tokens (least recently used first out) and is cleared whenever the
 engine's weights change: KV that old weights computed must not serve new ones.
@@ -44,7 +44,7 @@ def block_hashes(ids: list[int]) -> list[int]:
     return hashes
 
 
-class KVStore:
+class PrefixCache:
     """Kept sequences' KV, least recently used first out once they hold more than `max_tokens` tokens."""
 
     def __init__(self, max_tokens: int) -> None:
