@@ -239,9 +239,6 @@ class TitanTrainer:
         metrics = {key: sum(m[key] for m in per_slice) / count for key in per_slice[0]}
         metrics.update(mismatch, lr=lr, tokens_per_second=batch.input_ids.numel() / (time.perf_counter() - started),
                        policy_version=float(self.policy_version))
-        interval = self.config.checkpoint_interval
-        if interval and self.step % interval == 0:
-            self.save_checkpoint()
         return metrics
 
     def accumulate_gradients(
@@ -368,14 +365,10 @@ class TitanTrainer:
             parts["lora"] = AdapterSettings(self.config.lora)
         return {**model, **parts}
 
-    def save_checkpoint(self, path: str | os.PathLike | None = None) -> str:
+    def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Save model, optimizer, LR schedule, step and policy version with DCP (each rank writes its
-        shards) to `path`, default `<checkpoint_dir>/step-<step>`, plus the size and CRC32 of every file.
-        `path` is either absent or complete. Call on every rank."""
-        if path is None:
-            if self.config.checkpoint_dir is None:
-                raise ValueError("save_checkpoint: no path given and TrainerConfig.checkpoint_dir is None")
-            path = Path(self.config.checkpoint_dir) / f"step-{self.step}"
+        shards) to `path`, plus the size and CRC32 of every file. `path` is either absent or complete. Call on
+        every rank; the job decides where (apps.grpo: `checkpoint.folder/step_NNNNNN/trainer`)."""
         states = self._checkpoint_states()
         return checkpoint.save(states, Path(path), rank=self.rank, world_size=self.world_size)
 

@@ -51,10 +51,6 @@ class TrainerConfig(ModelConfig):
     """Tensor-parallel degree (GPUs)."""
     activation_checkpoint: str = "none"
     """TorchTitan's activation checkpointing: none, selective or full (GPUs)."""
-    checkpoint_dir: str | None = None
-    """Where the trainer saves its own checkpoints (apps.grpo checkpoints the job through `checkpoint`)."""
-    checkpoint_interval: int = 0
-    """Save into `checkpoint_dir` every N steps; 0: only when asked."""
     torch_threads: int = 0
     """CPU threads per trainer process on device=cpu (0: torch's default, one per core; the tiny configs: 1, the
     generator has the other core)."""
@@ -86,10 +82,6 @@ class TrainerConfig(ModelConfig):
             require_field(self, name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
         require_field(self, "activation_checkpoint", self.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES,
                       f"one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}")
-        require_field(self, "checkpoint_interval", is_int(self.checkpoint_interval) and self.checkpoint_interval >= 0,
-                      "an int >= 0")
-        require_field(self, "checkpoint_dir", self.checkpoint_dir is not None or self.checkpoint_interval == 0,
-                      f"a folder when checkpoint_interval={self.checkpoint_interval} > 0")
         require_field(self, "publish_dtype", self.publish_dtype is None or self.publish_dtype in PUBLISH_DTYPES,
                       f"None (the trainer's dtype) or one of {', '.join(PUBLISH_DTYPES)}")
         self.publish_dtype = self.publish_dtype or self.dtype

@@ -60,10 +60,6 @@ class EnvironmentHost(ForgeActor):
             await environment.close()
 
     @endpoint
-    async def open_episodes(self) -> int:
-        return len(self.environments)
-
-    @endpoint
     async def stranded_threads(self) -> int:
         return stranded_threads()
 

@@ -28,7 +28,7 @@ class ArithmeticTask:
     """Sums (and differences) of non-negative integers with up to `num_digits` digits.
 
     Args:
-        seed: fixes the held-out set and `supervised_examples`.
+        seed: fixes the held-out set.
         num_digits: operands are drawn uniformly from [0, 10**num_digits).
         held_out: size of the held-out evaluation set.
         operators: a non-empty subset of ("+", "-").
@@ -93,13 +93,6 @@ class ArithmeticTask:
     def held_out(self) -> list[Problem]:
         """The fixed evaluation set, in a deterministic order."""
         return list(self._held_out)
-
-    def supervised_examples(self, n: int) -> list[Problem]:
-        """`n` training problems with their answers for a short supervised warm start.
-
-        The target sequence is `prompt + answer` followed by the EOS token, so the model learns to stop.
-        """
-        return self.sample_prompts(n, random.Random(f"{self.seed}-supervised"))
 
     def reward(self, completion_text: str, answer: str) -> float:
         """1.0 if the completion, cut at EOS and whitespace-stripped, is exactly the answer, else 0.0."""

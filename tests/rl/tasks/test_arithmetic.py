@@ -43,13 +43,6 @@ def test_reversed_answers_are_the_same_numbers_least_significant_digit_first():
     assert any(p.answer != r.answer for p, r in pairs)
 
 
-def test_supervised_examples_are_deterministic_training_problems():
-    task = ArithmeticTask(seed=0)
-    examples = task.supervised_examples(300)
-    assert examples == ArithmeticTask(seed=0).supervised_examples(300)
-    assert not set(examples) & set(task.held_out())
-
-
 @pytest.mark.parametrize(
     "completion, reward",
     [("46", 1.0), (" 46\n", 1.0), ("46<|endoftext|>", 1.0), ("46<|endoftext|>7", 1.0), ("47", 0.0),
