@@ -8,8 +8,8 @@ from typing import Any
 
 from actors.lora_config import LoRAConfig, check_lora_for_model, local_hf_config
 from actors.model_config import ModelConfig, is_int, is_number, require_field
-from forge.loss_rules import HYPERPARAM_RULES, LOSS_NAMES, SUPPLIED_BY_TRAINER, check_hyperparams, check_loss_name, \
-    loss_hyperparams
+from forge.loss_rules import HYPERPARAM_RULES, check_hyperparams
+from losses.registry import REGISTERED_LOSSES, SUPPLIED_BY_TRAINER, check_loss_name
 
 LR_DECAYS = ("constant", "linear", "cosine")
 ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
@@ -106,8 +106,8 @@ def _check_loss(loss: Any, loss_params: dict[str, Any]) -> None:
     a user's loss ("package.module:function" or a callable) is imported: its signature says what it takes."""
     if isinstance(loss, str):
         check_loss_name(loss)  # an unknown name is refused without importing the losses
-    if loss in LOSS_NAMES:
-        name, taken = loss, loss_hyperparams(loss)
+    if loss in REGISTERED_LOSSES:
+        name, taken = loss, REGISTERED_LOSSES[loss].hyperparams
     else:
         from losses import get_loss  # raises a ValueError naming the loss when it cannot be imported
 

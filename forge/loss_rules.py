@@ -1,20 +1,14 @@
-"""The registered policy losses' names and the rules for their hyperparameters, in plain Python: no torch.
+"""The rules for the policy losses' hyperparameters, in plain Python: no torch.
 
-A job's config is checked before its training stack is imported (apps/grpo/cli.py), so `TrainerConfig` checks a
-registered loss's `loss_params` here: which keyword arguments the loss takes is read from its source in losses/
-(as actors/engines/vllm_args.py reads vLLM's), not from the function, whose module imports torch.
+A job's config is checked before its training stack is imported (apps/grpo/cli.py), so `TrainerConfig` checks
+`loss_params` against these rules; which hyperparameters each registered loss takes is declared in
+losses/registry.py.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 from collections.abc import Callable
-from functools import cache
-from pathlib import Path
 
-LOSS_NAMES = ("grpo", "dapo", "gspo", "cispo", "dr_grpo")  # losses/<name>.py defines the loss function <name>
-SUPPLIED_BY_TRAINER = frozenset({"logprobs", "batch", "old_logprobs"})  # every loss's non-hyperparameter arguments
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # The rollout corrections (losses/terms.py): any of these set makes the loss need pi_old, the trainer's own log-probs
 # before the batch's first optimizer step, which the trainer then computes.
@@ -65,20 +59,3 @@ def check_advantage_normalization(loss: object, normalize_std: bool, *, loss_fie
     if loss == "dr_grpo" and normalize_std:
         raise ValueError(f"{loss_field}='dr_grpo' with {normalize_field}=True: Dr. GRPO's advantage is mean-centred "
                          f"only (the paper removes the division by the group's std); set {normalize_field}=false")
-
-
-def check_loss_name(name: str) -> None:
-    """A loss given by name is registered or written 'package.module:function'."""
-    if name not in LOSS_NAMES and ":" not in name:
-        raise ValueError(f"loss={name!r}: unknown; must be one of {', '.join(LOSS_NAMES)}, or 'package.module:function'")
-
-
-@cache
-def loss_hyperparams(name: str) -> frozenset[str]:
-    """The hyperparameters (keyword arguments besides the trainer's) registered loss `name` takes, read from
-    losses/<name>.py without importing it (tests/losses/test_get_loss.py checks them against the signatures)."""
-    spec = importlib.util.find_spec("losses")  # a top-level package is found without running its __init__
-    source = Path(spec.submodule_search_locations[0], f"{name}.py").read_text()
-    function = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == name)
-    arguments = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
-    return frozenset(a.arg for a in arguments) - SUPPLIED_BY_TRAINER

@@ -1,9 +1,12 @@
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from forge.loss_rules import LOSS_NAMES, SUPPLIED_BY_TRAINER, loss_hyperparams
 from losses import LOSSES, get_loss
+from losses.registry import REGISTERED_LOSSES, SUPPLIED_BY_TRAINER
 from losses.cispo import cispo
 from losses.dapo import dapo
 from losses.dr_grpo import dr_grpo
@@ -18,12 +21,22 @@ def test_registered_names_resolve_to_their_functions():
         assert get_loss(name) is fn
 
 
-def test_the_torch_free_registry_matches_the_loss_functions():
-    # The config checks (forge.loss_rules) read names and hyperparameters without importing the losses.
-    assert LOSS_NAMES == tuple(LOSSES)
-    for name, fn in LOSSES.items():
-        assert loss_hyperparams(name) == set(inspect.signature(fn).parameters) - SUPPLIED_BY_TRAINER, name
-    assert loss_hyperparams("grpo") == {"clip_eps", "kl_coef", "kl_estimator", "tis_cap", "token_mask_band", "seq_mask_band"}
+def test_each_declared_loss_takes_exactly_its_declared_hyperparameters():
+    # The config checks read losses.registry without importing the losses: the declaration must be the signature.
+    for name, registered in REGISTERED_LOSSES.items():
+        parameters = inspect.signature(get_loss(name)).parameters
+        assert set(parameters) - SUPPLIED_BY_TRAINER == registered.hyperparams, name
+        assert SUPPLIED_BY_TRAINER <= set(parameters), name
+    assert REGISTERED_LOSSES["grpo"].hyperparams == {"clip_eps", "kl_coef", "kl_estimator", "tis_cap",
+                                                     "token_mask_band", "seq_mask_band"}
+
+
+def test_the_registry_and_the_package_import_no_torch():
+    # A bad config is refused before torch is imported (apps/grpo/cli.py): the checks import losses.registry.
+    code = ("import sys, losses, losses.registry; losses.get_loss; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "losses.get_loss('grpo'); assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_a_callable_is_returned_as_is():
