@@ -36,7 +36,7 @@ from apps.gateway.schemas import (
 from apps.gateway.sessions import Interaction, RLSession, SessionStore, set_reward, trajectory_episodes
 from apps.server.errors import ServiceError, field_error
 from apps.server.model import tokenizer_info
-from apps.server.runtime import endpoint_failure
+from apps.server.actor_calls import endpoint_failure
 from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
@@ -52,8 +52,8 @@ class Gateway:
         self.cfg = cfg
         self.model_path = model_path
         info = tokenizer_info(model_path)
-        self.pad_id = info["pad_id"]
-        self.encoder = PromptEncoder(info["tokenizer"], cfg.chat.format, info["max_model_len"])
+        self.pad_id = info.pad_id
+        self.encoder = PromptEncoder(info.tokenizer, cfg.chat.format, info.max_model_len)
         self.sessions = SessionStore()
         self.version = 0
         self.train_steps = 0

@@ -8,8 +8,10 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from apps.server.errors import ServiceError, not_found
+from apps.server.adapters import adapter_summary, same_adapter
+from apps.server.errors import ServiceError, field_error, not_found
 from apps.server.schemas import CheckpointInfo
 
 RECORD = "forge_checkpoint.json"
@@ -42,6 +44,35 @@ class CheckpointStore:
         if not record.is_file():
             raise not_found("checkpoint", name, [c.checkpoint_id for c in self.list()])
         return CheckpointInfo.model_validate(json.loads(record.read_text()))
+
+    def loadable_state(self, name: str, with_optimizer: bool, loc: list[str], *, session_id: str | None = None,
+                       lora: dict[str, Any] | None = None) -> CheckpointInfo:
+        """The save_state checkpoint `name`, checked to load with (or without) its optimizer; with `session_id`,
+        also into that session's model (`lora`: its adapter, None for full-model weights). A 422 names `loc`."""
+        info = self.get(name)  # 404 when unknown
+        if info.checkpoint_type != "state":
+            raise field_error(loc, name, "is a save_weights_for_sampler export; load_state takes save_state checkpoints")
+        if with_optimizer and not info.with_optimizer:
+            raise field_error(["with_optimizer"], True, f"checkpoint {name!r} was saved without the optimizer; "
+                                                        "load it with with_optimizer=false")
+        if session_id is not None and not same_adapter(lora, info.lora):
+            raise field_error(loc, name, f"holds {adapter_summary(info.lora)}; session {session_id!r} trains "
+                                         f"{adapter_summary(lora)}")
+        return info
+
+    def sampler_adapter(self, model_path: str) -> CheckpointInfo:
+        """The LoRA save_weights_for_sampler checkpoint `model_path` names (its name or its path)."""
+        name = Path(model_path).name
+        known = {c.checkpoint_id: c for c in self.list()}
+        info = known.get(name)
+        if info is None or (name != model_path and Path(model_path).resolve() != Path(info.path)):
+            raise ServiceError(404, [{"loc": ["body", "model_path"], "input": model_path, "type": "not_found",
+                                      "msg": f"no checkpoint {model_path!r}; known: {', '.join(sorted(known)) or 'none'}"}])
+        if info.checkpoint_type != "sampler" or info.lora is None:
+            kind = "a save_state checkpoint" if info.checkpoint_type == "state" else "a full-model export"
+            raise field_error(["model_path"], model_path, f"is {kind}; model_path takes a LoRA session's "
+                                                          "save_weights_for_sampler checkpoint")
+        return info
 
     def list(self) -> list[CheckpointInfo]:
         infos = []

@@ -6,6 +6,7 @@ Shared by the training service and the online-RL gateway.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,18 @@ def warm_started_model(model: str, model_cache: str, config: WarmStartConfig, *,
     return str(Path(path).resolve()), accuracy
 
 
-def tokenizer_info(model_path: str) -> dict[str, Any]:
-    """What a client needs to build token sequences: pad and EOS ids, vocabulary size, window."""
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What a client needs to build token sequences (and the server to check them), with the tokenizer itself."""
+
+    tokenizer: Any
+    pad_id: int
+    eos_id: int
+    vocab_size: int
+    max_model_len: int
+
+
+def tokenizer_info(model_path: str) -> TokenizerInfo:
     import json
 
     from transformers import AutoTokenizer
@@ -44,5 +55,5 @@ def tokenizer_info(model_path: str) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     config = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path, "config.json").is_file() else {}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return {"tokenizer": tokenizer, "pad_id": pad, "eos_id": tokenizer.eos_token_id, "vocab_size": len(tokenizer),
-            "max_model_len": int(config.get("max_position_embeddings", tokenizer.model_max_length))}
+    return TokenizerInfo(tokenizer=tokenizer, pad_id=pad, eos_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
+                         max_model_len=int(config.get("max_position_embeddings", tokenizer.model_max_length)))

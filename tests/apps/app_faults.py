@@ -54,8 +54,9 @@ def kill_the_generator_for_good(controller_pid: int, log: Path, victim: int, ser
 
 
 class Endpoint:
-    """Stands in for an actor endpoint (`call`, `call_one`, a service's `route`): answers `answer(*args)`, or, with
-    no answer, never (an actor stuck in a call); counts the calls cancelled while they waited."""
+    """Stands in for an actor endpoint (`call`, `call_one`, a service's `route` and `fanout`): answers
+    `answer(*args)`, or, with no answer, never (an actor stuck in a call); counts the calls cancelled while they
+    waited."""
 
     def __init__(self, answer: Callable[..., Any] | None = None) -> None:
         self.answer, self.cancelled = answer, 0
@@ -69,7 +70,7 @@ class Endpoint:
             self.cancelled += 1
             raise
 
-    call_one = route = call
+    call_one = route = fanout = call
 
 
 def actor(**endpoints: Endpoint) -> Any:

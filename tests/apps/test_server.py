@@ -27,13 +27,15 @@ from apps.server.batches import batch_temperature, build_batch, concat_batches
 from apps.server.config import ServerConfig
 from apps.server.errors import ServiceError
 from apps.server.model import warm_started_model
-from apps.server.runtime import TrainingService, endpoint_failure
+from apps.server.actor_calls import endpoint_failure
+from apps.server.runtime import TrainingService
 from apps.server.schemas import Datum
 from apps.server.sequencer import Sequencer
 from apps.server.serving import install_error_handlers
 from forge.compat import report_endpoint_errors
 from apps.app_config import load_app_config
 from forge.provisioner import free_port
+from forge.service import NoHealthyReplicaError
 from rl.tiny_model import ensure_tiny_checkpoint
 from apps.warm_start.config import WarmStartConfig
 from tests.docs.snippets import python_blocks, run_block
@@ -179,6 +181,28 @@ def test_calls_past_call_timeout_s_or_spawn_timeout_s_are_504_naming_the_setting
             lambda batch, *rest: {"loss": 0.0, "metrics": {}, "logprobs": torch.zeros(1, 3)}))
         answered = client.post("/api/v1/forward", json={"model_id": session_id, "data": [datum]})
         assert answered.status_code == 200 and answered.json()["seq_id"] == 1, answered.text
+
+
+def test_no_generator_replica_left_is_503_for_sampling_and_for_a_weight_sync(tmp_path):
+    # Without processes: a generator service whose replicas are all gone for good (forge.service raises
+    # NoHealthyReplicaError) is the server's 503, naming the service's failure, on both paths that use it.
+    cfg = load_app_config(ROOT / "configs/server_tiny.yaml", [f"model_cache={tmp_path}", f"run_dir={tmp_path / 'run'}"],
+                          ServerConfig)
+    service = TrainingService(cfg, cfg.model)
+
+    def gone(*args):
+        raise NoHealthyReplicaError("service generator: no healthy replica left (replica 0: killed)")
+
+    service.generators = actor(generate_batch=Endpoint(gone), update_weights=Endpoint(gone))
+    service.idle_trainers = [actor(reset=Endpoint(lambda: None), publish_as=Endpoint(lambda version: version))]
+    with TestClient(build_app(service)) as client:
+        sample = client.post("/api/v1/sample", json={"prompt": "1+1="})
+        assert sample.status_code == 503, sample.text
+        assert sample.json() == {"detail": "service generator: no healthy replica left (replica 0: killed)"}
+        session_id = client.post("/api/v1/create_session", json={}).json()["session_id"]
+        sync = client.post("/api/v1/sync_inference_weights", json={"model_id": session_id})
+        assert sync.status_code == 503, sync.text
+        assert sync.json() == {"detail": "service generator: no healthy replica left (replica 0: killed)"}
 
 
 def test_batches_align_loss_inputs_and_name_bad_fields():
