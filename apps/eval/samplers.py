@@ -1,0 +1,86 @@
+"""Where samples come from: forge's generator service, or an OpenAI-compatible server over HTTP.
+
+Both have `sample(prompt, params) -> list[str | Exception]`: `params.n` samples of one prompt, each a text or the
+error that sample failed with. A call that raises failed all n samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from apps.eval.config import EndpointConfig
+from rl.types import SamplingParams
+
+_RETRIED_STATUS = {429, 500, 502, 503, 504}
+
+
+class GeneratorSampler:
+    """One `generate` request per prompt: the service routes it to a replica, which batches concurrent requests with
+    the same parameters into one engine call (an unseeded evaluation's prompts; a seeded prompt runs alone)."""
+
+    def __init__(self, generators: Any) -> None:
+        self.generators = generators
+
+    async def sample(self, prompt: str, params: SamplingParams) -> list[str | Exception]:
+        return [c.text for c in await self.generators.generate.route(prompt, params)]
+
+
+class EndpointError(RuntimeError):
+    """The endpoint answered with an error, or not at all, after its retries."""
+
+
+class EndpointSampler:
+    """`/completions` (n samples per request, vLLM's `stop_token_ids`) or `/chat/completions` (the prompt as one user
+    message, one sample per request), with `retries` further tries of a request that failed in transit or got a 5xx
+    or 429 answer."""
+
+    def __init__(self, config: EndpointConfig, retry_wait_s: float = 0.5) -> None:
+        self.config, self.retry_wait_s = config, retry_wait_s
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.client = httpx.AsyncClient(base_url=config.base_url.rstrip("/") + "/", headers=headers,
+                                        timeout=config.timeout_s)
+
+    async def sample(self, prompt: str, params: SamplingParams) -> list[str | Exception]:
+        if self.config.api == "completions":
+            body = {"prompt": prompt, "n": params.n, **self._sampling(params, params.seed)}
+            if params.stop_token_ids:
+                body["stop_token_ids"] = list(params.stop_token_ids)
+            choices = (await self._post("completions", body))["choices"]
+            if len(choices) != params.n:
+                raise EndpointError(f"asked for n={params.n} choices, got {len(choices)}")
+            return [c["text"] for c in sorted(choices, key=lambda c: c.get("index", 0))]
+        seeds = [None if params.seed is None else params.seed * params.n + j for j in range(params.n)]
+        replies = await asyncio.gather(*(self._chat(prompt, params, seed) for seed in seeds), return_exceptions=True)
+        return [r if isinstance(r, (str, Exception)) else EndpointError(repr(r)) for r in replies]
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _chat(self, prompt: str, params: SamplingParams, seed: int | None) -> str:
+        body = {"messages": [{"role": "user", "content": prompt}], "n": 1, **self._sampling(params, seed)}
+        (choice,) = (await self._post("chat/completions", body))["choices"]
+        return choice["message"]["content"] or ""
+
+    def _sampling(self, params: SamplingParams, seed: int | None) -> dict:
+        body = {"model": self.config.model, "max_tokens": params.max_tokens, "temperature": params.temperature,
+                "top_p": params.top_p}
+        return body if seed is None else {**body, "seed": seed}
+
+    async def _post(self, path: str, body: dict) -> dict:
+        for attempt in range(self.config.retries + 1):
+            last = attempt == self.config.retries
+            try:
+                response = await self.client.post(path, json=body)
+            except httpx.TransportError as e:  # could not connect, timed out, connection dropped
+                if last:
+                    raise EndpointError(f"POST {path}: {type(e).__name__}: {e}") from None
+            else:
+                if response.status_code < 400:
+                    return response.json()
+                if last or response.status_code not in _RETRIED_STATUS:
+                    raise EndpointError(f"POST {path}: HTTP {response.status_code}: {response.text[:200]}")
+            await asyncio.sleep(self.retry_wait_s * 2**attempt)
+        raise AssertionError("unreachable")
