@@ -41,6 +41,8 @@ class Evaluation:
                         else Reward(task.reward, None) for i, (t, task) in enumerate(zip(cfg.tasks, self.tasks))]
         self.slots = asyncio.Semaphore(cfg.concurrency)
         self.samples = (self.out / "samples.jsonl").open("w") if cfg.save_samples else None
+        if cfg.metrics.jsonl is None:  # this evaluation's own file (the JSONL backend appends)
+            (self.out / "metrics.jsonl").unlink(missing_ok=True)
         self.metrics = MetricLogger.from_config(cfg.metrics, jsonl_default=self.out / "metrics.jsonl")
         self.results: list[VersionResult] = []
 
