@@ -1,13 +1,14 @@
 """How much of a published weight changes from one policy version to the next, and what a delta costs.
 
     python -m bench.delta_share --model-shape qwen3-1.7b --layers 2 --lrs 1e-6,1e-5,1e-4 --steps 4
-    python -m bench.delta_share --model-shape tiny --lrs 3e-4 --publish-dtypes bfloat16,float32 --steps 4
+    python -m bench.delta_share --model-shape forge-tiny --lrs 3e-4 --publish-dtypes bfloat16,float32 --steps 4
 
 The trainer keeps fp32 master weights and publishes them in `publish_dtype`; a published element changes only
 when its master value crosses a rounding boundary of that dtype. Each step here is a real Adam step (the
-trainer's optimizer, fp32 master weights) on a causal-LM loss over random tokens, with the model's random
-initial weights (no hub here: trained weights have similar magnitudes). The 1.7B shape keeps its full
-vocabulary (tied embeddings) and `--layers` of its 28 decoder layers, said in the output.
+trainer's optimizer, fp32 master weights) on a causal-LM loss over random tokens, from transformers' own random
+initialization (no hub here: trained weights have similar magnitudes). The 1.7B shape keeps its full vocabulary
+(tied embeddings) and `--layers` of its 28 decoder layers, said in the output; `forge-tiny` is the model
+`configs/grpo_tiny.yaml` trains (rl/tiny_model.py), at that config's trainer lr 3e-4.
 
 Per step it prints the share of changed elements and the bytes of a full copy against three delta encodings:
 sparse (int32 index + value per changed element), bitmask (one bit per element + the changed values) and
@@ -24,7 +25,10 @@ import zlib
 import numpy
 import torch
 
-from bench.publish_to_ready import SHAPES, DTYPES, build_model, qwen3_config
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from bench.publish_to_ready import DTYPES, SHAPES, qwen3_config
+from rl.tiny_model import tiny_config
 
 
 def changed_mask(previous: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,7 @@ def published(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Ten
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-shape", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--model-shape", default="qwen3-1.7b", choices=sorted([*SHAPES, "forge-tiny"]))
     parser.add_argument("--layers", type=int, default=2, help="decoder layers kept (memory and time on CPU)")
     parser.add_argument("--lrs", default="1e-6,1e-5,1e-4")
     parser.add_argument("--publish-dtypes", default="bfloat16")
@@ -74,14 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    config = qwen3_config(args.model_shape)
+    config = Qwen3Config(**tiny_config()) if args.model_shape == "forge-tiny" else qwen3_config(args.model_shape)
     kept = min(args.layers, config.num_hidden_layers)
     config.num_hidden_layers = kept
     for lr in args.lrs:
-        model = build_model(config, torch.float32, torch.device("cpu"), args.seed)
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
         numel = sum(p.numel() for p in model.parameters())
-        print(f"{args.model_shape}, {kept} decoder layers, {numel / 1e6:.0f}M parameters (fp32 master), Adam lr {lr:g}",
+        print(f"{args.model_shape}, {kept} decoder layers, {numel / 1e6:.1f}M parameters (fp32 master), Adam lr {lr:g}",
               flush=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         previous = {dtype: published(model, dtype) for dtype in args.publish_dtypes}
