@@ -12,6 +12,7 @@ from typing import Literal
 
 from omegaconf import MISSING
 
+from actors.engines.vllm_args import check_engine_args
 from actors.generator_config import GeneratorConfig
 from apps.eval.sources import ModelVersion, checkpoint_version, model_label, run_checkpoints
 from forge.metrics import MetricsConfig
@@ -146,6 +147,12 @@ class EvalJobConfig:
             raise ValueError(f"generator.model={self.generator.model!r}: the generator serves `model`; set model "
                              "instead, or leave generator.model out")
         self.generator = replace(self.generator, model=self.model)
+        if self.generator.engine == "vllm":  # vLLM's own check of engine_args, as apps.grpo runs it
+            try:
+                check_engine_args(self.generator.engine_args, device=self.generator.device)
+            except (ImportError, ValueError) as e:
+                raise ValueError(f"generator.{e}" if str(e).startswith("engine_args") else
+                                 f"generator.engine='vllm': {e}") from None
         if not self.tasks:
             raise ValueError("tasks=[]: name at least one task")
         for i, task in enumerate(self.tasks):

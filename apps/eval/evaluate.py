@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -61,7 +60,7 @@ class Progress:
         now = time.perf_counter()
         if self.every_s and now - self.last >= self.every_s and self.done < self.total:
             self.last = now
-            print(self.line(now), file=sys.stderr, flush=True)
+            print(self.line(now), flush=True)
 
     def line(self, now: float) -> str:
         rate = self.done / max(now - self.start, 1e-9)
