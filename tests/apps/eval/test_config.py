@@ -33,6 +33,8 @@ def refused(*overrides: str) -> str:
     (["+endpoint.model=m"], "endpoint.base_url: required value is missing"),
     (["generator.model=/elsewhere"], "generator.model='/elsewhere': the generator serves `model`"),
     (["generator.engine=tgi"], "generator.engine='tgi': must be one of hf, vllm"),
+    (["generator.engine=vllm", "+generator.engine_args.foo=1"],
+     "generator.engine_args: unknown vLLM engine argument(s) ['foo']"),
 ])
 def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(overrides, message):
     assert message in refused(*overrides)
