@@ -71,6 +71,10 @@ class TrainingService:
         await self.policy.start()
         self.registry.start_reaper()
 
+    async def watch(self) -> None:
+        """Returns (or raises) only if a background task (the idle sessions' reaper) ends: the server stops."""
+        await self.registry.watch()
+
     async def stop(self) -> None:
         await self.registry.close("the server is shutting down")
 

@@ -110,6 +110,10 @@ class SessionRegistry:
     def start_reaper(self) -> None:
         self._reaper = asyncio.ensure_future(self._reap())
 
+    async def watch(self) -> None:
+        """Returns (or raises) only if the reaper ends."""
+        await asyncio.shield(self._reaper)
+
     async def close(self, reason: str) -> None:
         """Stop the reaper and unload every session."""
         if self._reaper is not None:
