@@ -43,7 +43,17 @@ from apps.server.schemas import (
 from apps.server.serving import install_error_handlers
 from forge.provisioner import get_provisioner
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (401, 404, 409, 429, 500, 504)}
+# Every error status the API answers (docs/serving.md, "Error codes"), in its OpenAPI schema.
+_ERRORS = {code: {"model": ErrorResponse, "description": why} for code, why in {
+    401: "missing or wrong API key",
+    404: "unknown session (the message says why it is gone) or checkpoint",
+    409: "a seq_id already run, refused or given up after a gap; chunks that disagree",
+    422: "a field at fault: [{loc, msg, input}] naming it, or a message",
+    429: "max_sessions or max_lora_sessions reached",
+    500: "a server-side failure, with its cause",
+    503: "no healthy generator replica left",
+    504: "an actor call past its timeout (sessions.call_timeout_s, sessions.spawn_timeout_s)",
+}.items()}
 _CHUNKED = {**_ERRORS, 202: {"model": ChunkAccepted, "description": "a chunk stored; the request runs when all arrive"}}
 
 

@@ -205,6 +205,27 @@ def test_no_generator_replica_left_is_503_for_sampling_and_for_a_weight_sync(tmp
         assert sync.json() == {"detail": "service generator: no healthy replica left (replica 0: killed)"}
 
 
+def test_every_status_code_the_server_answers_is_in_its_openapi_schema(tmp_path):
+    # The codes raised in apps/server (ServiceError(...), the error handlers, field_error's default) and FastAPI's
+    # own 422: each /api/v1 operation of the served schema documents every one (a client generated from it knows them).
+    answered = {422}
+    for source in (ROOT / "apps/server").glob("*.py"):
+        text = source.read_text()
+        answered |= {int(code) for code in re.findall(r"(?:ServiceError|respond)\((\d{3})\b", text)}
+        answered |= {int(code) for code in re.findall(r"\bstatus: int = (\d{3})\b", text)}
+    assert {401, 404, 409, 422, 429, 500, 503, 504} <= answered  # the scan sees every kind of raise
+    cfg = load_app_config(ROOT / "configs/server_tiny.yaml", [f"model_cache={tmp_path}", f"run_dir={tmp_path / 'run'}"],
+                          ServerConfig)
+    with TestClient(build_app(TrainingService(cfg, cfg.model))) as client:
+        paths = client.get("/openapi.json").json()["paths"]
+    operations = {f"{method.upper()} {path}": operation for path, methods in paths.items()
+                  if path.startswith("/api/v1/") for method, operation in methods.items()}
+    assert len(operations) >= 20
+    undocumented = {name: sorted(answered - {int(code) for code in operation["responses"] if code.isdigit()})
+                    for name, operation in operations.items()}
+    assert not {name: codes for name, codes in undocumented.items() if codes}
+
+
 def test_batches_align_loss_inputs_and_name_bad_fields():
     datum = Datum.model_validate({"model_input": {"chunks": [{"tokens": [5, 6]}, {"tokens": [7, 8]}]},
                                   "loss_fn_inputs": {"logprobs": [0, 0, -0.5], "advantages": [0, 0, 2.0],
