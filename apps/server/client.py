@@ -103,7 +103,7 @@ class ModelInput:
 class Datum:
     """One training sequence: the full prompt + completion, and the loss inputs aligned to input_ids[1:]
     (`logprobs`, `advantages` per token or one number, optional `mask`, `ref_logprobs`, `reward`, and a sample's
-    `kept_token_ids` and `temperature`: `from_sample` fills them)."""
+    `kept_token_ids`, `temperature` and `policy_versions`: `from_sample` fills them)."""
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, Any] = field(default_factory=dict)
@@ -114,7 +114,8 @@ class Datum:
         """One sampled sequence (`samples[i][j]` of a sample result, `prompt_tokens[i]` its prompt) to train on:
         its sampling log-probs, `advantage` on its tokens, the temperature its log-probs are at, and, when it was
         sampled with top_k/top_p, the kept sets the trainer renormalises over (without either the trainer's
-        log-probs would be of another distribution than the sample's)."""
+        log-probs would be of another distribution than the sample's); and the policy version that sampled each
+        token."""
         context, n = len(prompt_tokens) - 1, len(sample["tokens"])
         inputs = {"logprobs": [0.0] * context + list(sample["logprobs"]),
                   "advantages": [0.0] * context + [float(advantage)] * n,
@@ -123,6 +124,8 @@ class Datum:
             inputs["temperature"] = float(sample["temperature"])
         if sample.get("kept_token_ids") is not None:
             inputs["kept_token_ids"] = [[] for _ in range(context)] + [list(k) for k in sample["kept_token_ids"]]
+        if sample.get("policy_versions") is not None:  # -1: no version (the prompt), as in rl.types.TrainBatch
+            inputs["policy_versions"] = [-1] * context + [int(v) for v in sample["policy_versions"]]
         return cls(ModelInput.from_ints([*prompt_tokens, *sample["tokens"]]), inputs)
 
     def to_json(self) -> dict[str, Any]:

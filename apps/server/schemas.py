@@ -122,7 +122,9 @@ class LossFnInputs(_Strict):
                                      description="1 on trained positions (default: where per-token advantages != 0)")
     target_tokens: list[int] | None = Field(None, validation_alias=AliasChoices("target_tokens", "labels"),
                                             description="optional check: must equal input_ids[1:]")
-    policy_versions: list[int] | None = None
+    policy_versions: list[int] | None = Field(
+        None, description="per position, the policy version that sampled input_ids[t + 1] (a sample's own "
+        "policy_versions; -1 where none did, e.g. the prompt). None: 0 everywhere")
     ref_logprobs: list[float] | None = None
     kept_token_ids: list[list[int]] | None = Field(
         None, description="per position, the token ids the top_k/top_p sampling step that drew input_ids[t + 1] "

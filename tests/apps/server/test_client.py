@@ -205,6 +205,20 @@ def test_a_sample_becomes_a_datum_with_its_kept_sets():
     assert "kept_token_ids" not in full["loss_fn_inputs"]  # sampled from the full vocabulary
 
 
+def test_a_sample_becomes_a_datum_that_keeps_the_policy_version_of_each_sampled_token():
+    from apps.server.batches import build_batch
+    from apps.server.schemas import Datum as ServerDatum
+
+    sample = Result.wrap({"tokens": [7, 8, 9], "logprobs": [-0.5, -0.25, -0.1], "policy_versions": [3, 3, 4],
+                          "kept_token_ids": None})
+    datum = Datum.from_sample([3, 4, 5], sample, 1.0).to_json()
+    assert datum["loss_fn_inputs"]["policy_versions"] == [-1, -1, 3, 3, 4]  # -1: the prompt, sampled by none
+    batch = build_batch([ServerDatum.model_validate(datum)], pad_id=0, vocab_size=100, max_len=16,
+                        needs_rl_inputs=True)
+    assert batch.policy_versions.tolist() == [[-1, -1, 3, 3, 4]]
+    assert batch.oldest_policy_versions().tolist() == [3]
+
+
 def test_a_sample_becomes_a_datum_at_its_own_temperature():
     # The server scores a datum at loss_fn_inputs.temperature (the trainer's own when absent): a sample's log-probs
     # are at the temperature it was drawn at, which the datum must say.
