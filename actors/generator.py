@@ -1,6 +1,12 @@
 """The Generator actor: an engine behind endpoints, batching concurrent requests, following the trainer's
 published policy versions.
 
+Batching: requests that arrive while the engine is busy (several callers, a rollout's calls, an evaluation beside
+them) wait in one queue and go to the engine together, up to `max_batch_size` sequences (`_batch_loop`). It is the
+one place forge merges requests: where the cost is, an engine call per batch rather than per request. Callers send
+what they have as one call (a GRPO rollout, all the groups the replay buffer granted at once) and need no merging of
+their own.
+
 Weight updates: a background task watches the weight store; when a newer version appears it fetches it
 (while generation goes on) and stages it in the engine, which swaps it in at the next safe point (the hf
 engine between decode steps, vLLM between batches). Every generated token records the version that made

@@ -9,10 +9,12 @@ have reserved but not yet delivered, so nothing is generated that would be too o
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +23,7 @@ from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from rl.types import Episode, EpisodeBatch, TrainBatch
 
-__all__ = ["ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
+__all__ = ["ReplayBuffer", "ReplayBufferActor", "ReplayBufferClient", "ReplayBufferConfig"]
 
 DROP_REASONS = ("too_old", "buffer_full")
 
@@ -53,13 +55,16 @@ class ReplayBuffer:
       each non-empty drop so the actor can forward counts to metrics.
     - Trainer versions never decrease: `sample` / `evict` with a version below the last one seen is an error.
 
-    Rollout capacity (`reserve` / `add(..., reserved=True)` / `release`): a rollout about to generate episodes
-    with policy version v reserves room for them first. An episode made by version v can be trained by the batches
+    Rollout capacity (`reserve` / `add(..., reserved=n)`): a rollout about to generate episodes with policy version v
+    reserves room for them first, and settles the reservation when it delivers them (fewer when some were dropped on
+    the way: the rest of the room is released). An episode made by version v can be trained by the batches
     the trainer samples at versions up to v + max_policy_age; the buffer assumes one batch per trainer version, so
     the batches still to come are those sampled at `next_batch_version` (the last version sampled, plus one once a
     batch went out at it) up to v + max_policy_age (and no later than the last batch of the job, when known). Room is
     those batches' episodes minus what is held and what is reserved and not yet delivered (`in_flight`), capped by
-    `max_buffer_size`. So at `max_policy_age=0` rollouts wait while the trainer trains on version v's batch, until
+    `max_buffer_size`. A group is granted while any room is left for the batches (not only room for a whole group): a
+    group delivered short (episodes dropped for their environment) leaves less than a group's room, and the job's last
+    batch must still fill. So at `max_policy_age=0` rollouts wait while the trainer trains on version v's batch, until
     v + 1 is published, and no reserved episode is ever dropped as too old. At larger ages none is either with
     `sample_order="oldest"` when episodes arrive in the order they were reserved; with "random" an episode can still
     be left behind until it ages out.
@@ -130,31 +135,27 @@ class ReplayBuffer:
         if last_version is not None:
             newest_batch = min(newest_batch, last_version)
         batches = max(0, newest_batch - self._next_batch_version + 1)
-        room = batches * self.batch_size
+        taken = len(self._entries) + self._in_flight
+        room = batches * self.batch_size - taken
+        granted = -(-room // group_size)  # while any room is left (the class docstring says why)
         if self.max_buffer_size is not None:
-            room = min(room, self.max_buffer_size)
-        room -= len(self._entries) + self._in_flight
-        granted = max(0, min(groups, room // group_size))
+            granted = min(granted, (self.max_buffer_size - taken) // group_size)  # whole groups within the bound
+        granted = max(0, min(groups, granted))
         self._in_flight += granted * group_size
         return granted
 
-    def release(self, count: int) -> None:
-        """Give back `count` reserved episodes that will not arrive (a failed generation, a group filtered out)."""
-        check_int("ReplayBuffer.release: count", count, 0,
-                  f"an int from 0 to in_flight={self._in_flight} (the episodes reserved, not yet added or released)")
-        if count > self._in_flight:
-            raise ValueError(f"ReplayBuffer.release: count={count}: must be at most in_flight={self._in_flight} "
-                             "(the episodes reserved, not yet added or released)")
-        self._in_flight -= count
-
-    def add(self, episodes: Sequence[Episode] | EpisodeBatch, reserved: bool = False) -> None:
+    def add(self, episodes: Sequence[Episode] | EpisodeBatch, reserved: int = 0) -> None:
         """Store episodes (held packed, as they arrive from rollouts); if this overflows `max_buffer_size`, drop the
         oldest ("buffer_full").
 
-        `reserved=True`: the episodes fill room reserved by `reserve` (they leave `in_flight`)."""
-        if reserved and len(episodes) > self._in_flight:
-            raise ValueError(f"ReplayBuffer.add: reserved=True for {len(episodes)} episodes but only "
-                             f"in_flight={self._in_flight} are reserved")
+        `reserved=n`: the episodes settle n episodes reserved by `reserve` (they leave `in_flight`); those of the n that
+        did not come (a failed generation, a group or episodes dropped on the way) are released. `episodes` may then
+        be empty."""
+        check_int("ReplayBuffer.add: reserved", reserved, 0, "an int >= 0")
+        if reserved and not len(episodes) <= reserved <= self._in_flight:
+            raise ValueError(f"ReplayBuffer.add: reserved={reserved} for {len(episodes)} episodes: must be from "
+                             f"{len(episodes)} to in_flight={self._in_flight} (the episodes reserved, not yet added "
+                             "or released)")
         if not isinstance(episodes, EpisodeBatch):
             for episode in episodes:
                 if not isinstance(episode, Episode):
@@ -166,12 +167,11 @@ class ReplayBuffer:
                 f"ReplayBuffer.add: episode_id={int(episodes.episode_ids[empty[0]])} has policy_versions=[]: "
                 "an episode needs at least one generated token"
             )
+        self._in_flight -= reserved
         for row, oldest in enumerate(episodes.oldest_policy_versions().tolist()):
             self._entries.append(_Entry(episodes, row, oldest, self._next_seq))
             self._next_seq += 1
         self._counts["added"] += len(episodes)
-        if reserved:
-            self._in_flight -= len(episodes)
 
         overflow = len(self._entries) - (self.max_buffer_size or len(self._entries))
         if overflow > 0:
@@ -289,7 +289,8 @@ def _gather_rows(entries: list[_Entry]) -> EpisodeBatch:
 
 
 class ReplayBufferActor(ForgeActor):
-    """The replay buffer as an actor: rollouts `reserve` room and `add`, the training loop `sample`s."""
+    """The replay buffer as an actor: rollouts `reserve` room and `add`, the training loop `sample`s (through a
+    `ReplayBufferClient` in a job's controller)."""
 
     def __init__(self, config: ReplayBufferConfig | dict | None = None, **overrides) -> None:
         torch.set_num_threads(1)  # its tensor work is gathers and scatters: extra threads only spin-wait (OpenMP)
@@ -308,16 +309,12 @@ class ReplayBufferActor(ForgeActor):
         return granted
 
     @endpoint
-    async def release(self, count: int) -> None:
-        self.buffer.release(count)
-
-    @endpoint
-    async def add(self, episodes: EpisodeBatch, reserved: bool = False) -> int:
-        """Store a packed batch of episodes (see `ReplayBuffer.add`)."""
-        if not isinstance(episodes, EpisodeBatch):
+    async def add(self, episodes: EpisodeBatch | None, reserved: int = 0) -> int:
+        """Store a packed batch of episodes (see `ReplayBuffer.add`); None: none came for the `reserved` room."""
+        if not isinstance(episodes, EpisodeBatch) and not (episodes is None and reserved):
             raise ValueError(f"ReplayBufferActor.add: episodes must be a rl.types.EpisodeBatch "
-                             f"(EpisodeBatch.pack(episodes)), got {type(episodes).__name__}")
-        self.buffer.add(episodes, reserved)
+                             f"(EpisodeBatch.pack(episodes)), or None with reserved > 0; got {type(episodes).__name__}")
+        self.buffer.add(episodes if episodes is not None else [], reserved)
         record_metric("buffer/size", len(self.buffer), "max")
         return len(self.buffer)
 
@@ -349,3 +346,91 @@ class ReplayBufferActor(ForgeActor):
     @endpoint
     async def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state)
+
+
+class ReplayBufferClient:
+    """A job controller's side of the buffer actor, where rollouts and training meet: the rollout side starts groups as
+    far as the buffer grants room for them (`fill`), the training side waits for a batch (`next_batch`), and each wakes
+    the other when it may have changed what the other waits for. Group sizes, the concurrency bound and the newest
+    policy version (`published`) live here, so a job's loops only say what to generate and what to train."""
+
+    def __init__(self, actor: Any, *, pad_id: int, group_size: int, max_groups_in_flight: int) -> None:
+        self.actor, self.pad_id, self.group_size = actor, pad_id, group_size
+        self.max_groups_in_flight, self.groups_in_flight = max_groups_in_flight, 0
+        self.version = self.last_version = 0  # the newest published policy version; the job's last batch's version
+        self.stopped = False
+        # Each has one waiter, which clears it before it looks: whatever happens after that sets it again.
+        self._room, self._arrived = asyncio.Event(), asyncio.Event()
+
+    def published(self, version: int, steps_left: int) -> None:
+        """Policy `version` is published: groups start with it from now on; `steps_left`: the batches the job still
+        trains (nothing is generated that only a later batch could train)."""
+        self.version, self.last_version = version, version + steps_left - 1
+        self._room.set()
+
+    def stop(self) -> None:
+        """`fill` and `next_batch` return at once, now and from now on."""
+        self.stopped = True
+        self._room.set()
+        self._arrived.set()
+
+    async def run(self, make_groups: Callable[[int, int], Awaitable[None]], training: Awaitable[None]) -> None:
+        """`training` (which drains the buffer with `next_batch`) while `fill(make_groups)` fills it, until `training`
+        ends; a `make_groups` that fails ends both with its error. `fill` ends first only when stopped: the training
+        step in progress then finishes."""
+        rollouts, training = asyncio.ensure_future(self.fill(make_groups)), asyncio.ensure_future(training)
+        try:
+            done, _ = await asyncio.wait([training, rollouts], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+            await training
+        finally:
+            self.stop()
+            for task in [training, rollouts]:
+                task.cancel()
+            await asyncio.gather(training, rollouts, return_exceptions=True)
+
+    async def fill(self, make_groups: Callable[[int, int], Awaitable[None]]) -> None:
+        """Until `stop`: whenever the buffer grants room (`ReplayBuffer.reserve`) for prompt groups with the newest
+        version, within `max_groups_in_flight`, start `make_groups(count, version)`, which must end with `add`. A
+        `make_groups` that fails ends this with its error."""
+        running: set[asyncio.Future] = set()
+        try:
+            while not self.stopped:
+                self._room.clear()
+                for task in [t for t in running if t.done()]:
+                    running.discard(task)
+                    task.result()
+                wanted, version = self.max_groups_in_flight - self.groups_in_flight, self.version
+                granted = wanted and await self.actor.reserve.call_one(version, wanted, self.group_size,
+                                                                       self.last_version)
+                if granted:
+                    self.groups_in_flight += granted
+                    task = asyncio.ensure_future(make_groups(granted, version))
+                    task.add_done_callback(lambda _: self._room.set())
+                    running.add(task)
+                else:
+                    await self._room.wait()
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def add(self, episodes: EpisodeBatch | None, groups: int) -> None:
+        """Deliver the episodes made for `groups` granted groups (fewer, or None, when groups or episodes were dropped
+        on the way: the rest of their room is released), in one call."""
+        await self.actor.add.call_one(episodes, reserved=groups * self.group_size)
+        self.groups_in_flight -= groups
+        self._arrived.set()
+        self._room.set()
+
+    async def next_batch(self) -> TrainBatch | None:
+        """The next batch for the newest version, once the buffer holds one; None once stopped."""
+        while not self.stopped:
+            self._arrived.clear()
+            batch = await self.actor.sample.call_one(self.version, self.pad_id)
+            self._room.set()  # a batch handed out, or stale episodes evicted: rollouts may have room
+            if batch is not None:
+                return batch
+            await self._arrived.wait()
+        return None

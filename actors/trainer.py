@@ -15,6 +15,7 @@ import asyncio
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -29,7 +30,23 @@ from forge.distributed import init_from_environment, local_device
 from rl.types import TrainBatch
 from forge.weight_store import WeightStore
 
-__all__ = ["TitanTrainer", "TrainerActor", "TrainerConfig", "check_input_ids"]
+__all__ = ["TitanTrainer", "TrainStepResult", "TrainerActor", "TrainerConfig", "check_input_ids"]
+
+
+@dataclass
+class TrainStepResult:
+    """What a training step returns: the policy version it made (being published) and the step's metrics."""
+
+    version: int
+    metrics: dict[str, float]
+
+    # Transitional, for apps/gateway/runtime.py, which still reads the step as a metrics dict with the version in it
+    # (`result["policy_version"]`, `result.items()`); can go when it reads `result.version` and `result.metrics`.
+    def __getitem__(self, key: str) -> float:
+        return float(self.version) if key == "policy_version" else self.metrics[key]
+
+    def items(self):
+        return {**self.metrics, "policy_version": float(self.version)}.items()
 
 
 class TrainerActor(ForgeActor):
@@ -87,15 +104,17 @@ class TrainerActor(ForgeActor):
         return await self._publish()
 
     @endpoint
-    async def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    async def train_step(self, batch: TrainBatch) -> TrainStepResult:
         """One training step on the whole batch (each rank trains its slice; `minibatches` optimizer steps),
-        then start publishing the new weights as the next policy version. `publish_s` is how long the last
-        completed publish took, `publish_wait_s` how long this step waited for it after its own work."""
+        then start publishing the new weights as the next policy version, which it returns with the step's metrics.
+        `publish_s` is how long the last completed publish took, `publish_wait_s` how long this step waited for it
+        after its own work."""
         metrics = await self._compute(self.trainer.train_step, batch)
+        metrics.pop("policy_version", None)  # TitanTrainer's own; the version travels typed
         waited = time.perf_counter()
         await self._start_publish()
         metrics.update(publish_s=self.publisher.last_publish_s, publish_wait_s=time.perf_counter() - waited)
-        return metrics
+        return TrainStepResult(self.trainer.policy_version, metrics)
 
     @endpoint
     async def wait_published(self) -> int:

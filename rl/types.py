@@ -148,8 +148,8 @@ class CompletionBatch:
     @functools.cached_property
     def _offsets(self) -> tuple[list[int], list[int], list[int]]:
         """Where each prompt, each prompt's completions and each completion's tokens begin in the flat tensors, as
-        lists: a merged call's answer is sliced once per caller (route_batch), and tensor arithmetic per slice cost
-        more than the slice."""
+        lists: an answer for many prompts is sliced once per prompt (a GRPO group: apps/grpo/rollouts.py), and tensor
+        arithmetic per slice cost more than the slice."""
         return tuple(list(itertools.accumulate(lengths.tolist(), initial=0))
                      for lengths in (self.prompt_lengths, self.samples, self.lengths))
 

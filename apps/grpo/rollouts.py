@@ -1,16 +1,16 @@
-"""How the GRPO job plays a group and evaluates, for a single-turn task and for a multi-turn one.
+"""How the GRPO job plays and scores prompt groups, for a single-turn task and for a multi-turn one.
 
-Both have `group(problem, params, version) -> (samples, rewards, environment_failures)`,
-`evaluate(problems, params) -> rewards` and `to_episodes(samples, ...)` (the group packed for the buffer).
-Single-turn: one completion per episode, scored by the task's reward (or the user's). Multi-turn (a task with
-`environment()`): G episodes of one problem, played against the task's environments (rl.environments), token in /
-token out, scored by the environments. An episode whose environment failed is not the model's doing: its group is
-dropped by the job (`environment_failures` says how many failed) and an evaluation leaves it out of its mean (None);
-it is never scored 0. A multi-turn
-group's turns all go to one generator replica (a service session), so each turn continues a sequence that replica has
-just generated. Groups generating at once share actor calls (`route_batch`): one message per replica and turn, not
-one per group. Environments run on threads of their own (rl.environments.threads), or in their own process with
-`environment.isolated`: the job's event loop never runs their code.
+Both have `play_groups(problems, params, version) -> [Group | None]`: `params.n` episodes of each problem, generated
+with policy `version` or newer and scored, or None where the group's generation failed. Single-turn: one completion
+per episode, scored by the task's reward (or the user's). Multi-turn (a task with `environment()`): episodes played
+against the task's environments (rl.environments), token in / token out, scored by the environments; an episode whose
+environment failed is marked (`Group.failed`): its reward says nothing of what the model wrote, so it is never trained
+nor a baseline (`GroupSelector`), and an evaluation leaves it out of its mean.
+
+The groups of one call are generated together: one actor call per healthy generator replica (per turn, for a
+multi-turn one, its episodes pinned to that replica by a service session), so a step's many groups cost the controller
+a few messages, not one per group. Environments run on threads of their own (rl.environments.threads), or in their own
+process with `environment.isolated`: the job's event loop never runs their code.
 """
 
 from __future__ import annotations
@@ -20,22 +20,28 @@ import contextlib
 import functools
 import math
 import random
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-from apps.grpo.config import GRPOConfig
-from apps.grpo.launch import warm_started_model as single_turn_warm_start
-from apps.grpo.rewards import RewardScorer
+from apps.grpo.config import GRPOConfig, RolloutConfig
+from apps.grpo.launch import reward_function, warm_started_model as single_turn_warm_start
+from apps.grpo.rewards import RewardHangError, RewardScorer
+from apps.grpo.summary import EpisodeCounters
+from forge.metrics import record_metric
+from forge.service import NoHealthyReplicaError
 from rl.environments.actor import EnvironmentHost, RemoteEnvironment
 from rl.environments.chat import ChatTemplate
 from rl.environments.rollout import run_episodes
-from rl.environments.threads import ThreadedEnvironment
+from rl.environments.threads import EnvironmentsBlocked, ThreadedEnvironment
 from rl.environments.trajectory import Trajectory
-from rl.types import Completion, CompletionBatch, EpisodeBatch, SamplingParams
+from rl.types import CompletionBatch, EpisodeBatch, SamplingParams
 from apps.warm_start.multiturn import warm_start_multiturn
 
 
 EPISODE_BITS = 16  # an episode id is its group id, then its index in the group in this many bits
+MIN_GROUP = 2  # episodes a group needs to be trained: advantages are relative to the group's other rewards
 
 
 def episode_ids(group_id: int, n: int) -> list[int]:
@@ -55,48 +61,134 @@ def held_out_score(cfg: GRPOConfig, task: Any) -> str:
     return "accuracy" if binary else "mean reward"
 
 
-async def _split_across_replicas(generators: Any, problems: list, play) -> list:
-    """`play(part)` for even parts of `problems`, one per healthy replica, concatenated in order."""
+def sampling_params(cfg: GRPOConfig, task: Any, *, greedy: bool = False) -> SamplingParams:
+    """A training group's sampling (`rollout.*`), or with `greedy` an evaluation's (one greedy episode)."""
+    r, stop = cfg.rollout, list(task.stop_token_ids)
+    if greedy:
+        return SamplingParams(n=1, max_tokens=r.max_tokens, temperature=0.0, stop_token_ids=stop)
+    return SamplingParams(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                          stop_token_ids=stop)
+
+
+@dataclass
+class Group:
+    """One prompt's episodes as played and scored. `samples`: the completions (single-turn) or the trajectories
+    (multi-turn); `failed[i]`: episode i's environment failed."""
+
+    samples: CompletionBatch | list[Trajectory]
+    rewards: list[float]
+    failed: list[bool]
+
+    def without_failures(self) -> Group:
+        """The episodes whose environment did not fail (only multi-turn episodes have one)."""
+        if not any(self.failed):
+            return self
+        kept = [i for i, failed in enumerate(self.failed) if not failed]
+        return Group([self.samples[i] for i in kept], [self.rewards[i] for i in kept], [False] * len(kept))
+
+    def to_episodes(self, group_id: int, advantages: list[float]) -> EpisodeBatch:
+        """The group packed for the buffer: straight from the generator's tensors, or from the complete trajectories."""
+        ids = episode_ids(group_id, len(self.rewards))
+        if isinstance(self.samples, CompletionBatch):
+            return EpisodeBatch.from_completions(self.samples, episode_ids=ids, group_ids=[group_id] * len(ids),
+                                                 rewards=self.rewards, advantages=advantages)
+        return EpisodeBatch.pack([t.to_episode(episode_id=i, group_id=group_id, reward=r, advantage=a)
+                                  for t, i, r, a in zip(self.samples, ids, self.rewards, advantages)])
+
+
+class GroupSelector:
+    """Which played groups are trained, with every episode that is not counted (EpisodeCounters, rollout/* metrics).
+
+    - A group whose generation failed has no episodes (`generation_failures`).
+    - Episodes whose environment failed are left out (`environment_failures`); the rest of the group is trained when at
+      least MIN_GROUP are left, else dropped with them (`environment_dropped` counts both).
+    - With `drop_zero_variance_groups`, a group whose rewards are all equal carries no signal and is dropped
+      (`zero_variance_dropped`), at most `max_dropped_groups_per_step` a step (`new_step`)."""
+
+    def __init__(self, cfg: RolloutConfig, counters: EpisodeCounters) -> None:
+        self.cfg, self.counters = cfg, counters
+        self.dropped_this_step = 0  # zero-variance groups
+
+    def new_step(self) -> None:
+        self.dropped_this_step = 0
+
+    def trainable(self, group: Group | None) -> Group | None:
+        c = self.counters
+        if group is None:
+            c.generation_failures += 1
+            record_metric("rollout/generation_failures", 1, "sum")
+            return None
+        failures = sum(group.failed)
+        kept = group.without_failures()
+        if failures:
+            c.environment_failures += failures
+            record_metric("rollout/environment_failures", failures, "sum")
+        if len(kept.rewards) < MIN_GROUP:
+            self._drop("environment", len(group.rewards))
+            return None
+        self._drop("environment", failures)
+        record_metric("rollout/reward_mean", sum(kept.rewards) / len(kept.rewards))  # groups' means, over the step
+        budget = self.cfg.max_dropped_groups_per_step
+        if (self.cfg.drop_zero_variance_groups and all(r == kept.rewards[0] for r in kept.rewards)
+                and (budget is None or self.dropped_this_step < budget)):
+            self.dropped_this_step += 1
+            self._drop("zero_variance", len(kept.rewards))
+            return None
+        return kept
+
+    def _drop(self, reason: str, episodes: int) -> None:
+        if episodes:
+            self.counters.generated += episodes
+            setattr(self.counters, f"{reason}_dropped", getattr(self.counters, f"{reason}_dropped") + episodes)
+            record_metric(f"rollout/{reason}_dropped", episodes, "sum")
+
+
+FATAL = (NoHealthyReplicaError, RewardHangError, EnvironmentsBlocked)  # the job's end, not one group's
+
+
+async def _per_replica(generators: Any, problems: list, play: Callable[[list], Awaitable[list]]) -> list:
+    """`play(part)` for even parts of `problems`, one per healthy replica, concatenated in order. A part that fails
+    (e.g. a prompt over the engine's window) is played again problem by problem, so that only the problems that fail
+    alone get None."""
     chunk = max(1, math.ceil(len(problems) / max(1, len(generators.healthy_replicas()))))
-    parts = await asyncio.gather(*(play(problems[i : i + chunk]) for i in range(0, len(problems), chunk)))
+    parts = await asyncio.gather(*(_alone_on_failure(problems[i : i + chunk], play)
+                                   for i in range(0, len(problems), chunk)))
     return [x for part in parts for x in part]
+
+
+async def _alone_on_failure(part: list, play: Callable[[list], Awaitable[list]]) -> list:
+    try:
+        return await play(part)
+    except FATAL:
+        raise
+    except Exception as e:
+        if len(part) > 1:
+            return [x for one in await asyncio.gather(*(_alone_on_failure([p], play) for p in part)) for x in one]
+        print(f"generation failed for prompt {getattr(part[0], 'prompt', part[0])!r:.60}: {e}", file=sys.stderr)
+        return [None]
 
 
 class SingleTurn:
     def __init__(self, generators: Any, rewards: RewardScorer) -> None:
         self.generators, self.rewards = generators, rewards
 
-    async def group(self, problem: Any, params: SamplingParams,
-                    version: int) -> tuple[CompletionBatch, list[float], int]:
-        completions = await self.generators.generate_batch.route_batch([problem.prompt], params,
-                                                                       min_policy_version=version)
-        return completions, await self.rewards.score(completions.texts, problem.answer), 0
+    @property
+    def reward_failures(self) -> int:
+        return self.rewards.failures
 
-    @staticmethod
-    def to_episodes(completions: CompletionBatch, *, group_id: int, rewards: list[float],
-                    advantages: list[float]) -> EpisodeBatch:
-        """The group's episodes, straight from the generator's tensors."""
-        n = len(rewards)
-        return EpisodeBatch.from_completions(completions, episode_ids=episode_ids(group_id, n),
-                                             group_ids=[group_id] * n, rewards=rewards, advantages=advantages)
+    async def play_groups(self, problems: list, params: SamplingParams, version: int = 0) -> list[Group | None]:
+        async def play(part: list) -> list[Group]:
+            completions = await self.generators.generate_batch.route([p.prompt for p in part], params,
+                                                                     min_policy_version=version)
+            groups = [completions[i : i + 1] for i in range(len(part))]
+            rewards = await asyncio.gather(*(self.rewards.score(g.texts, p.answer) for g, p in zip(groups, part)))
+            return [Group(g, r, [False] * len(r)) for g, r in zip(groups, rewards)]
 
-    async def evaluate(self, problems: list, params: SamplingParams) -> list[float]:
-        async def play(part: list) -> list[Completion]:
-            return [out[0] for out in await self.generators.generate_batch.route([p.prompt for p in part], params)]
-
-        completions = await _split_across_replicas(self.generators, problems, play)
-        scored = await asyncio.gather(*(self.rewards.score([c.text], p.answer) for c, p in zip(completions, problems)))
-        return [score for (score,) in scored]
+        return await _per_replica(self.generators, problems, play)
 
 
 class MultiTurn:
-    @staticmethod
-    def to_episodes(trajectories: list[Trajectory], *, group_id: int, rewards: list[float],
-                    advantages: list[float]) -> EpisodeBatch:
-        """The group's episodes, packed once the trajectories (built turn by turn) are complete."""
-        return EpisodeBatch.pack([t.to_episode(episode_id=i, group_id=group_id, reward=r, advantage=a)
-                                  for t, i, r, a in zip(trajectories, episode_ids(group_id, len(trajectories)),
-                                                        rewards, advantages)])
+    reward_failures = 0  # its environments score it
 
     def __init__(self, cfg: GRPOConfig, task: Any, tokenizer: Any, generators: Any, hosts: Any | None) -> None:
         self.cfg, self.task, self.generators, self.hosts = cfg, task, generators, hosts
@@ -116,35 +208,38 @@ class MultiTurn:
         return [RemoteEnvironment(self.hosts) if self.hosts else ThreadedEnvironment(self.task.environment)
                 for _ in range(n)]
 
+    async def play_groups(self, problems: list, params: SamplingParams, version: int = 0) -> list[Group | None]:
+        async def play(part: list) -> list[Group]:
+            played = await self.play([p for p in part for _ in range(params.n)], params, version)
+            groups = [played[i : i + params.n] for i in range(0, len(played), params.n)]
+            return [Group(g, [t.reward for t in g], [t.failed for t in g]) for g in groups]
+
+        return await _per_replica(self.generators, problems, play)
+
     async def play(self, problems: list, params: SamplingParams, version: int = 0) -> list[Trajectory]:
         """One episode per problem, all at once, every turn on one replica."""
 
-        async def generate(prompts: list[list[int]], turn_params: SamplingParams) -> list[Completion]:
-            outputs = await self.generators.generate_batch.route_batch(prompts, turn_params,
-                                                                      min_policy_version=version)
+        async def generate(prompts: list[list[int]], turn_params: SamplingParams) -> list:
+            outputs = await self.generators.generate_batch.route(prompts, turn_params, min_policy_version=version)
             return [out[0] for out in outputs]
 
         async with self.generators.session(), (self.hosts.session() if self.hosts else contextlib.nullcontext()):
             return await run_episodes(generate, self.environments(len(problems)), problems, params,
                                       self.cfg.environment, self.encode, self.end_token_ids, chat=self.chat)
 
-    async def group(self, problem: Any, params: SamplingParams,
-                    version: int) -> tuple[list[Trajectory], list[float], int]:
-        """The group's episodes, their rewards, and how many of them failed in their environment (their rewards
-        mean nothing: the job drops such a group)."""
-        played = await self.play([problem] * params.n, params, version)
-        return played, [t.reward for t in played], sum(t.failed for t in played)
 
-    async def evaluate(self, problems: list, params: SamplingParams) -> list[float | None]:
-        """Each problem's reward; None where its environment failed."""
-        played = await _split_across_replicas(self.generators, problems, lambda part: self.play(part, params))
-        return [None if t.failed else t.reward for t in played]
+async def evaluate(rollout: SingleTurn | MultiTurn, problems: list, params: SamplingParams) -> list[float | None]:
+    """Each problem's reward with `params` (n=1); None where its generation or its environment failed."""
+    groups = await rollout.play_groups(problems, params)
+    return [None if g is None or g.failed[0] else g.rewards[0] for g in groups]
 
 
-async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any, rewards: RewardScorer) -> SingleTurn | MultiTurn:
-    """A multi-turn task's rollout starts its environment host first when `environment.isolated`."""
+async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any) -> SingleTurn | MultiTurn:
+    """A single-turn task's rollout scores with the task's reward (or the user's, `task.reward`); a multi-turn task's
+    starts its environment host first when `environment.isolated`."""
     if not is_multi_turn(task):
-        return SingleTurn(actors.generators, rewards)
+        reward, timeout_s = reward_function(cfg, task)
+        return SingleTurn(actors.generators, RewardScorer(reward, timeout_s, name=f"task.reward={cfg.task.reward}"))
     hosts = None
     if cfg.environment.isolated:
         hosts = await EnvironmentHost.options(num_replicas=1, mesh_name="environments").as_service(task.environment)

@@ -2,8 +2,9 @@
 
 Every episode played is trained, still held by the replay buffer, or dropped with a counted reason:
 `generated == trained + held_in_buffer + dropped_too_old + dropped_buffer_full + dropped_zero_variance
-+ dropped_environment_failure` (tests/apps/test_grpo.py checks it on whole runs; a group with an episode whose
-environment failed is dropped whole, never trained). The summary is printed and written to `run_dir/summary.json`.
++ dropped_environment_failure` (tests/apps/test_grpo.py checks it on whole runs; an episode whose environment failed is
+never trained, nor is the rest of its group when fewer than 2 are left: apps/grpo/rollouts.py, GroupSelector). The
+summary is printed and written to `run_dir/summary.json`.
 
 The held-out score is the mean greedy reward: "accuracy" when the task's rewards are 0 or 1, else "mean reward".
 """
@@ -11,9 +12,14 @@ The held-out score is the mean greedy reward: "accuracy" when the task's rewards
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+from forge import weight_store
+from forge.metrics import record_metric
+from forge.provisioner import get_provisioner
 
 
 @dataclass
@@ -25,7 +31,7 @@ class EpisodeCounters:
     trained: int = 0
     generation_failures: int = 0  # prompt groups whose generation failed (no episodes)
     environment_failures: int = 0  # episodes whose environment failed (raised, timed out): never scored
-    environment_dropped: int = 0  # episodes of the groups dropped for those failures (the failed ones included)
+    environment_dropped: int = 0  # those episodes, and the rest of their groups where fewer than 2 were left
 
 
 @dataclass
@@ -50,7 +56,7 @@ class RunSummary:
     episodes: dict[str, int] = field(default_factory=dict)
     reward_failures: int = 0
     generation_failures: int = 0
-    environment_failures: int = 0  # training episodes whose environment failed (their groups were dropped)
+    environment_failures: int = 0  # training episodes whose environment failed (never trained)
     rss_start: dict[str, int] = field(default_factory=dict)  # resident bytes per process at the first step
     rss_end: dict[str, int] = field(default_factory=dict)
     shm_bytes: int = 0  # the weight store's shared memory at the end
@@ -75,6 +81,29 @@ class RunSummary:
                          "dropped_environment_failure": counters.environment_dropped}
         self.generation_failures = counters.generation_failures
         self.environment_failures = counters.environment_failures
+
+    def evaluated(self, label: str, version: int, rewards: list[float | None]) -> float:
+        """A held-out evaluation's mean reward, printed and recorded; None: its environment or generation failed (left
+        out, counted)."""
+        scores = [score for score in rewards if score is not None]
+        mean, failed = sum(scores) / len(scores) if scores else math.nan, len(rewards) - len(scores)
+        self.eval_environment_failures += failed
+        record_metric(self.score_metric, mean)
+        print(f"eval ({label}, policy version {version}): held-out greedy {self.held_out_score} "
+              f"{self.score_text(mean)} on {len(scores)} prompts"
+              + (f" ({failed} more left out: their environment failed)" if failed else ""), flush=True)
+        return mean
+
+    def finish(self, run_dir: Path, *, steps: int, policy_version: int, interrupted: str | None,
+               counters: EpisodeCounters, buffer_stats: dict[str, int], reward_failures: int, wall_s: float) -> None:
+        """The run's end: the last figures, the processes' memory and the weight store's, then the summary printed and
+        written to `run_dir/summary.json`."""
+        self.count_episodes(counters, buffer_stats)
+        self.steps, self.policy_version, self.interrupted = steps, policy_version, interrupted
+        self.reward_failures, self.wall_s = reward_failures, wall_s
+        self.rss_end, self.shm_bytes = get_provisioner().memory_rss(), weight_store.job_segments_bytes()
+        print(self.text(), flush=True)
+        self.write(Path(run_dir) / "summary.json")
 
     @property
     def score_metric(self) -> str:
@@ -147,3 +176,15 @@ class RunSummary:
             lines.append(f"exported HF model: {self.hf_model}")
         return "\n".join(lines)
 
+
+
+def step_record(batch: Any, result: Any, trained_on: int, buffer_stats: dict[str, int], waited_s: float,
+                step_s: float, cpu_s: float) -> dict[str, float]:
+    """A training step's own metrics, beside what the processes recorded: `batch` (a TrainBatch) trained at version
+    `trained_on` into `result` (a TrainStepResult), after `waited_s` waiting for it, in `step_s` (the controller's
+    CPU: `cpu_s`)."""
+    return {"reward/mean": float(batch.rewards.mean()),
+            "train/version_lag": float((trained_on - batch.oldest_policy_versions()).double().mean()),
+            "buffer/dropped_too_old": float(buffer_stats["dropped_too_old"]), "train/wait_s": waited_s,
+            "train/episodes_per_s": batch.num_sequences / step_s, "step_s": step_s, "controller/cpu_s": cpu_s,
+            "policy_version": float(result.version), **result.metrics}

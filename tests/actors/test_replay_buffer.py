@@ -1,17 +1,19 @@
 """ReplayBuffer: the age bound, conservation of episodes, slicing, reproducibility and checkpointing."""
 
+import asyncio
 import io
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.replay_buffer import ReplayBuffer, ReplayBufferConfig
+from actors.replay_buffer import ReplayBuffer, ReplayBufferClient, ReplayBufferConfig
 from rl.types import Episode, EpisodeBatch, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,7 +271,7 @@ def test_age_bound_and_conservation_hold_for_any_call_sequence(config, ops):
         assert reported["buffer_full"] == stats["dropped_buffer_full"]
 
 
-# --- rollout capacity: reserve / add(reserved=True) / release ---------------------------------------------------
+# --- rollout capacity: reserve / add(reserved=n) ------------------------------------------------------------
 
 
 def test_reserve_counts_in_flight_and_held_episodes_against_the_next_batch_at_age_zero():
@@ -277,13 +279,13 @@ def test_reserve_counts_in_flight_and_held_episodes_against_the_next_batch_at_ag
     assert buffer.reserve(0, groups=3, group_size=2) == 2  # one batch of room: 2 groups of 2
     assert buffer.in_flight == 4
     assert buffer.reserve(0, groups=1, group_size=2) == 0  # what is in flight fills the batch
-    buffer.add([make_episode(0, [0]), make_episode(1, [0])], reserved=True)
+    buffer.add([make_episode(0, [0]), make_episode(1, [0])], reserved=2)
     assert buffer.in_flight == 2 and len(buffer) == 2
     assert buffer.reserve(0, groups=1, group_size=2) == 0  # held episodes count as well
-    buffer.release(2)  # a group whose generation failed gives its room back
+    buffer.add([], reserved=2)  # a group whose generation failed gives its room back
     assert buffer.in_flight == 0
     assert buffer.reserve(0, groups=5, group_size=2) == 1
-    buffer.add([make_episode(2, [0]), make_episode(3, [0])], reserved=True)
+    buffer.add([make_episode(2, [0]), make_episode(3, [0])], reserved=2)
     assert sorted(ids(buffer.sample(0))[0]) == [0, 1, 2, 3]
     # The trainer trains on version 0's batch: a rollout with version 0 would be too old for the next one.
     assert buffer.reserve(0, groups=1, group_size=2) == 0
@@ -295,7 +297,7 @@ def test_reserve_at_age_k_allows_the_batches_up_to_version_plus_k():
     buffer = ReplayBuffer(batch_size=2, max_policy_age=2)
     # The trainer waits for its batch at version 0: batches at versions 0, 1 and 2 can train version-0 episodes.
     assert buffer.reserve(0, groups=10) == 6
-    buffer.add([make_episode(i, [0]) for i in range(6)], reserved=True)
+    buffer.add([make_episode(i, [0]) for i in range(6)], reserved=6)
     assert buffer.sample(0) is not None
     assert buffer.reserve(0, groups=10) == 0  # 4 held for the batches at 1 and 2
     assert buffer.reserve(1, groups=10) == 2  # version 1 reaches the batch at 3
@@ -303,6 +305,22 @@ def test_reserve_at_age_k_allows_the_batches_up_to_version_plus_k():
     assert ReplayBuffer(batch_size=2, max_policy_age=2).reserve(0, groups=10, last_version=1) == 4
     assert ReplayBuffer(batch_size=2, max_policy_age=2, max_buffer_size=5).reserve(0, groups=10) == 5
     assert ReplayBuffer(batch_size=2, max_policy_age=2).reserve(0, groups=10, last_version=None) == 6
+
+
+def test_a_group_delivered_short_still_lets_the_jobs_last_batch_fill():
+    # Groups of 4 for the job's last batch of 8: one group comes back with 3 episodes (one was dropped because its
+    # environment failed). The room of its missing episode is less than a group's, and must still be granted, or the
+    # last batch never fills and the job waits for ever.
+    buffer = ReplayBuffer(batch_size=8, max_policy_age=0)
+    assert buffer.reserve(0, groups=2, group_size=4, last_version=0) == 2
+    buffer.add([make_episode(i, [0]) for i in range(3)], reserved=4)
+    buffer.add([make_episode(i, [0]) for i in range(3, 7)], reserved=4)
+    assert buffer.sample(0) is None  # 7 of 8
+    assert buffer.reserve(0, groups=2, group_size=4, last_version=0) == 1
+    buffer.add([make_episode(i, [0]) for i in range(7, 11)], reserved=4)
+    assert buffer.sample(0) is not None and len(buffer) == 3  # what the last batch did not take stays held (counted)
+    # max_buffer_size still bounds whole groups: 16 episodes of room for the batches, 10 within the bound.
+    assert ReplayBuffer(batch_size=8, max_policy_age=1, max_buffer_size=10).reserve(0, groups=4, group_size=4) == 2
 
 
 def test_a_version_too_old_for_every_batch_to_come_gets_no_room():
@@ -321,17 +339,21 @@ def test_reservation_errors_name_the_field_and_the_value():
         buffer.reserve(0, groups=1, group_size=0)
     with pytest.raises(ValueError, match=r"reserve: policy_version=-2: must be an int >= 0"):
         buffer.reserve(-2, groups=1)
-    with pytest.raises(ValueError, match=r"release: count=1: must be at most in_flight=0"):
-        buffer.release(1)
-    with pytest.raises(ValueError, match=r"reserved=True for 1 episodes but only in_flight=0"):
+    with pytest.raises(ValueError, match=r"reserved=1 for 0 episodes: must be from 0 to in_flight=0"):
+        buffer.add([], reserved=1)
+    assert buffer.reserve(0, groups=1) == 1
+    with pytest.raises(ValueError, match=r"reserved=1 for 2 episodes: must be from 2 to in_flight=1"):
+        buffer.add([make_episode(0, [0]), make_episode(1, [0])], reserved=1)
+    with pytest.raises(ValueError, match=r"add: reserved=True: must be an int >= 0"):
         buffer.add([make_episode(0, [0])], reserved=True)
+    assert buffer.in_flight == 1 and len(buffer) == 0  # a refused add changes nothing
     assert len(buffer) == 0 and buffer.stats["added"] == 0  # a refused add stores nothing
 
 
 def test_state_dict_keeps_the_next_batch_version_but_not_reservations():
     buffer = ReplayBuffer(batch_size=2, max_policy_age=0)
     assert buffer.reserve(0, groups=2) == 2
-    buffer.add([make_episode(0, [0]), make_episode(1, [0])], reserved=True)
+    buffer.add([make_episode(0, [0]), make_episode(1, [0])], reserved=2)
     assert buffer.sample(0) is not None
     assert buffer.reserve(1, groups=1) == 1
     restored = ReplayBuffer(batch_size=2, max_policy_age=0)
@@ -366,9 +388,9 @@ def test_nothing_reserved_ages_out_and_in_flight_work_stays_within_the_age_bound
         elif op in ("arrive", "fail") and pending:
             made_by = pending.pop(0)
             if op == "fail":
-                buffer.release(group_size)
+                buffer.add([], reserved=group_size)
             else:
-                buffer.add([make_episode(next_id + i, [made_by]) for i in range(group_size)], reserved=True)
+                buffer.add([make_episode(next_id + i, [made_by]) for i in range(group_size)], reserved=group_size)
                 next_id += group_size
         elif op == "sample" and not training:
             batch = buffer.sample(version)
@@ -417,3 +439,67 @@ def test_a_packed_episode_without_generated_tokens_is_refused_by_id():
     with pytest.raises(ValueError, match=r"episode_id=8 has policy_versions=\[\]"):
         buffer.add(EpisodeBatch.pack([make_episode(7, [0]), make_episode(8, [])]))
     assert len(buffer) == 0
+
+
+# --- the controller's side: ReplayBufferClient ---------------------------------------------------------------------
+class InProcessBufferActor:
+    """The buffer actor's endpoints, `endpoint.call_one(...)`, on an in-process ReplayBuffer."""
+
+    def __init__(self, buffer: ReplayBuffer) -> None:
+        self.buffer, self.calls = buffer, Counter()
+        for name in ("reserve", "add", "sample"):
+            setattr(self, name, SimpleNamespace(call_one=getattr(self, f"_{name}")))
+
+    async def _reserve(self, *args):
+        self.calls["reserve"] += 1
+        return self.buffer.reserve(*args)
+
+    async def _add(self, episodes, reserved: int):
+        self.calls["add"] += 1
+        self.buffer.add(episodes if episodes is not None else [], reserved)
+
+    async def _sample(self, version: int, pad_id: int):
+        await asyncio.sleep(0)
+        batch = self.buffer.sample_batch(version)
+        return None if batch is None else TrainBatch.from_episodes(batch, pad_id)
+
+
+async def test_the_client_generates_what_the_buffer_has_room_for_and_trains_it_on_policy():
+    # Age 0, batches of 2 groups of 2: every batch is trained on the version that made it, each generating call is
+    # one call for all the groups granted at once, and one group dropped on the way (None) gives its room back.
+    actor = InProcessBufferActor(ReplayBuffer(batch_size=4, max_policy_age=0))
+    client = ReplayBufferClient(actor, pad_id=0, group_size=2, max_groups_in_flight=4)
+    made, ids = [], iter(range(1000))
+
+    async def make_groups(count: int, version: int) -> None:
+        made.append((count, version))
+        await asyncio.sleep(0.01)
+        episodes = [make_episode(next(ids), [version]) for _ in range(2 * count)]
+        await client.add(EpisodeBatch.pack(episodes) if len(made) != 2 else None, count)  # the 2nd call: all dropped
+
+    async def training() -> None:
+        for step in range(3):
+            batch = await client.next_batch()
+            assert batch.num_sequences == 4 and batch.oldest_policy_versions().tolist() == [step] * 4
+            client.published(step + 1, steps_left=2 - step)
+
+    client.published(0, steps_left=3)
+    await asyncio.wait_for(client.run(make_groups, training()), 10)
+    assert made[0] == (2, 0) and all(count <= 2 for count, _ in made)
+    assert client.stopped and await client.next_batch() is None
+    assert actor.calls["add"] == len(made) and actor.buffer.in_flight == 2 * client.groups_in_flight
+
+
+async def test_a_failing_make_groups_ends_the_run_with_its_error():
+    client = ReplayBufferClient(InProcessBufferActor(ReplayBuffer(batch_size=4, max_policy_age=0)), pad_id=0,
+                                group_size=2, max_groups_in_flight=4)
+
+    async def make_groups(count: int, version: int) -> None:
+        raise RuntimeError("no healthy generator left")
+
+    async def training() -> None:
+        await client.next_batch()  # never comes
+
+    client.published(0, steps_left=3)
+    with pytest.raises(RuntimeError, match="no healthy generator left"):
+        await asyncio.wait_for(client.run(make_groups, training()), 10)

@@ -195,7 +195,7 @@ def test_completions_packed_for_the_wire_read_like_the_lists_they_pack():
     assert len(packed) == 5 and same(list(packed), groups) and same([packed[3], packed[-1]], [groups[3], groups[-1]])
     with pytest.raises(IndexError):
         packed[5]
-    # route_batch hands each caller its slice of a merged call's answer.
+    # A GRPO rollout slices a call's answer into its prompts' groups.
     for start, stop in [(0, 2), (2, 5), (1, 4), (4, 4)]:
         assert isinstance(packed[start:stop], CompletionBatch) and same(list(packed[start:stop]), groups[start:stop])
     with pytest.raises(ValueError, match="only contiguous slices"):
@@ -215,7 +215,7 @@ def test_a_group_becomes_episodes_straight_from_the_generators_tensors():
                         logprobs=[-0.25] * n, finish_reason="stop", policy_versions=[2] * n) for n in (3, 0, 5)]
     other = [Completion(prompt_ids=[9], token_ids=[1, 2], text="", logprobs=[-1.0, -2.0], finish_reason="length",
                         policy_versions=[1, 3])]
-    completions = CompletionBatch.pack([other, group])[1:]  # as route_batch hands one caller its slice
+    completions = CompletionBatch.pack([other, group])[1:]  # as a rollout slices one prompt's group
     packed = EpisodeBatch.from_completions(completions, episode_ids=[10, 11, 12], group_ids=[1] * 3,
                                            rewards=[1.0, 0.0, 0.5], advantages=[1.0, -1.0, 0.0])
     expected = [Episode.from_completion(c, episode_id=10 + i, group_id=1, reward=r, advantage=a)

@@ -1,6 +1,7 @@
-"""Where environments meet the GRPO job: a group with an episode whose environment failed is dropped whole, counted in
-the episode accounting and the summary, never trained as if the model earned reward 0;
-in-process environments never run on the job's event loop; a task with partial rewards is scored as a mean reward."""
+"""Where environments meet the GRPO job: an episode whose environment failed is dropped (its group with it when fewer
+than 2 episodes are left), counted in the episode accounting and the summary, never trained as if the model earned
+reward 0; in-process environments never run on the job's event loop; a task with partial rewards is scored as a mean
+reward."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 
 from apps.grpo.config import RolloutConfig
 from apps.grpo.main import GRPOJob
-from apps.grpo.rollouts import MultiTurn, held_out_score
+from apps.grpo.rollouts import Group, GroupSelector, MultiTurn, evaluate, held_out_score
 from apps.grpo.summary import EpisodeCounters, RunSummary
+from rl.environments.trajectory import Trajectory
 from rl.environments.config import EnvironmentConfig
 from rl.environments.openenv import OpenEnvSpec
 from rl.environments.threads import stranded_threads
@@ -39,7 +41,7 @@ class FakeGenerators:
     def healthy_replicas(self) -> list[int]:
         return [0]
 
-    async def route_batch(self, prompts, params, min_policy_version=0):
+    async def route(self, prompts, params, min_policy_version=0):
         return [[Completion(prompt_ids=list(p), token_ids=[5], text=next(self.texts), logprobs=[-1.0],
                             finish_reason="stop", policy_versions=[0])] for p in prompts]
 
@@ -61,13 +63,14 @@ async def test_an_in_process_environment_that_blocks_costs_its_episode_and_the_o
     rollout = multi_turn(["1", "sleep", "0", "1"])
     drain_local()
     started = time.monotonic()
-    trajectories, rewards, failed = await rollout.group(SimpleNamespace(seed=3), SamplingParams(n=4, max_tokens=1), 0)
+    (group,) = await rollout.play_groups([SimpleNamespace(seed=3)], SamplingParams(n=4, max_tokens=1), 0)
     assert time.monotonic() - started < 4  # the blocked step (5 s) held its own thread, not the job's event loop
-    assert failed == 1 and [t.end for t in trajectories] == ["done", "environment_error", "done", "done"]
-    assert [rewards[i] for i in (0, 2, 3)] == [1.0, 0.5, 1.0]
+    assert group.failed == [False, True, False, False]
+    assert [t.end for t in group.samples] == ["done", "environment_error", "done", "done"]
+    assert [group.rewards[i] for i in (0, 2, 3)] == [1.0, 0.5, 1.0]
     # evaluation leaves it out too
-    evaluated = await multi_turn(["sleep", "1"]).evaluate([SimpleNamespace(seed=1)] * 2,
-                                                          SamplingParams(n=1, max_tokens=1))
+    evaluated = await evaluate(multi_turn(["sleep", "1"]), [SimpleNamespace(seed=1)] * 2,
+                               SamplingParams(n=1, max_tokens=1))
     assert evaluated == [None, 1.0]
     drain_local()
     deadline = time.monotonic() + 15
@@ -75,52 +78,64 @@ async def test_an_in_process_environment_that_blocks_costs_its_episode_and_the_o
         await asyncio.sleep(0.1)
 
 
+def played(rewards: list[float], failed: list[bool]) -> Group:
+    """A multi-turn group of one-token episodes."""
+    trajectories = [Trajectory(prompt_ids=[1], completion_ids=[5], mask=[1], logprobs=[-1.0], versions=[0],
+                               end="environment_error" if f else "done") for f in failed]
+    return Group(trajectories, rewards, failed)
+
+
 class FakeRollout:
-    """A group of 4 whose 2nd episode failed in its environment."""
+    """Two groups of 4: the first's 2nd episode failed in its environment, three of the second's did."""
 
-    async def group(self, problem, params, version):
-        return ["a", "b", "c", "d"], [1.0, 0.0, 0.0, 1.0], 1
-
-    @staticmethod
-    def to_episodes(samples, *, group_id, rewards, advantages):
-        raise AssertionError("a group with a failed environment is never packed for the buffer")
+    async def play_groups(self, problems, params, version):
+        return [played([1.0, 0.0, 0.0, 1.0], [False, True, False, False]),
+                played([1.0, 0.0, 0.0, 0.0], [True, True, False, True])]
 
 
 class Buffer:
     def __init__(self) -> None:
-        self.released, self.added = 0, []
-        self.release, self.add = SimpleNamespace(call_one=self._release), SimpleNamespace(call_one=self._add)
+        self.added = []
 
-    async def _release(self, count: int) -> None:
-        self.released += count
-
-    async def _add(self, episodes, reserved: bool) -> None:
-        self.added.append(episodes)
+    async def add(self, episodes, groups: int) -> None:
+        self.added.append((episodes, groups))
 
 
 def job_with(rollout) -> GRPOJob:
     job = GRPOJob.__new__(GRPOJob)
     job.cfg = SimpleNamespace(rollout=RolloutConfig(group_size=4, drop_zero_variance_groups=True))
-    job.task = SimpleNamespace(sample_prompts=lambda n, rng: [SimpleNamespace(prompt="p")] * n)
-    job.rollout, job.rng, job.counters = rollout, random.Random(0), EpisodeCounters()
-    job.rewards_this_step, job.groups_dropped_this_step = [], 0
-    job.actors = SimpleNamespace(reference=None, buffer=Buffer())
-    job._scored, job._buffer_writer, job.arrived = [], asyncio.Lock(), asyncio.Event()
-    job._unreleased, job._buffer_releaser = 0, asyncio.Lock()
+    job.task = SimpleNamespace(sample_prompts=lambda n, rng: [SimpleNamespace(prompt="p")] * n, stop_token_ids=[])
+    job.rollout, job.rng, job.buffer = rollout, random.Random(0), Buffer()
+    job.selector = GroupSelector(job.cfg.rollout, EpisodeCounters())
+    job.actors = SimpleNamespace(reference=None, pad_id=0)
     return job
 
 
-async def test_a_group_with_a_failed_environment_is_dropped_whole_counted_and_its_room_given_back():
+async def test_only_the_failed_episodes_are_dropped_while_two_or_more_of_their_group_are_left():
     job = job_with(FakeRollout())
     drain_local()
-    await job.one_group(SamplingParams(n=4, max_tokens=1), version=0)
-    assert job.actors.buffer.added == [] and job.actors.buffer.released == 4
-    c = job.counters
-    assert (c.generated, c.environment_failures, c.environment_dropped, c.zero_variance_dropped) == (4, 1, 4, 0)
-    assert job.rewards_this_step == []  # rollout/reward_mean is over trained groups only: no 0 for the failure
+    await job.make_groups(2, version=0)
+    ((episodes, groups),) = job.buffer.added
+    assert groups == 2  # both groups' reserved room is settled (the buffer releases what did not come)
+    assert episodes.rewards.tolist() == [1.0, 0.0, 1.0]  # the first group without its failed episode
+    advantages = episodes.advantages.tolist()  # relative to the 3 left: the failure is not their baseline
+    assert abs(sum(advantages)) < 1e-5 and advantages[0] == advantages[2] > 0 > advantages[1]
+    c = job.selector.counters
+    assert (c.generated, c.environment_failures, c.environment_dropped, c.zero_variance_dropped) == (8, 4, 5, 0)
     metrics = drain_local()
-    assert metrics["rollout/environment_failures"].value() == 1
-    assert metrics["rollout/environment_dropped"].value() == 4
+    assert metrics["rollout/environment_failures"].value() == 4
+    assert metrics["rollout/environment_dropped"].value() == 5  # 1 episode, then the second group's 4 (1 left)
+
+
+def test_a_group_with_nothing_but_failures_or_one_episode_left_is_dropped_whole():
+    selector = GroupSelector(RolloutConfig(group_size=4), EpisodeCounters())
+    assert selector.trainable(played([0.0] * 4, [True] * 4)) is None
+    assert selector.trainable(played([1.0, 0.0, 0.0, 0.0], [False, True, True, True])) is None
+    assert selector.trainable(None) is None  # its generation failed
+    kept = selector.trainable(played([1.0, 0.0, 0.0, 0.0], [False, False, True, True]))
+    assert kept.rewards == [1.0, 0.0] and kept.failed == [False, False] and len(kept.samples) == 2
+    c = selector.counters
+    assert (c.generated, c.environment_failures, c.environment_dropped, c.generation_failures) == (10, 9, 10, 1)
 
 
 def test_partial_rewards_are_a_mean_reward_and_exact_match_ones_an_accuracy():
