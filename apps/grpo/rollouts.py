@@ -256,6 +256,7 @@ def warm_started_model(cfg: GRPOConfig, task: Any) -> tuple[str, float | None]:
     eval_problems = task.sample_prompts(cfg.warm_start.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
     train_rng = random.Random(f"{cfg.seed}-warm-start")
     path, accuracy = warm_start_multiturn(cfg.model, Path(cfg.model_cache) / "warm_start", task=task,
+                                          task_name=cfg.task.name,
                                           train_problems=lambda n: task.sample_prompts(n, train_rng),
                                           eval_problems=eval_problems, limits=cfg.environment,
                                           config=cfg.warm_start, seed=cfg.seed, max_tokens=cfg.rollout.max_tokens)

@@ -14,17 +14,24 @@ from typing import Any, Callable
 
 from rl.environments.config import EnvironmentConfig
 from rl.environments.rollout import run_episodes
+from rl.environments.trajectory import Trajectory
 from rl.types import SamplingParams
 from apps.warm_start.config import WarmStartConfig
 from apps.warm_start.supervised import log_now, padded_batch, train_until_accurate
 
 
-def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: Any,
+def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: Any, task_name: str,
                          train_problems: Callable[[int], list], eval_problems: list, limits: EnvironmentConfig,
                          config: WarmStartConfig, seed: int, max_tokens: int,
                          log: Callable[[str], None] = log_now) -> tuple[Path, float]:
     """Train on `task.transcript(p)` for `train_problems(n)` until greedy multi-turn accuracy on `eval_problems`
-    reaches the target; returns the saved checkpoint directory and the accuracy reached."""
+    reaches the target; returns the saved checkpoint directory and the accuracy reached.
+
+    An evaluation episode whose environment failed is left out of the accuracy (not scored 0), counted and reported.
+    A warm start that cannot produce any correct episode fails naming `task_name`: every evaluation episode failed in
+    its environment. (A greedy accuracy of 0 is not that: sampled episodes can still be right, and GRPO learns from
+    them.)"""
+    failures = []
 
     def batch(tokenizer, n: int):
         rows, labels = [], []
@@ -35,12 +42,25 @@ def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: An
         return padded_batch(rows, labels, tokenizer.pad_token_id)
 
     def accuracy(model, tokenizer) -> float:
-        return asyncio.run(greedy_episode_accuracy(model, tokenizer, task, eval_problems, limits, max_tokens))
+        played = asyncio.run(greedy_episodes(model, tokenizer, task, eval_problems, limits, max_tokens))
+        failed = [t for t in played if t.failed]
+        failures.append(len(failed))
+        if len(failed) == len(played):
+            raise RuntimeError(f"warm start of task {task_name!r}: all {len(played)} evaluation episodes failed in "
+                               f"their environment (first: {failed[0].error}); it cannot produce a correct episode")
+        if failed:
+            log(f"warm start: {len(failed)} of {len(played)} evaluation episodes left out of the accuracy: their "
+                f"environment failed (first: {failed[0].error})")
+        return sum(t.reward for t in played if not t.failed) / (len(played) - len(failed))
 
-    return train_until_accurate(model_dir, out_dir, cache_key={"eval": [tuple(map(str, p)) for p in eval_problems[:20]],
-                                                               "multiturn": True},
-                                batch=batch, accuracy=accuracy, config=config, seed=seed, log=log,
-                                what=f"greedy multi-turn accuracy on {len(eval_problems)} problems")
+    path, reached = train_until_accurate(
+        model_dir, out_dir, cache_key={"eval": [tuple(map(str, p)) for p in eval_problems[:20]], "multiturn": True},
+        batch=batch, accuracy=accuracy, config=config, seed=seed, log=log,
+        what=f"greedy multi-turn accuracy on {len(eval_problems)} problems")
+    if failures:
+        log(f"warm start: environment failures {sum(failures)} of {len(failures) * len(eval_problems)} evaluation "
+            "episodes (left out of the accuracy)")
+    return path, reached
 
 
 def transcript_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
@@ -55,9 +75,9 @@ def transcript_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[in
     return ids, learned
 
 
-async def greedy_episode_accuracy(model, tokenizer, task: Any, problems: list, limits: EnvironmentConfig,
-                                  max_tokens: int) -> float:
-    """Mean reward of greedy episodes of `problems`, played in one batch per turn with the training model itself."""
+async def greedy_episodes(model, tokenizer, task: Any, problems: list, limits: EnvironmentConfig,
+                          max_tokens: int) -> list[Trajectory]:
+    """Greedy episodes of `problems`, played in one batch per turn with the training model itself."""
     from actors.engines.hf import HFEngine
 
     engine = HFEngine.from_model(model, tokenizer)
@@ -66,7 +86,6 @@ async def greedy_episode_accuracy(model, tokenizer, task: Any, problems: list, l
         return [out[0] for out in engine.generate(prompts, params)]
 
     params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(task.stop_token_ids))
-    played = await run_episodes(generate, [task.environment() for _ in problems], problems, params, limits,
-                                encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-                                end_token_ids=[tokenizer.eos_token_id])
-    return sum(t.reward for t in played) / len(played)
+    return await run_episodes(generate, [task.environment() for _ in problems], problems, params, limits,
+                              encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                              end_token_ids=[tokenizer.eos_token_id])
