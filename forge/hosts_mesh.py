@@ -9,7 +9,7 @@ import socket
 import threading
 
 from forge import compat
-from forge.actor import ForgeActor
+from forge.endpoints import EndpointActor
 from forge import job_auth
 from forge.hosts import HostsConfig, HostsError, worker_address
 
@@ -94,7 +94,7 @@ def _hold_if_proved(connection: socket.socket, secret: bytes) -> None:
     connection.close()
 
 
-class Lifeline(ForgeActor):
+class Lifeline(EndpointActor):
     """In a host's watch process: once the controller's lifeline closes, this host's processes of the job go."""
 
     def __init__(self, address: str, port: int) -> None:

@@ -27,13 +27,16 @@ import contextlib
 import itertools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any, AsyncIterator, Callable
 
 from forge import compat, metrics, processes, weight_store
+from forge.endpoints import ActorHandle, EndpointActor
 from forge.hosts import HostsConfig, HostsError
+from forge.hosts_mesh import Lifeline, allocate_host_mesh, check_hosts, lifeline_address
 from forge.job_auth import SECRET_VARIABLE, job_secret
 from forge.proc_agent import ProcAgent
+from forge.weight_relay import WeightRelay
 from forge.processes import ProcessId, free_port, kill_job_processes, monarch_children  # noqa: F401 (public here too)
 
 import psutil  # noqa: E402
@@ -174,14 +177,12 @@ class Provisioner:
 
     async def _start_relay(self, index: int) -> None:
         """Host `index`'s weight relay (forge/weight_relay.py), in a 1-process mesh of its own on that host."""
-        from forge.weight_relay import WeightRelay
-
         name = f"weight_relay{index}-{next(self._names)}"
         async with self.busy(f"spawning mesh {name!r}"):
             mesh = await asyncio.shield(self._spawn(name, 1, 0, None, None, [index]))
             await asyncio.shield(self._watch_host(index))
         self.refuse_if_closing(f"spawning mesh {name!r}")
-        self.relays.append(await WeightRelay._spawn_on(mesh, (), {}))
+        self.relays.append(await spawn_actor(WeightRelay, mesh))
 
     async def get_proc_mesh(
         self,
@@ -306,10 +307,8 @@ class Provisioner:
                 return
             name = f"host{index}-watch"
             self._host_watch[index] = await self._spawn(name, 1, False, None, None, [index])
-            from forge.hosts_mesh import Lifeline, lifeline_address
-
             # Nothing of the job outlives a SIGKILLed controller on that host (forge.compat, 22).
-            await Lifeline._spawn_on(self._host_watch[index], lifeline_address(), {})
+            await spawn_actor(Lifeline, self._host_watch[index], lifeline_address())
             self.meshes.pop(name, None)  # watched through its own answers, not counted as a role
 
     async def _watch_processes(self, poll_s: float = 0.5) -> None:
@@ -533,8 +532,6 @@ def configure_hosts(hosts: HostsConfig | None) -> None:
     if _provisioner is not None and _provisioner.meshes:
         raise HostsError("hosts: configure the hosts before the first actor or service is started")
     if hosts is not None and hosts.enabled:
-        from forge.hosts_mesh import check_hosts
-
         check_hosts(hosts)
         _hosts = hosts
     else:
@@ -546,7 +543,6 @@ def get_provisioner() -> Provisioner:
     global _provisioner
     if _provisioner is None:
         if _hosts is not None:
-            from forge.hosts_mesh import allocate_host_mesh
 
             _provisioner = Provisioner(host_mesh=allocate_host_mesh(_hosts), hosts=_hosts)
         else:
@@ -569,3 +565,56 @@ async def shutdown() -> None:
         await asyncio.shield(_shutting_down)
     finally:
         _provisioner = None
+
+
+# --- actors on meshes ------------------------------------------------------------------------------------
+# Actor handles are Monarch objects; remember each one's mesh here (holding the handle keeps its id unique).
+_MESH_OF: dict[int, tuple[Any, ProvisionedMesh]] = {}
+
+
+def _plain(value: Any) -> Any:
+    """Config sections (OmegaConf nodes, dataclasses) become plain picklable values."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return value
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return value
+
+
+async def spawn_actor(cls: type[EndpointActor], mesh: ProvisionedMesh, args: tuple = (), kwargs: dict | None = None
+                      ) -> ActorHandle:
+    """Spawn `cls` on every process of `mesh` and run its `setup` endpoint; the mesh is stopped if that fails."""
+    provisioner = get_provisioner()
+    args = tuple(_plain(a) for a in args)
+    kwargs = {k: _plain(v) for k, v in (kwargs or {}).items()}
+    try:
+        # Shutdown lets a set-up under way finish before it stops the mesh, so no mesh spawned meanwhile is left.
+        async with provisioner.busy(f"spawning {cls.__name__} on mesh {mesh.name!r}"):
+            name = actor_mesh_name(mesh.name, cls.__name__.lower())
+            actor = ActorHandle(mesh.procs.spawn(name, cls, *args, **kwargs))
+            if cls.has_teardown():
+                mesh.actors.append(actor)  # only actors with background work get a teardown call
+            await actor.setup.call()
+    except BaseException:
+        await provisioner.stop_proc_mesh(mesh)
+        raise
+    _MESH_OF[id(actor)] = (actor, mesh)
+    return actor
+
+
+def mesh_of(actor: Any) -> ProvisionedMesh | None:
+    """The proc mesh an actor spawned by `spawn_actor` runs on."""
+    entry = _MESH_OF.get(id(actor))
+    return entry[1] if entry else None
+
+
+async def stop_actor(actor: Any) -> None:
+    """Stop an actor spawned by `spawn_actor` and its processes."""
+    entry = _MESH_OF.pop(id(actor), None)
+    if entry is not None:
+        await get_provisioner().stop_proc_mesh(entry[1])

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from forge.compat import SupervisionError
-from forge.provisioner import DRAIN_WAIT_S, SPAWN_WAIT_S, MeshFailure, ProvisionedMesh, ShutDownError, get_provisioner
+from forge.provisioner import (DRAIN_WAIT_S, SPAWN_WAIT_S, MeshFailure, ProvisionedMesh, ShutDownError, get_provisioner,
+                               spawn_actor)
 
 from monarch._src.actor.endpoint import EndpointProperty  # noqa: E402 (after forge.compat)
 
@@ -123,7 +124,7 @@ class Service:
             replica=index,
             on_failure=lambda failure, i=index, g=generation: self._failure_from_monitor(i, g, failure),
         )
-        actor = await self.actor_cls._spawn_on(mesh, self.args, self.kwargs)
+        actor = await spawn_actor(self.actor_cls, mesh, self.args, self.kwargs)
         return Replica(index, mesh, actor, generation=generation)
 
     # --- failure handling -------------------------------------------------------------------------

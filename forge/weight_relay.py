@@ -61,7 +61,8 @@ from typing import Iterator
 
 from forge import compat
 from forge import job_auth
-from forge.actor import ForgeActor, endpoint
+from forge.endpoints import EndpointActor
+from monarch.actor import endpoint  # noqa: E402 (after forge.compat)
 from forge.host_agent import host_address
 from forge.job_auth import JobAuthenticationError, job_secret
 from forge.metrics import record_metric
@@ -339,7 +340,7 @@ for path in glob.glob(pattern):
 """
 
 
-class WeightRelay(ForgeActor):
+class WeightRelay(EndpointActor):
     """Copies every namespace's new versions from torchstore into this host's shared memory."""
 
     def __init__(self, poll_s: float = 0.05) -> None:
