@@ -29,7 +29,7 @@ from actors.lora_config import LoRAConfig
 from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
-from forge.loss_rules import PI_OLD_PARAMS, uses_old_logprobs
+from losses.rules import PI_OLD_PARAMS, uses_old_logprobs
 from rl.types import TrainBatch
 from losses import LossOutput, get_loss
 from losses.mismatch import mismatch_metrics, version_lags

@@ -13,7 +13,7 @@ no extra forward pass is spent: a minibatch's pi_train is its own forward, just 
   chi2           mean of (rho - 1)^2: the unbiased estimator of the chi-squared divergence
                  chi2(pi_train || pi_behaviour) = E_behaviour[(rho - 1)^2], the variance of the IS weight
   out_of_band    fraction of tokens with rho outside the token band (`token_mask_band`, else
-                 forge.loss_rules.MONITOR_BAND, IcePop's [0.5, 5])
+                 losses.rules.MONITOR_BAND, IcePop's [0.5, 5])
   masked         fraction of tokens the rollout correction gives weight 0 (token or sequence masks)
   tis_truncated  fraction of tokens whose weight `tis_cap` truncated (rho > tis_cap)
   token_share    the lag's share of the batch's response tokens
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from forge.loss_rules import MONITOR_BAND
+from losses.rules import MONITOR_BAND
 from rl.types import TrainBatch
 from losses.terms import Band, correction_weight, in_band
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forge.loss_rules import PI_OLD_PARAMS
+from losses.rules import PI_OLD_PARAMS
 
 SUPPLIED_BY_TRAINER = frozenset({"logprobs", "batch", "old_logprobs"})  # every loss's non-hyperparameter arguments
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from forge.loss_rules import KL_ESTIMATORS, check_hyperparams  # noqa: F401  (re-exported for the losses)
+from losses.rules import KL_ESTIMATORS, check_hyperparams  # noqa: F401  (re-exported for the losses)
 from rl.types import TrainBatch
 
 

@@ -23,7 +23,7 @@ from actors.trainer_config import TrainerConfig
 from actors.weight_canary import CanaryConfig
 from rl.environments.config import EnvironmentConfig
 from forge.hosts import HostsConfig
-from forge.loss_rules import check_advantage_normalization
+from losses.rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
 from rl.tasks.config import TaskConfig
 from apps.warm_start.config import WarmStartConfig

@@ -9,7 +9,7 @@ import torch
 
 from apps.server.errors import ServiceError, field_error
 from apps.server.schemas import Datum
-from forge.loss_rules import uses_old_logprobs
+from losses.rules import uses_old_logprobs
 from rl.sampling import MAX_KEPT_TOKENS
 from rl.types import TrainBatch
 from losses import LOSSES, get_loss

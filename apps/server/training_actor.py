@@ -20,7 +20,7 @@ from torchtitan.distributed import utils as titan_dist
 from actors.trainer import TitanTrainer, TrainerActor, check_input_ids
 from forge.actor import endpoint
 from forge.distributed import init_from_environment
-from forge.loss_rules import uses_old_logprobs
+from losses.rules import uses_old_logprobs
 from rl.types import TrainBatch
 from forge.weight_store import WeightStore
 from losses import get_loss

@@ -335,7 +335,7 @@ def test_bad_config_is_refused_with_the_key_and_value(override, message):
 BAD_REWARDS = [
     ("task.reward=no_such_module:score", r"task\.reward='no_such_module:score': cannot import module 'no_such_module' "
                                          r"\(No module named 'no_such_module'\)"),
-    ("task.reward=rl.tasks:no_such_fn", r"task\.reward='forge\.tasks:no_such_fn': module 'forge\.tasks' has no "
+    ("task.reward=rl.tasks:no_such_fn", r"task\.reward='rl\.tasks:no_such_fn': module 'rl\.tasks' has no "
                                            r"callable 'no_such_fn'"),
 ]
 
