@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from forge.provisioner import free_port
 from tests.docs.snippets import python_blocks, run_block
-from tests.apps.app_faults import Endpoint, actor
+from tests.apps.app_faults import Endpoint, actor, kill_the_generator_for_good, newest_job_process
 from tests.support import start_http_app, stop_http_app
 from apps.gateway.app import build_app
 from apps.gateway.chat import PromptEncoder
@@ -622,6 +622,28 @@ def test_the_serving_docs_gateway_snippet_runs_against_the_gateway(gateway, http
     done = run_block(snippet, {"http://127.0.0.1:8090": gateway["url"], "forge-admin-key-change-me": ADMIN})
     assert done["session"]["session_id"] == "demo-0" and done["reply"].model_extra["forge"]["session_id"] == "demo-0"
     assert done["ended"]["interactions"] == 1
+
+
+def test_no_healthy_generator_replica_is_502_naming_its_failure_and_the_rest_of_the_gateway_goes_on(gateway, http):
+    # The module gateway's last test: it leaves the gateway without a generator.
+    session = _start(http)
+    key = _bearer(session["api_key"])
+    chat = {"model": "default", "messages": [{"role": "user", "content": "5+5="}]}
+
+    def serves() -> None:  # a restarted replica answers (a chat made during the restart waits for it)
+        assert http.post("/v1/chat/completions", json=chat, headers=key).status_code == 200
+
+    # The gateway spawns its generator last: the newest of its processes.
+    kill_the_generator_for_good(gateway["proc"].pid, gateway["run_dir"] / "gateway.log",
+                                newest_job_process(gateway["proc"].pid), serves)
+    refused = http.post("/v1/chat/completions", json=chat, headers=key)
+    assert refused.status_code == 502, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "no_healthy_generator")
+    assert error["message"].startswith("service generator: no healthy replica left (replica 0: ")
+    assert http.get("/health").json()["generator_replicas_healthy"] == 0
+    ended = http.post("/rl/end_session", headers=key)  # the session's chats are still exported
+    assert ended.status_code == 200 and ended.json()["interactions"] == 3
 
 
 def test_bad_config_fails_before_any_process_starts():

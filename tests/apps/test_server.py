@@ -39,7 +39,7 @@ from forge.service import NoHealthyReplicaError
 from rl.tiny_model import ensure_tiny_checkpoint
 from apps.warm_start.config import WarmStartConfig
 from tests.docs.snippets import python_blocks, run_block
-from tests.apps.app_faults import Endpoint, actor
+from tests.apps.app_faults import Endpoint, actor, kill_the_generator_for_good, newest_job_process
 from tests.support import start_http_app, stop_http_app
 from apps.server.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 
@@ -347,7 +347,8 @@ def server(tmp_path_factory):
                f"run_dir={run_dir}", f"http.api_key={API_KEY}", "sessions.max_sessions=2",
                "sessions.sequence_gap_timeout_s=3", *SHORT_WARM_START]
     proc, base_url = start_http_app(command, run_dir / "server.log", ROOT)
-    yield {"url": base_url, "proc": proc, "run_dir": run_dir}
+    # The server spawns its generator last at start (sessions' trainers come later).
+    yield {"url": base_url, "proc": proc, "run_dir": run_dir, "generator_pid": newest_job_process(proc.pid)}
     code = stop_http_app(proc)
     output = (run_dir / "server.log").read_text()
     assert code == 128 + signal.SIGTERM, output[-4000:]  # forge.lifecycle: stopped by a signal
@@ -666,6 +667,21 @@ def test_the_serving_docs_client_snippet_runs_against_the_server(server, monkeyp
     done = run_block(snippet)
     assert "step-1" in done["listed"] and done["saved"].checkpoint.checkpoint_id == "step-1"
     assert done["version"] >= 1 and len(done["data"]) == 8
+
+
+def test_no_healthy_generator_replica_is_503_naming_its_failure_and_the_server_goes_on(server, http):
+    # The module server's last test: it leaves the server without a generator.
+    sample = {"prompt": "1+1=", "sampling_params": {"max_tokens": 2}}
+
+    def serves() -> None:  # a restarted replica answers
+        assert http.post("/api/v1/sample", json=sample).status_code == 200
+
+    kill_the_generator_for_good(server["proc"].pid, server["run_dir"] / "server.log", server["generator_pid"], serves)
+    refused = http.post("/api/v1/sample", json=sample)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["detail"].startswith("service generator: no healthy replica left (replica 0: ")
+    assert http.get("/api/v1/health").json()["generator_replicas_healthy"] == 0
+    assert http.get("/api/v1/get_server_info").status_code == 200
 
 
 def test_bad_config_fails_before_any_process_starts():
