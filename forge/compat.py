@@ -31,10 +31,10 @@ to 0.7.0 are listed after the table with the check that retired them.
                                                            FLAKY; `tests/support.start_http_app` retries a start
 14  (0.1.2) the host agent could fail on a message to a    the REST server keeps an unloaded session's trainer for the
     proc mesh stopped while other meshes of the job        next session (reset to the served weights) instead of
-    ran, taking every process down. 0.7: 1 of 3 meshes     stopping its mesh (`apps/server/runtime.py`,
-    stopped with calls in flight to all 3 and one sent     `idle_trainers`); can go when stopping one trainer mesh of
+    ran, taking every process down. 0.7: 1 of 3 meshes     stopping its mesh (`apps/server/trainer_pool.py`,
+    stopped with calls in flight to all 3 and one sent     `TrainerPool.idle`); can go when stopping one trainer mesh of
     after, 4 rounds: its calls raise SupervisionError,     several leaves the others answering, which it does on 0.7:
-    the others answered 24/24, no supervision event, on    the reuse can go from apps/server/runtime.py
+    the others answered 24/24, no supervision event, on    the reuse can go from apps/server/trainer_pool.py
     this host and through a Monarch worker over tcp
     (/tmp/m07c/e14_stop_one.py local|remote 4)
 16  a message sent to a process that has just died (a     wait an hour before giving up on delivery
