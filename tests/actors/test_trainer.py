@@ -331,14 +331,6 @@ def test_init_checkpoint_takes_only_the_weights(checkpoint: Path, tmp_path: Path
     assert (started.step, started.policy_version) == (0, 0)
 
 
-def test_checkpoint_interval_saves_complete_checkpoints(checkpoint: Path, tmp_path: Path) -> None:
-    trainer = TitanTrainer(trainer_config(checkpoint, checkpoint_dir=str(tmp_path), checkpoint_interval=2))
-    for _ in range(3):
-        trainer.train_step(make_batch(6))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
-    assert (tmp_path / "step-2" / CHECKSUMS_FILE).is_file() and (tmp_path / "step-2" / ".metadata").is_file()
-
-
 def test_corrupt_or_incomplete_checkpoint_is_a_clear_error(checkpoint: Path, tmp_path: Path) -> None:
     trainer = TitanTrainer(trainer_config(checkpoint))
     saved = Path(trainer.save_checkpoint(tmp_path / "good"))
@@ -514,7 +506,6 @@ def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_results: list[dict]) -> N
     ({"dtype": "float8"}, "dtype", "one of float32, bfloat16"),
     ({"warmup_steps": 11}, "warmup_steps", "an int in [0, max_steps=10]"),
     ({"lr_decay": "step"}, "lr_decay", "one of constant, linear, cosine"),
-    ({"checkpoint_interval": 5}, "checkpoint_dir", "a folder when checkpoint_interval=5 > 0"),
     ({"model_path": "/no/such/folder"}, "model_path", "a Hugging Face checkpoint folder with config.json"),
     ({"publish_dtype": "int8"}, "publish_dtype", "None (the trainer's dtype) or one of float32, bfloat16, float16"),
 ])
