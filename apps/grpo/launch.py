@@ -1,16 +1,13 @@
-"""What a GRPO run starts from: its task and reward, its (warm-started) model, and its actors.
+"""What a GRPO run starts from: its task and reward, and its actors (its model: `rollouts.warm_started_model`).
 
     task = make_task(cfg)
-    model_path, accuracy = warm_started_model(cfg, task)       # accuracy: None when there is no warm start
     actors = await start_actors(cfg, model_path)               # trainer, replay buffer, generator service, reference
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable
 
 from transformers import AutoTokenizer
@@ -24,7 +21,6 @@ from apps.grpo.config import GRPOConfig
 from forge.provisioner import get_provisioner
 from rl import tasks
 from forge.config import load_callable
-from apps.warm_start.supervised import warm_start
 
 WEIGHTS = "policy"  # the weight store namespace the trainer publishes to and the generators follow
 
@@ -39,19 +35,6 @@ def reward_function(cfg: GRPOConfig, task) -> tuple[Callable[[str, str], float],
     if cfg.task.reward:
         return load_callable(cfg.task.reward, field="task.reward"), cfg.task.reward_timeout_s
     return task.reward, None
-
-
-def warm_started_model(cfg: GRPOConfig, task) -> tuple[str, float | None]:
-    """`cfg.model`, briefly trained on the arithmetic task first when `warm_start.enabled` (cached by its inputs)."""
-    if not (cfg.warm_start.enabled and (cfg.task.source, cfg.task.name) == ("forge", "arithmetic")):
-        return cfg.model, None
-    eval_problems = task.sample_prompts(cfg.warm_start.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
-    train_rng = random.Random(f"{cfg.seed}-warm-start")
-    path, accuracy = warm_start(cfg.model, Path(cfg.model_cache) / "warm_start",
-                                train_problems=lambda n: task.sample_prompts(n, train_rng), eval_problems=eval_problems,
-                                reward=task.reward, config=cfg.warm_start, seed=cfg.seed,
-                                max_tokens=cfg.rollout.max_tokens)
-    return str(path), accuracy
 
 
 def reference_config(cfg: GRPOConfig, model_path: str) -> ReferenceConfig:

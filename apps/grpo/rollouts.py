@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from apps.grpo.config import GRPOConfig, RolloutConfig
-from apps.grpo.launch import reward_function, warm_started_model as single_turn_warm_start
+from apps.grpo.launch import reward_function
 from apps.grpo.rewards import RewardHangError, RewardScorer
 from apps.grpo.summary import EpisodeCounters
 from forge.metrics import record_metric
@@ -38,6 +38,7 @@ from rl.environments.threads import EnvironmentsBlocked, ThreadedEnvironment
 from rl.environments.trajectory import Trajectory
 from rl.types import CompletionBatch, EpisodeBatch, SamplingParams
 from apps.warm_start.multiturn import warm_start_multiturn
+from apps.warm_start.supervised import warm_start_on_task
 
 
 EPISODE_BITS = 16  # an episode id is its group id, then its index in the group in this many bits
@@ -248,11 +249,14 @@ async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any) -> SingleTurn | 
 
 def warm_started_model(cfg: GRPOConfig, task: Any) -> tuple[str, float | None]:
     """`cfg.model`, first trained briefly on the task when `warm_start.enabled` (cached by its inputs): a multi-turn
-    task on its correct episodes (apps.warm_start.multiturn), arithmetic on its answers (apps.grpo.launch)."""
-    if not is_multi_turn(task):
-        return single_turn_warm_start(cfg, task)
+    task on its correct episodes (apps.warm_start.multiturn), arithmetic on its answers (apps.warm_start.supervised)."""
     if not cfg.warm_start.enabled:
         return cfg.model, None
+    if not is_multi_turn(task):
+        if (cfg.task.source, cfg.task.name) != ("forge", "arithmetic"):
+            return cfg.model, None
+        return warm_start_on_task(cfg.model, cfg.model_cache, task, cfg.warm_start, seed=cfg.seed,
+                                  max_tokens=cfg.rollout.max_tokens)
     eval_problems = task.sample_prompts(cfg.warm_start.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
     train_rng = random.Random(f"{cfg.seed}-warm-start")
     path, accuracy = warm_start_multiturn(cfg.model, Path(cfg.model_cache) / "warm_start", task=task,

@@ -5,34 +5,28 @@ Shared by the training service and the online-RL gateway.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rl.tasks.arithmetic import ArithmeticTask
 from apps.warm_start.config import WarmStartConfig
-from apps.warm_start.supervised import warm_start
+from apps.warm_start.supervised import warm_start_on_task
 
 
 def is_tiny(model: str, model_cache: str) -> bool:
     return Path(model).resolve() == (Path(model_cache) / "tiny-qwen3").resolve()
 
 
-def warm_started_model(model: str, model_cache: str, config: WarmStartConfig, *, seed: int,
-                       max_tokens: int = 4) -> tuple[str, float | None]:
-    """The checkpoint to serve: for forge's tiny model with `config.enabled`, its supervised warm start on
-    2-digit addition (`apps.warm_start.supervised.warm_start`, called as apps.grpo calls it, cached by its inputs in
-    `model_cache/warm_start`); otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
+def model_to_serve(model: str, model_cache: str, config: WarmStartConfig, *, seed: int,
+                   max_tokens: int = 4) -> tuple[str, float | None]:
+    """The checkpoint to serve: for forge's tiny model with `config.enabled`, its supervised warm start on 2-digit
+    addition (`warm_start_on_task`, as apps.grpo runs it, cached by its inputs in `model_cache/warm_start`);
+    otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
     if not (config.enabled and is_tiny(model, model_cache)):
         return (str(Path(model).resolve()) if Path(model).exists() else model), None
-    task = ArithmeticTask(seed=seed, num_digits=2, held_out=500)
-    eval_problems = task.sample_prompts(config.eval_prompts, random.Random(f"{seed}-warm-start-eval"))
-    train_rng = random.Random(f"{seed}-warm-start")
-    path, accuracy = warm_start(model, Path(model_cache) / "warm_start",
-                                train_problems=lambda n: task.sample_prompts(n, train_rng),
-                                eval_problems=eval_problems, reward=task.reward, config=config, seed=seed,
-                                max_tokens=max_tokens)
+    path, accuracy = warm_start_on_task(model, model_cache, ArithmeticTask(seed=seed, num_digits=2, held_out=500),
+                                        config, seed=seed, max_tokens=max_tokens)
     return str(Path(path).resolve()), accuracy
 
 

@@ -9,12 +9,13 @@ The result is saved as an ordinary HF checkpoint directory, cached by its inputs
 from __future__ import annotations
 
 import hashlib
+import random
 import json
 import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,6 +32,19 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[
     engine = HFEngine.from_model(model, tokenizer)  # decodes with the training model itself, no copy
     outputs = engine.generate([p.prompt for p in problems], SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0))
     return sum(reward(out[0].text, p.answer) for p, out in zip(problems, outputs)) / len(problems)
+
+
+def warm_start_on_task(model: str, model_cache: str | Path, task: Any, config: WarmStartConfig, *, seed: int,
+                       max_tokens: int) -> tuple[str, float]:
+    """`model` trained on `task`'s answers (`warm_start`), cached under `model_cache/warm_start`: training and
+    evaluation prompts come from `task.sample_prompts` with generators seeded from `seed`, so every app that warm
+    starts the same model on the same task and seed shares one cached checkpoint."""
+    eval_problems = task.sample_prompts(config.eval_prompts, random.Random(f"{seed}-warm-start-eval"))
+    train_rng = random.Random(f"{seed}-warm-start")
+    path, accuracy = warm_start(model, Path(model_cache) / "warm_start",
+                                train_problems=lambda n: task.sample_prompts(n, train_rng), eval_problems=eval_problems,
+                                reward=task.reward, config=config, seed=seed, max_tokens=max_tokens)
+    return str(path), accuracy
 
 
 def log_now(line: str) -> None:

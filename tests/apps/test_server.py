@@ -26,7 +26,7 @@ from apps.server.app import build_app
 from apps.server.batches import batch_temperature, build_batch, concat_batches
 from apps.server.config import ServerConfig
 from apps.server.errors import ServiceError
-from apps.server.model import warm_started_model
+from apps.server.model import model_to_serve
 from apps.server.actor_calls import endpoint_failure
 from apps.server.runtime import TrainingService
 from apps.server.schemas import Datum
@@ -315,7 +315,7 @@ def test_the_first_warm_start_says_what_it_does_and_where_it_caches_and_later_st
     tiny = str(ensure_tiny_checkpoint(tmp_path / "tiny-qwen3"))
     budget = WarmStartConfig(target_accuracy=1.0, batch_size=4, max_steps=4, eval_every=2, eval_prompts=8)
     capsys.readouterr()
-    path, accuracy = warm_started_model(tiny, str(tmp_path), budget, seed=0)
+    path, accuracy = model_to_serve(tiny, str(tmp_path), budget, seed=0)
     first = capsys.readouterr().out.splitlines()
     assert Path(path).parent == (tmp_path / "warm_start").resolve() and (Path(path) / "warm_start.json").is_file()
     assert first[0] == (f"warm start: none cached for this model, seed and settings; training one (cached in {path} "
@@ -328,12 +328,12 @@ def test_the_first_warm_start_says_what_it_does_and_where_it_caches_and_later_st
     assert re.fullmatch(rf"warm start: 4 steps in \d+s, greedy accuracy [\d.]+%; saved {re.escape(path)} "
                         r"\(reused on later starts\)", first[-1])
 
-    again = warm_started_model(tiny, str(tmp_path), budget, seed=0)
+    again = model_to_serve(tiny, str(tmp_path), budget, seed=0)
     assert again == (path, accuracy)
     assert capsys.readouterr().out.splitlines() == [
         f"warm start: reusing {path} (accuracy {accuracy:.1%}, cached by model, seed and settings)"]
 
-    warm_started_model(tiny, str(tmp_path), budget, seed=1)  # other settings: trained anew, timed by the first
+    model_to_serve(tiny, str(tmp_path), budget, seed=1)  # other settings: trained anew, timed by the first
     estimate = capsys.readouterr().out.splitlines()[1]
     assert re.search(rf"earlier warm starts in {re.escape(str((tmp_path / 'warm_start').resolve()))} took \d+-\d+s$",
                      estimate)
