@@ -38,7 +38,8 @@ from rl.tiny_model import ensure_tiny_checkpoint  # noqa: E402
 from apps.warm_start.config import WarmStartConfig  # noqa: E402
 from apps.warm_start.supervised import warm_start  # noqa: E402
 from rl.types import Episode, SamplingParams, TrainBatch  # noqa: E402
-from losses import group_advantages, grpo  # noqa: E402
+from losses.advantages import group_advantages  # noqa: E402
+from losses.grpo import grpo  # noqa: E402
 
 
 @dataclass

