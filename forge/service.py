@@ -6,7 +6,6 @@
     by_index = await svc.policy_version.by_replica()  # the same, keyed by replica index
     async with svc.session():                         # stick to one replica (e.g. for a KV cache)
         await svc.generate.route(turn1); await svc.generate.route(turn2)
-    outs = await svc.generate_batch.route_batch(prompts, params)  # merged with concurrent callers' prompts
 
 A replica whose process dies (Monarch reports a supervision failure, from a call or from its own
 monitoring) is marked unhealthy at once; calls that were in flight or queued on it are re-issued on a
@@ -40,18 +39,6 @@ ROUTINGS: tuple[str, ...] = ("round_robin", "least_loaded")
 
 class NoHealthyReplicaError(RuntimeError):
     """Every replica of a service is dead and none is coming back."""
-
-
-@dataclass
-class _MergedCall:
-    """Concurrent `route_batch` calls bound for one replica with equal other arguments: one actor call for all."""
-
-    replica: Replica
-    args: tuple
-    kwargs: dict
-    parts: list[tuple[list, asyncio.Future]]
-    turns: int = 0  # event-loop turns it has waited
-    idle_turns: int = 0  # of which the last ones with no caller joining
 
 
 @dataclass
@@ -89,8 +76,6 @@ class Service:
         self._context: contextvars.Context | None = None
         self._changed: asyncio.Condition | None = None
         self._stopped = False
-        self._merging: dict[str, list[_MergedCall]] = {}  # route_batch calls waiting to be sent, per endpoint
-        self._sending: set[asyncio.Future] = set()
 
     @classmethod
     async def start(cls, actor_cls: type, placement: Any, args: tuple, kwargs: dict, **options: Any) -> Service:
@@ -246,47 +231,6 @@ class Service:
         finally:
             _session_replica.reset(token)
 
-    def _merge(self, endpoint: str, replica: Replica, items: list, args: tuple, kwargs: dict) -> asyncio.Future:
-        """A future for `items`' results, from an actor call shared with other callers' items (see `route_batch`)."""
-        future = asyncio.get_running_loop().create_future()
-        pending = self._merging.setdefault(endpoint, [])
-        for call in pending:
-            if call.replica is replica and call.args == args and call.kwargs == kwargs:
-                call.parts.append((items, future))
-                call.idle_turns = 0
-                return future
-        call = _MergedCall(replica, args, kwargs, [(items, future)])
-        pending.append(call)
-        asyncio.get_running_loop().call_soon(self._send_when_idle, endpoint, call)
-        return future
-
-    def _send_when_idle(self, endpoint: str, call: _MergedCall) -> None:
-        """Send once an event-loop turn passes with no caller joining (callers woken together by one reply, such as a
-        batch of multi-turn episodes stepping their environments, join within a few turns), or after 64 turns."""
-        call.turns, call.idle_turns = call.turns + 1, call.idle_turns + 1
-        if call.idle_turns < 2 and call.turns < 64:
-            asyncio.get_running_loop().call_soon(self._send_when_idle, endpoint, call)
-            return
-        self._merging[endpoint].remove(call)
-        sending = asyncio.ensure_future(self._send_merged(endpoint, call))
-        self._sending.add(sending)  # the loop keeps only a weak reference to a task
-        sending.add_done_callback(self._sending.discard)
-
-    async def _send_merged(self, endpoint: str, call: _MergedCall) -> None:
-        items = [item for part, _ in call.parts for item in part]
-        try:
-            results = await self._call(endpoint, (items, *call.args), call.kwargs, replica=call.replica)
-        except Exception as e:
-            results, error = None, e
-        else:
-            error = None
-        start = 0
-        for part, future in call.parts:
-            if not future.done():  # a caller that was cancelled meanwhile has no use for its results
-                mine = None if results is None else results[start : start + len(part)]
-                future.set_result((mine, error, len(call.parts)))
-            start += len(part)
-
     def __getattr__(self, name: str) -> ServiceEndpoint:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -322,23 +266,6 @@ class ServiceEndpoint:
     async def route(self, *args: Any, **kwargs: Any) -> Any:
         """Call one healthy replica (re-issued elsewhere if that replica dies mid-call)."""
         return await self.service._call(self.name, args, kwargs)
-
-    async def route_batch(self, items: list, *args: Any, **kwargs: Any) -> list:
-        """`route` for an endpoint that takes a list first and answers one result per item (Generator.generate_batch).
-        Concurrent calls bound for the same replica (sessions respected) with equal other arguments travel as one
-        actor call, and each caller gets its own items' results: a rollout's many groups cost the controller one
-        message per turn instead of one per group. A merged call that fails is re-sent per caller, so an error
-        caused by one caller's items (a prompt over the engine's window) reaches that caller only."""
-        if not items:
-            return []
-        merged = self.service._merge(self.name, await self.service._choose(), items, args, kwargs)
-        results, error, callers = await merged
-        if error is None:
-            return results
-        if callers == 1 and not isinstance(error, SupervisionError):
-            raise error
-        # Alone, through `route`: only its own items' failure is its own, and a dead replica's call is re-issued.
-        return await self.route(items, *args, **kwargs)
 
     async def fanout(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Call every healthy replica; returns their results in replica order."""

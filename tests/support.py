@@ -40,14 +40,6 @@ class EchoActor(ForgeActor):
         return self.tag, os.getpid(), value
 
     @endpoint
-    async def echo_batch(self, values: list, suffix: str = "") -> list[tuple[int, object, int]]:
-        """Per value: (pid, value + suffix, how many values this call carried); raises on a value "bad"."""
-        self.calls += 1
-        if "bad" in values:
-            raise ValueError(f"bad value among {len(values)}")
-        return [(os.getpid(), f"{value}{suffix}", len(values)) for value in values]
-
-    @endpoint
     async def identity(self, value: object) -> object:
         return value
 

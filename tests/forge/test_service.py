@@ -60,34 +60,6 @@ async def test_user_exception_passes_through_and_replica_stays_healthy(service):
     assert all(r.healthy for r in service.replicas)
 
 
-async def test_route_batch_merges_concurrent_callers_and_keeps_their_results_apart(service):
-    async def caller(i: int, suffix: str = "") -> list:
-        return await service.echo_batch.route_batch([f"{i}a", f"{i}b"], suffix=suffix)
-
-    before = sum(info["calls"] for info in await service.info.fanout())
-    results = await asyncio.gather(*(caller(i) for i in range(12)), caller(99, suffix="!"))
-    calls = sum(info["calls"] for info in await service.info.fanout()) - before - 2  # - the info calls themselves
-    for i, result in zip([*range(12), 99], results):
-        assert [value for _, value, _ in result] == ([f"{i}a", f"{i}b"] if i != 99 else ["99a!", "99b!"])
-    assert calls <= 4, calls  # 13 callers: one call per replica for the 12 alike (round-robin: 2), one for "!"
-    assert max(size for result in results for _, _, size in result) >= 8
-    assert {size for _, _, size in results[-1]} == {2}  # other arguments: never merged with the others
-
-
-async def test_route_batch_keeps_sessions_and_fails_only_the_caller_whose_items_failed(service):
-    async def in_session(values: list) -> tuple[int, list]:
-        async with service.session():
-            pinned = await _pid(service)
-            return pinned, await service.echo_batch.route_batch(values)
-
-    outcomes = await asyncio.gather(*(in_session([i, i + 1]) for i in range(6)), in_session(["bad"]),
-                                    return_exceptions=True)
-    # The merged call failed; each caller was re-sent alone, and only the one with the bad item failed.
-    assert isinstance(outcomes[-1], Exception) and "bad value among 1" in str(outcomes[-1])
-    for i, (pinned, result) in enumerate(outcomes[:-1]):
-        assert [(pid, value) for pid, value, _ in result] == [(pinned, f"{i}"), (pinned, f"{i + 1}")]
-
-
 async def test_a_failure_monarch_reports_on_its_own_thread_is_handled_in_the_services_context(service):
     """Monarch calls a mesh's failure callback on its thread, whose context is not the controller's; the restart
     it starts spawns on `this_host()`, which Monarch 0.7 looks up in the current context (a second restart
