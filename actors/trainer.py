@@ -40,14 +40,6 @@ class TrainStepResult:
     version: int
     metrics: dict[str, float]
 
-    # Transitional, for apps/gateway/runtime.py, which still reads the step as a metrics dict with the version in it
-    # (`result["policy_version"]`, `result.items()`); can go when it reads `result.version` and `result.metrics`.
-    def __getitem__(self, key: str) -> float:
-        return float(self.version) if key == "policy_version" else self.metrics[key]
-
-    def items(self):
-        return {**self.metrics, "policy_version": float(self.version)}.items()
-
 
 class TrainerActor(ForgeActor):
     """The trainer on a proc mesh of `procs` data-parallel ranks: every endpoint runs on every rank.

@@ -229,11 +229,12 @@ class Gateway:
             self.held = self.buffer_stats["held"]
             batch.advantages = batch_relative_advantages(batch.rewards)
             started = time.perf_counter()
-            metrics = rank0(await asyncio.wait_for(self.trainer.train_step.call(batch), self.cfg.rl.train_timeout_s))
-            self.version = int(metrics["policy_version"])
+            result = rank0(await asyncio.wait_for(self.trainer.train_step.call(batch), self.cfg.rl.train_timeout_s))
+            self.version = result.version
             self.train_steps += 1
             self.counts["trained_episodes"] += batch.num_sequences
-            self.last_train_metrics = {k: float(v) for k, v in metrics.items()}
+            self.last_train_metrics = {**{k: float(v) for k, v in result.metrics.items()},
+                                       "policy_version": float(result.version)}  # reported as it was
             self.last_train_metrics["reward_mean"] = float(batch.rewards.mean())
             self.last_train_metrics["step_s"] = time.perf_counter() - started
             logger.info("train step %d: policy version %d, reward %.3f", self.train_steps, self.version,

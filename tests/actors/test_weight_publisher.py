@@ -143,8 +143,8 @@ async def test_trainer_actor_on_two_ranks_publishes_every_version_in_the_publish
             assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, initial[name].to(torch.bfloat16)), name
 
         for version in (1, 2):
-            metrics = rank0(await trainer.train_step.call(batch(version)))
-            assert metrics["policy_version"] == version and metrics["publish_wait_s"] >= 0
+            result = rank0(await trainer.train_step.call(batch(version)))
+            assert result.version == version and result.metrics["publish_wait_s"] >= 0
             await _wait_for_latest(actor_store, version)
         exported = load_file(Path(rank0(await trainer.export_hf.call(str(tmp_path / "export")))) / "model.safetensors")
         v2 = await actor_store.fetch(2)
