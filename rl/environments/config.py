@@ -14,7 +14,8 @@ class EnvironmentConfig:
     max_total_tokens: int = 256
     """Prompt + model + environment tokens per episode."""
     step_timeout_s: float = 10.0
-    """Per reset / step call of an environment; past it the episode's group is dropped (counted)."""
+    """Per reset / step call of an environment; past it the episode is dropped (counted; with the rest of its group
+    when fewer than 2 episodes are left)."""
     truncated_reward: float | None = 0.0
     """A truncated episode's reward; null: what its environment gave so far."""
     isolated: bool = False
