@@ -37,8 +37,8 @@ def changed_mask(previous: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return previous.view(bits) != new.view(bits)
 
 
-def encoded_bytes(previous: torch.Tensor, new: torch.Tensor) -> dict[str, tuple[int, float]]:
-    """encoding -> (bytes, seconds to encode) for one tensor."""
+def encoded_bytes(previous: torch.Tensor, new: torch.Tensor) -> tuple[int, dict[str, tuple[int, float]]]:
+    """The changed elements of one tensor, and encoding -> (bytes, seconds to encode)."""
     out: dict[str, tuple[int, float]] = {}
     start = time.perf_counter()
     mask = changed_mask(previous, new).flatten()
@@ -52,7 +52,7 @@ def encoded_bytes(previous: torch.Tensor, new: torch.Tensor) -> dict[str, tuple[
     bits = {2: torch.int16, 4: torch.int32}[new.element_size()]
     xor = (previous.view(bits) ^ new.view(bits)).flatten().numpy().tobytes()
     out["xor+zlib1"] = (len(zlib.compress(xor, 1)), time.perf_counter() - start)
-    return out
+    return changed, out
 
 
 def published(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> None:
                 totals = {"full": [0, 0.0], "sparse": [0, 0.0], "bitmask": [0, 0.0], "xor+zlib1": [0, 0.0]}
                 changed = 0
                 for name, tensor in new.items():
-                    changed += int(changed_mask(previous[dtype][name], tensor).sum())
+                    count, encodings = encoded_bytes(previous[dtype][name], tensor)
+                    changed += count
                     totals["full"][0] += tensor.numel() * tensor.element_size()
-                    for encoding, (size, seconds) in encoded_bytes(previous[dtype][name], tensor).items():
+                    for encoding, (size, seconds) in encodings.items():
                         totals[encoding][0] += size
                         totals[encoding][1] += seconds
                 previous[dtype] = new
