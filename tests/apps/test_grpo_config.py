@@ -180,11 +180,13 @@ VLLM_LORA_REFUSALS = [
 @pytest.mark.parametrize("path,overrides,message", VLLM_LORA_REFUSALS, ids=["lm_head", "rank"])
 def test_lora_that_vllm_cannot_serve_is_refused_with_the_config(path, overrides, message, real_models, monkeypatch):
     import apps.grpo.launch as launch
+    import apps.grpo.rollouts as rollouts
 
     def started(*args, **kwargs):
         raise AssertionError("the job started before its LoRA settings were checked")
 
-    monkeypatch.setattr(launch, "warm_start", started)
+    monkeypatch.setattr(rollouts, "warm_start_on_task", started)
+    monkeypatch.setattr(launch, "start_actors", started)
     with pytest.raises(ConfigError, match=message):
         if path == QWEN3_8B:
             load_with_real_model(path, real_models, *overrides)
