@@ -16,7 +16,9 @@ from forge.weight_store import SHM_DIR
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
-PIDS = re.compile(r"provisioned mesh ([a-z_]+)-(?:r\d+-)?\d+: \d+ procs \(pids \[([\d, ]+)\]\)")
+# A role's mesh is `<role>-<n>`, a service replica's `<role>-r<replica>-<n>` (replicas start together, so their lines
+# come in any order).
+PIDS = re.compile(r"provisioned mesh ([a-z_]+(?:-r\d+)?)-\d+: \d+ procs \(pids \[([\d, ]+)\]\)")
 
 
 def _command(run_dir: Path, *overrides: str, config: str = "configs/grpo_tiny.yaml") -> list[str]:
@@ -47,6 +49,7 @@ class RunningJob(WatchedProcess):
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     def pids(self, mesh: str) -> list[int]:
+        """The pids of role `mesh` ("trainer") or of one replica of a service ("generator-r0")."""
         found = [m.group(2) for m in PIDS.finditer(self.output()) if m.group(1) == mesh]
         assert found, f"no mesh {mesh!r} in the output"
         return [int(p) for p in found[0].split(",")]
@@ -60,7 +63,7 @@ def test_generator_replica_killed_mid_run_is_restarted_and_the_run_finishes(tmp_
     # Long enough (~0.15 s a step) for the restart (a new process, ~10-20 s here) to finish within the run.
     job = RunningJob(tmp_path / "run", "steps=300", "resources.generator_replicas=2", "checkpoint.final=false")
     job.wait_for(lambda: job.steps_logged() >= 2, "step 2")
-    victim = job.pids("generator")[0]
+    victim = job.pids("generator-r0")[0]
     subprocess.run(["kill", "-9", str(victim)], check=True)
     assert job.finish() == 0, job.output()[-3000:]
     out = job.output()
