@@ -33,21 +33,26 @@ grpo: $(STAMP)
 
 # Each test module that starts Monarch processes runs in its own pytest process, so one module's
 # runtime state (meshes, the torchstore controller, late replies) cannot leak into the next; the
-# rest run together. A Monarch module that fails is run once more and fails the suite only if it fails
-# again: Monarch can miss its deadlines on a busy 2-core host (forge.compat 13, docs/reliability.md);
-# the retry is printed, never silent. `make test ARGS=...` runs pytest once with your arguments instead.
+# rest run together. When a Monarch module fails, its failed tests run once more (the whole module if pytest
+# named none) and fail the suite only if they fail again: Monarch can miss its deadlines on a busy 2-core host
+# (forge.compat 13, docs/reliability.md); the retry is printed, never silent. `make test ARGS=...` runs pytest
+# once with your arguments instead.
 MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples|server|gateway)|start_weight_store" tests --include='test_*.py' | sort)
+SHELL := /bin/bash
 
 test: $(STAMP)
 ifeq ($(strip $(ARGS)),)
-	@status=0; retried=""; \
+	@status=0; retried=""; log=$$(mktemp); trap 'rm -f $$log' EXIT; \
 	echo "== pytest (no Monarch processes)"; \
 	$(PY) -m pytest tests $(addprefix --ignore=,$(MONARCH_TESTS)) || status=1; \
 	for module in $(MONARCH_TESTS); do \
 		echo "== pytest $$module"; \
-		$(PY) -m pytest $$module || { \
-			echo "== RETRY $$module: failed once; running it again (forge.compat 13: Monarch on a loaded host)"; \
-			if $(PY) -m pytest $$module; then retried="$$retried $$module"; else status=1; fi; }; \
+		$(PY) -m pytest -rfE $$module 2>&1 | tee $$log; \
+		if [ $${PIPESTATUS[0]} -ne 0 ]; then \
+			failed=$$(sed -nE 's/^(FAILED|ERROR) ([^ ]+).*/\2/p' $$log | sort -u | tr '\n' ' '); \
+			echo "== RETRY $${failed:-$$module}: failed once; running again (forge.compat 13: Monarch on a loaded host)"; \
+			if $(PY) -m pytest $${failed:-$$module}; then retried="$$retried $${failed:-$$module}"; else status=1; fi; \
+		fi; \
 	done; \
 	if [ -n "$$retried" ]; then echo "FLAKY (failed once, passed on the retry):$$retried"; fi; \
 	if [ $$status -ne 0 ]; then echo "TESTS FAILED"; else echo "ALL TESTS PASSED"; fi; \

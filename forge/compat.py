@@ -28,8 +28,8 @@ to 0.7.0 are listed after the table with the check that retired them.
 12  pytest's fd-level capture stalls replies that carry    the suite runs with `--capture=sys` (pyproject.toml)
     remote tracebacks
 13  a starved start-up on a loaded 2-core host can miss    `make test` runs each Monarch test module in its own
-    Monarch's deadlines                                    process and retries a failed one once, reporting it as
-                                                           FLAKY; `tests/support.start_http_app` retries a start
+    Monarch's deadlines                                    process and runs its failed tests once more, reporting
+                                                           them as FLAKY; `tests/support.start_http_app` retries a start
 14  (0.1.2) the host agent could fail on a message to a    the REST server keeps an unloaded session's trainer for the
     proc mesh stopped while other meshes of the job        next session (reset to the served weights) instead of
     ran, taking every process down. 0.7: 1 of 3 meshes     stopping its mesh (`apps/server/trainer_pool.py`,
