@@ -205,8 +205,8 @@ class TitanTrainer:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """`minibatches` optimizer steps, one per contiguous slice of the batch (every rank passes the same
-        batch), as one policy version; returns the slices' metrics averaged and the batch's mismatch metrics
-        (losses.mismatch). The LR schedule advances once."""
+        batch), as one policy version (`policy_version` after it); returns the slices' metrics averaged and the
+        batch's mismatch metrics (losses.mismatch). The LR schedule advances once."""
         if self.step >= self.config.max_steps:
             raise RuntimeError(f"train_step: step {self.step} reached TrainerConfig.max_steps={self.config.max_steps}")
         started = time.perf_counter()
@@ -237,8 +237,7 @@ class TitanTrainer:
         self.train_state.step += 1
         self.train_state.policy_version += 1
         metrics = {key: sum(m[key] for m in per_slice) / count for key in per_slice[0]}
-        metrics.update(mismatch, lr=lr, tokens_per_second=batch.input_ids.numel() / (time.perf_counter() - started),
-                       policy_version=float(self.policy_version))
+        metrics.update(mismatch, lr=lr, tokens_per_second=batch.input_ids.numel() / (time.perf_counter() - started))
         return metrics
 
     def accumulate_gradients(

@@ -102,7 +102,6 @@ class TrainerActor(ForgeActor):
         `publish_s` is how long the last completed publish took, `publish_wait_s` how long this step waited for it
         after its own work."""
         metrics = await self._compute(self.trainer.train_step, batch)
-        metrics.pop("policy_version", None)  # TitanTrainer's own; the version travels typed
         waited = time.perf_counter()
         await self._start_publish()
         metrics.update(publish_s=self.publisher.last_publish_s, publish_wait_s=time.perf_counter() - waited)

@@ -122,18 +122,19 @@ def step_batch(rows: int = 8, length: int = 40, vocab: int = 99, prompt: int = 8
 
 def trainer_step(checkpoint: Path, *, device: str, dtype: str, batch, micro_batch_size: int = 3) -> dict[str, float]:
     """One TitanTrainer.train_step (GRPO, micro-batched: the exact-accumulation path with its recomputation): its
-    metrics and 'logprobs_after', the batch's log-probs after the step. A small lr: Adam's first update is about
-    lr * sign(g), so a gradient element near 0 whose sign rounding flips moves its weight by 2 * lr."""
+    metrics, 'policy_version' (the trainer's after the step) and 'logprobs_after', the batch's log-probs after the
+    step. A small lr: Adam's first update is about lr * sign(g), so a gradient element near 0 whose sign rounding
+    flips moves its weight by 2 * lr."""
     from actors.titan_trainer import TitanTrainer
     from actors.trainer_config import TrainerConfig
 
     trainer = TitanTrainer(TrainerConfig(model_path=str(checkpoint), dtype=dtype, device=device, loss="grpo",
                                          lr=1e-5, eps=1e-6, micro_batch_size=micro_batch_size))
     metrics = trainer.train_step(batch)
-    after = trainer.logprobs(batch)
+    after, version = trainer.logprobs(batch), trainer.policy_version
     del trainer
     empty_cache(device)
-    return {**metrics, "logprobs_after": after}
+    return {**metrics, "policy_version": version, "logprobs_after": after}
 
 
 def publish_round_trip(*, device: str, trainer_dtype: torch.dtype, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -154,7 +154,7 @@ def test_minibatches_are_successive_optimizer_steps_in_one_version(checkpoint: P
     metrics = sliced.train_step(batch)
     halves = [by_hand.train_step(batch.slice(0, 2)), by_hand.train_step(batch.slice(2, 4))]
     assert_same_weights(sliced.hf_state_dict(), by_hand.hf_state_dict(), atol=1e-6)
-    assert sliced.policy_version == sliced.step == 1 and metrics["policy_version"] == 1
+    assert sliced.policy_version == sliced.step == 1
     assert metrics["loss"] == pytest.approx((halves[0]["loss"] + halves[1]["loss"]) / 2, abs=1e-6)
     with pytest.raises(ValueError, match=r"batch of 3 sequences: must be a multiple of TrainerConfig.minibatches=2"):
         sliced.train_step(batch.slice(0, 3))
@@ -168,11 +168,15 @@ def test_step_metrics_and_policy_version(checkpoint: Path) -> None:
     mask = batch.response_mask
     expected_entropy = (token_entropy(logits) * mask).sum() / mask.sum()
 
-    steps = [trainer.train_step(batch) for _ in range(3)]
+    steps, versions = [], []
+    for _ in range(3):
+        steps.append(trainer.train_step(batch))
+        versions.append(trainer.policy_version)
 
     assert [m["lr"] for m in steps] == pytest.approx([5e-4, 1e-3, 1e-3])  # linear warmup over 2 steps
     assert steps[0]["entropy"] == pytest.approx(expected_entropy.item(), abs=1e-5)
-    assert [m["policy_version"] for m in steps] == [1, 2, 3] and trainer.policy_version == trainer.step == 3
+    assert versions == [1, 2, 3] and trainer.step == 3
+    assert "policy_version" not in steps[0]  # the version is the trainer's typed state, not a metric
     assert {"loss", "grad_norm", "tokens_per_second", "clip_fraction", "is_weight_mean"} <= steps[0].keys()
     # The norm is reported before clipping; the gradient the optimizer used was clipped to max_grad_norm.
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()]))
@@ -400,14 +404,15 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         full = {n: t.full_tensor() for n, t in shards.items()}  # DTensor's own gather, on every rank
         saved = trainer.save_checkpoint(Path(out_dir) / "ckpt")
         second = trainer.train_step(make_batch(9))
-        after_second = trainer.hf_state_dict()
+        after_second, second_version = trainer.hf_state_dict(), trainer.policy_version
         trainer.load_checkpoint(saved)
         resumed = trainer.train_step(make_batch(9))
-        after_resumed = trainer.hf_state_dict()
+        after_resumed, resumed_version = trainer.hf_state_dict(), trainer.policy_version
         corrected = TitanTrainer(corrected_config(Path(path)), rank=rank, world_size=world_size)
         corrected_metrics = corrected.train_step(make_batch(8))
         result = dict(first=first, second=second, resumed=resumed, first_grads=first_grads, after_first=after_first,
                       after_first_bf16=after_first_bf16, after_second=after_second, after_resumed=after_resumed,
+                      second_version=second_version, resumed_version=resumed_version,
                       shards_are_sharded=all(isinstance(t, DTensor) for t in shards.values()), full=full,
                       logprobs=logprobs, corrected=corrected_metrics, after_corrected=corrected.hf_state_dict())
         torch.save(result, Path(out_dir) / f"result{rank}.pt")
@@ -489,7 +494,7 @@ def test_fsdp_full_weights_are_gathered_to_rank_0_only(fsdp_results: list[dict])
 def test_fsdp_resume_gives_the_uninterrupted_step(fsdp_results: list[dict]) -> None:
     fsdp_result = fsdp_results[0]
     assert fsdp_result["resumed"]["loss"] == fsdp_result["second"]["loss"]
-    assert fsdp_result["resumed"]["policy_version"] == fsdp_result["second"]["policy_version"] == 2
+    assert fsdp_result["resumed_version"] == fsdp_result["second_version"] == 2
     assert_same_weights(fsdp_result["after_resumed"], fsdp_result["after_second"], atol=0)
 
 

@@ -88,7 +88,8 @@ async def test_publish_overlaps_the_next_step_and_is_advertised_once_complete(st
         hook.remove()
         gate.set()
     assert await publisher.wait() == 1
-    assert (await next_step)["policy_version"] == 2
+    await next_step
+    assert trainer.policy_version == 2
     assert await store.latest_version() == 1
     fetched = await store.fetch(1)
     assert {t.dtype for t in fetched.values()} == {torch.bfloat16}
@@ -120,7 +121,8 @@ async def test_a_failed_publish_is_raised_by_the_next_wait(store, checkpoint, mo
     with pytest.raises(shm_weights.SharedMemoryError, match="policy version 8 needs"):
         await publisher.wait()
     assert await publisher.wait() is None  # raised once; the optimizer is free again
-    assert trainer.train_step(batch(4))["policy_version"] == trainer.step == 1
+    trainer.train_step(batch(4))
+    assert trainer.policy_version == trainer.step == 1
 
 
 async def _wait_for_latest(store: WeightStore, version: int, timeout: float = 60) -> None:
