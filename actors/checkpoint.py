@@ -20,7 +20,14 @@ from safetensors.torch import save_file
 from torchtitan.config import TORCH_DTYPE_MAP
 
 CHECKSUMS_FILE = "checksums.json"
+TRAINER_PARTS = ("optimizer", "lr_scheduler", "train_state", "lora")  # a checkpoint's top-level keys beside the model's
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def is_model_key(key: str) -> bool:
+    """Whether `key` of a trainer checkpoint (a state-dict key, or a flattened one like `optimizer.state.x`) holds
+    the model's weights rather than one of the TRAINER_PARTS saved beside them."""
+    return key.split(".")[0] not in TRAINER_PARTS
 
 
 def save(states: dict[str, Any], path: Path, *, rank: int, world_size: int) -> str:

@@ -34,8 +34,6 @@ from rl.types import TrainBatch
 from losses import LossOutput, get_loss
 from losses.mismatch import mismatch_metrics, version_lags
 
-_STATEFUL_PARTS = ("optimizer", "lr_scheduler", "train_state", "lora")
-
 
 class TrainState(Stateful):
     """Counters saved with every checkpoint."""
@@ -381,7 +379,7 @@ class TitanTrainer:
             settings.check_loaded()
         states = self._checkpoint_states()
         checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
-        set_model_state_dict(self.model, {k: v for k, v in states.items() if k not in _STATEFUL_PARTS},
+        set_model_state_dict(self.model, {k: v for k, v in states.items() if checkpoint.is_model_key(k)},
                              options=StateDictOptions(strict=self.config.lora is None))
 
 

@@ -19,7 +19,6 @@ from torchtitan.protocols.train_spec import get_train_spec
 from actors import checkpoint
 from actors.model_builder import model_args_from_hf, resolve_model_path
 from actors.model_layout import HF_MODEL_TYPES
-from actors.titan_trainer import _STATEFUL_PARTS  # a checkpoint's keys that are not the model's
 
 
 def check_fits(trainer_dir: str, model: str) -> None:
@@ -49,7 +48,7 @@ def _model_tensors(trainer_dir: str, device: str) -> dict[str, torch.Tensor]:
                          "base: apps.eval evaluates full-weight checkpoints")
     return {key: torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
             for key, meta in metadata.items()
-            if isinstance(meta, TensorStorageMetadata) and key.split(".")[0] not in _STATEFUL_PARTS}
+            if isinstance(meta, TensorStorageMetadata) and checkpoint.is_model_key(key)}
 
 
 def _to_hf(states: dict[str, torch.Tensor], model: str) -> dict[str, torch.Tensor]:

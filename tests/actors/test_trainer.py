@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from actors.checkpoint import CHECKSUMS_FILE
+from actors.checkpoint import CHECKSUMS_FILE, is_model_key
 from actors.logprobs import token_entropy
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
@@ -324,6 +326,17 @@ def test_resume_gives_the_uninterrupted_run(checkpoint: Path, tmp_path: Path) ->
     metrics = resumed.train_step(second)
     assert metrics["loss"] == expected["loss"] and metrics["lr"] == expected["lr"]
     assert_same_weights(resumed.hf_state_dict(), uninterrupted.hf_state_dict(), atol=0)
+
+
+def test_a_checkpoints_model_keys_are_the_models_and_the_rest_trainer_parts(checkpoint: Path, tmp_path: Path) -> None:
+    # apps.eval reads a checkpoint's model alone by is_model_key: a stateful part saved under another name would be
+    # taken for weights there (and here, on load).
+    trainer = TitanTrainer(trainer_config(checkpoint))
+    trainer.train_step(make_batch(4))
+    saved = trainer.save_checkpoint(tmp_path / "ckpt")
+    keys = FileSystemReader(saved).read_metadata().state_dict_metadata.keys()
+    assert {key for key in keys if is_model_key(key)} == set(get_model_state_dict(trainer.model))
+    assert {key.split(".")[0] for key in keys if not is_model_key(key)} == {"optimizer", "lr_scheduler", "train_state"}
 
 
 def test_init_checkpoint_takes_only_the_weights(checkpoint: Path, tmp_path: Path) -> None:
