@@ -34,6 +34,7 @@ REGISTERED_LOSSES: dict[str, RegisteredLoss] = {loss.name: loss for loss in (
     _loss("gspo", "clip_low", "clip_high"),
     _loss("cispo", "clip_low", "clip_high"),
     _loss("dr_grpo", "clip_eps", "max_tokens"),
+    _loss("distill", "clip_eps", "reward_coef"),
 )}
 LOSS_NAMES = tuple(REGISTERED_LOSSES)
 

@@ -28,6 +28,7 @@ HYPERPARAM_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "clip_high": (lambda v: _is_number(v) and v > 0, "a number > 0"),
     "kl_coef": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
+    "reward_coef": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (0: the teacher's KL alone)"),
     "tis_cap": (lambda v: v is None or (_is_number(v) and v > 0), "None (off) or a number > 0"),
     "max_tokens": (lambda v: v is None or (isinstance(v, int) and v >= 1), "None (use T-1) or an int >= 1"),
     "token_mask_band": (lambda v: v is None or _is_band(v), "None (off) or [low, high] with 0 <= low < high"),
