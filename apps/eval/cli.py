@@ -19,7 +19,7 @@ DESCRIPTION = ("Evaluate a model, a checkpoint, every checkpoint of a run, or an
 
 def reference() -> str:
     """Every key with its type, default and meaning."""
-    from apps.grpo.config_reference import sections  # the same renderer as apps.grpo's reference (no torch)
+    from apps.config_reference import sections  # the same renderer as apps.grpo's reference (no torch)
 
     lines = sections(EvalJobConfig, "", "")
     lines += sections(TaskConfig, "tasks[i].", "Each entry of `tasks`.")

@@ -9,9 +9,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import pytest
 
+from apps.config_reference import sections
 from apps.grpo.cli import load_job_config
 from apps.grpo.config import GRPOConfig
-from apps.grpo.config_reference import REGENERATE, reference, sections
+from apps.grpo.config_reference import REGENERATE, reference
 from forge.config import parse_args
 from tests.docs.snippets import DOCS
 
