@@ -95,7 +95,7 @@ class _Lifecycle:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
         try:
             self.main = asyncio.ensure_future(main())
-            watchdog = asyncio.ensure_future(provisioner.get_provisioner().wait_for_fatal_failure())
+            watchdog = asyncio.ensure_future(provisioner.get_provisioner().failures.wait_for_fatal_failure())
             try:
                 await asyncio.wait([self.main, watchdog], return_when=asyncio.FIRST_COMPLETED)
                 self.code = self._fatal(watchdog.result()) if watchdog.done() else self._outcome()

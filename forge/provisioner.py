@@ -14,9 +14,9 @@ small watch mesh on that host, never through this host's process table.
 of such a job runs its weight store in relayed mode (FORGE_WEIGHT_RELAY).
 
 Failures: Monarch's default reaction to a dead process is to exit the controller. The provisioner
-replaces that hook: a failure on a mesh that a service owns goes to the service (which re-routes and
-restarts the replica); any other failure is fatal and is recorded in `fatal_failures`, which apps watch
-to end the job fast with the root cause.
+replaces that hook with its `failures` (forge/failure_watch.py), which also polls the processes: a failure on
+a mesh that a service owns goes to the service (which re-routes and restarts the replica); any other is fatal.
+Placement on hosts and GPUs: forge/placement.py; what a mesh is: forge/provisioned_mesh.py.
 """
 
 from __future__ import annotations
@@ -32,81 +32,22 @@ from typing import Any, AsyncIterator, Callable
 
 from forge import compat, metrics, processes, weight_store
 from forge.endpoints import ActorHandle, EndpointActor
+from forge.failure_watch import FailureWatch
 from forge.hosts import HostsConfig, HostsError
 from forge.hosts_mesh import Lifeline, allocate_host_mesh, check_hosts, lifeline_address
 from forge.job_auth import SECRET_VARIABLE, job_secret
 from forge.proc_agent import ProcAgent
+from forge.placement import place, visible_gpus
+from forge.provisioned_mesh import MeshFailure, ProvisionedMesh, ShutDownError, actor_mesh_name
 from forge.weight_relay import WeightRelay
-from forge.processes import ProcessId, free_port, kill_job_processes, monarch_children  # noqa: F401 (public here too)
+from forge.processes import ProcessId, free_port, kill_job_processes  # noqa: F401 (free_port: public here too)
 
 import psutil  # noqa: E402
-from monarch.actor import HostMesh, ProcMesh, this_host  # noqa: E402
+from monarch.actor import HostMesh, this_host  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
-class ShutDownError(RuntimeError):
-    """The job is shutting down (or has shut down): no new process, actor, service or call."""
-
-
-@dataclass
-class MeshFailure:
-    """A process or actor failure on a provisioned mesh, as Monarch (or the pid watcher) reported it."""
-
-    mesh_name: str
-    message: str
-
-
-@dataclass
-class ProvisionedMesh:
-    name: str
-    procs: ProcMesh
-    agents: ProcAgent
-    gpus: list[int]
-    processes: list[ProcessId]  # by rank
-    on_failure: Callable[[MeshFailure], None] | None = None
-    stopped: bool = False
-    failed: bool = False  # a process of this mesh is gone: reported once, never sent messages again
-    reported: bool = False  # a failure of this mesh was reported (by Monarch or the watcher)
-    actors: list[Any] = field(default_factory=list)  # actors here that define `teardown`: called before the stop
-    hosts: list[int] = field(default_factory=list)  # indices in the `hosts` config; [] on this host only
-    log_files: list[str] = field(default_factory=list)  # by rank: where a remote process's output goes
-
-    @property
-    def local(self) -> bool:
-        return all(p.local for p in self.processes)
-
-    @property
-    def pids(self) -> list[int]:
-        """The pids of a mesh on the controller's host (a remote pid means nothing here: use `processes`)."""
-        if not self.local:
-            raise ValueError(f"mesh {self.name!r} runs on other hosts ({', '.join(map(str, self.processes))}): "
-                             "its processes are known by (host, pid) in `processes`")
-        return [p.pid for p in self.processes]
-
-
-def _visible_gpus() -> list[int]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [int(x) for x in visible.split(",") if x.strip()]
-    try:
-        import torch
-
-        return list(range(torch.cuda.device_count()))
-    except Exception:  # no CUDA runtime at all
-        return []
-
-
-# Every proc mesh runs Monarch's log forwarder, an actor mesh Monarch names `logger-<id>`.
-MONARCH_LOG_FORWARDER = "logger-"
-
-
-def actor_mesh_name(proc_mesh: str, actor: str) -> str:
-    """The name of an actor mesh forge spawns on a proc mesh: Monarch reports a failure by that name."""
-    return f"{proc_mesh}_{actor}"
-
-
-HOST_SILENT_POLLS = 10  # a host whose watch agent misses this many polls in a row (~10 s) is reported lost
 REMOTE_SPAWN_TIMEOUT_S = 120.0  # a proc mesh on other hosts not up by then is an error naming it
 SPAWN_WAIT_S = 120.0  # how long shutdown waits for spawns already under way (a loaded host is slow)
 DRAIN_WAIT_S = 10.0  # how long shutdown lets calls in flight finish before stopping their processes
@@ -118,13 +59,10 @@ class Provisioner:
 
     host_mesh: HostMesh | None = None
     hosts: HostsConfig | None = None  # the hosts `host_mesh` spans, and where each role goes
-    gpus: list[int] = field(default_factory=_visible_gpus)
+    gpus: list[int] = field(default_factory=visible_gpus)
     meshes: dict[str, ProvisionedMesh] = field(default_factory=dict)
-    fatal_failures: list[MeshFailure] = field(default_factory=list)
     services: list[Any] = field(default_factory=list)  # stopped first at shutdown
     _names: itertools.count = field(default_factory=itertools.count)
-    # Names of meshes already stopped: Monarch keeps reporting their deaths for a while.
-    _retired: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         compat.configure_job_environment()
@@ -132,11 +70,9 @@ class Provisioner:
         self._closing = False
         self._busy: set[asyncio.Future] = set()  # spawns (and actor set-ups) under way
         self._weight_store_started = False
-        self._watcher: asyncio.Task | None = None
         self._store_mesh: ProvisionedMesh | None = None
         self.relays: list[Any] = []  # one WeightRelay per host of a multi-host job (forge/weight_relay.py)
-        self._host_watch: dict[int, ProvisionedMesh] = {}  # host index -> its watch mesh (other hosts only)
-        self._silent_polls: dict[int, int] = {}
+        self.failures = FailureWatch(self.meshes, self.hosts)
         self._watch_lock = asyncio.Lock()
         weight_store.job_id()  # this controller's pid names the job's shared-memory segments
         weight_store.remove_dead_jobs_segments()
@@ -204,7 +140,7 @@ class Provisioner:
             raise ValueError(f"procs={procs}: must be >= 1")
         placement: list[int] = []
         if self.hosts is not None:
-            placement = self._place(role or mesh_name or "mesh", hosts or 1, replica, procs)
+            placement = place(self.hosts, self.meshes.values(), role or mesh_name or "mesh", hosts or 1, replica, procs)
         elif hosts not in (None, 1):
             if self.host_mesh is None:
                 raise ValueError(
@@ -230,25 +166,6 @@ class Provisioner:
                     await asyncio.shield(self._watch_host(index))
         self.refuse_if_closing(f"spawning mesh {name!r}")  # shutdown began meanwhile: it stops this mesh
         return mesh
-
-    def _place(self, role: str, span: int, replica: int, procs: int) -> list[int]:
-        """The indices of the `span` consecutive hosts (in the host mesh) this mesh goes on."""
-        assert self.hosts is not None
-        candidates = self.hosts.hosts_of(role)
-        where = f"hosts.roles.{role}={candidates}" if role in self.hosts.roles else f"role {role!r} (not in hosts.roles: host 0)"
-        if span > len(candidates):
-            raise HostsError(f"{where}: a mesh of {span} hosts needs at least {span} hosts for its role")
-        start = (replica * span) % len(candidates)
-        chosen = sorted(candidates[(start + k) % len(candidates)] for k in range(span))
-        if chosen != list(range(chosen[0], chosen[0] + span)):
-            raise HostsError(f"{where}: a mesh spanning {span} hosts needs consecutive host indices, got {chosen}")
-        used: dict[int, int] = {}
-        for mesh in self.meshes.values():
-            for host in mesh.hosts:
-                used[host] = used.get(host, 0) + len(mesh.processes) // len(mesh.hosts)
-        for host in chosen:
-            self.hosts.check_capacity(used, host, procs, f"mesh {role!r}")
-        return chosen
 
     async def _spawn(self, name: str, procs: int, gpus_per_proc: int, env: dict[str, str] | None,
                      on_failure: Callable[[MeshFailure], None] | None, placement: list[int]) -> ProvisionedMesh:
@@ -292,8 +209,7 @@ class Provisioner:
         mesh = ProvisionedMesh(name, proc_mesh, agents, gpus, ids, on_failure, hosts=placement,
                                log_files=[p["log_file"] for p in found])
         self.meshes[name] = mesh
-        if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.ensure_future(self._watch_processes())
+        self.failures.watch_processes()
         logger.debug("provisioned mesh %s: %d procs (%s), gpus %s", name, len(ids), ", ".join(map(str, ids)), gpus)
         if not mesh.local:
             logger.info("mesh %s: output of its processes on other hosts in %s", name,
@@ -303,114 +219,13 @@ class Provisioner:
     async def _watch_host(self, index: int) -> None:
         """A 1-process mesh on host `index` whose agent answers for that host's processes (once per host)."""
         async with self._watch_lock:  # replicas spawned together on one host share its watch mesh
-            if index in self._host_watch or self.hosts is None:
+            if index in self.failures.host_watch or self.hosts is None:
                 return
             name = f"host{index}-watch"
-            self._host_watch[index] = await self._spawn(name, 1, False, None, None, [index])
+            self.failures.host_watch[index] = await self._spawn(name, 1, False, None, None, [index])
             # Nothing of the job outlives a SIGKILLed controller on that host (forge.compat, 22).
-            await spawn_actor(Lifeline, self._host_watch[index], lifeline_address())
+            await spawn_actor(Lifeline, self.failures.host_watch[index], lifeline_address())
             self.meshes.pop(name, None)  # watched through its own answers, not counted as a role
-
-    async def _watch_processes(self, poll_s: float = 0.5) -> None:
-        """Report a mesh whose process has exited within a second. Monarch notices a dead process only when
-        its proc-state queries go unanswered for HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE (300 s here, so that
-        busy processes on a loaded host are not declared dead): far too late for a job to fail fast.
-        Processes of this host are read from its process table; another host's from its watch agent."""
-        while self.meshes:
-            await asyncio.sleep(poll_s)
-            live = [m for m in self.meshes.values() if not (m.stopped or m.failed)]
-            remote: dict[int, list[ProcessId]] = {}
-            for mesh in live:
-                for host, proc in zip(self._host_of_rank(mesh), mesh.processes):
-                    if not proc.local:
-                        remote.setdefault(host, []).append(proc)
-            answers = await asyncio.gather(*(self._dead_on_host(host, procs) for host, procs in remote.items()))
-            dead = {proc for procs in answers for proc in procs}
-            for mesh in live:
-                gone = [p for p in mesh.processes if (not processes.is_alive(p.pid) if p.local else p in dead)]
-                if gone and not mesh.failed:
-                    self._report_gone(mesh, gone)
-
-    def _host_of_rank(self, mesh: ProvisionedMesh) -> list[int]:
-        """The host index of each rank of `mesh` (ranks run host by host); -1 on the controller's host."""
-        per_host = len(mesh.processes) // max(1, len(mesh.hosts))
-        return [mesh.hosts[rank // per_host] if mesh.hosts else -1 for rank in range(len(mesh.processes))]
-
-    def _report_gone(self, mesh: ProvisionedMesh, gone: list[ProcessId]) -> None:
-        mesh.failed = True
-        if mesh.reported:  # Monarch's supervision said it first
-            return
-        lost = [f"host {i} ({self.hosts.describe(i)})" for i in mesh.hosts
-                if self.hosts is not None and i in self._host_watch and self._host_watch[i].failed]
-        why = f"{' and '.join(lost)} stopped answering (its agent or the machine is gone)" if lost else \
-            "killed or crashed"
-        self._report(mesh, f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited ({why}; its actors "
-                           "are lost)")
-
-    async def _dead_on_host(self, host: int, procs: list[ProcessId]) -> list[ProcessId]:
-        """Which of `procs` (all on host `host`) have exited, as that host's watch agent sees it. A host whose
-        agent stops answering is lost, and every process of the job there with it."""
-        watch = self._host_watch.get(host)
-        if watch is None:
-            return []
-        if watch.failed:
-            return list(procs)
-        try:
-            dead = await asyncio.wait_for(watch.agents.dead_among.call_one([p.pid for p in procs]), timeout=1.0)
-            self._silent_polls[host] = 0
-            return [p for p in procs if p.pid in dead]
-        except Exception as e:
-            self._silent_polls[host] = self._silent_polls.get(host, 0) + 1
-            if self._silent_polls[host] < HOST_SILENT_POLLS:
-                return []
-            logger.error("host %d (%s) stopped answering: %r", host, self.hosts.describe(host), e)
-            watch.failed = True
-            return list(procs)
-
-    def _report(self, mesh: ProvisionedMesh | None, message: str) -> None:
-        event = MeshFailure(mesh.name if mesh else "unknown", message)
-        if mesh is not None:
-            mesh.reported = True
-        if mesh is not None and mesh.on_failure is not None:
-            mesh.on_failure(event)
-            return
-        if self._closing:
-            logger.debug("failure on mesh %s during shutdown: %s", event.mesh_name, message)
-            return
-        logger.error("fatal failure on mesh %s: %s", event.mesh_name, message)
-        self.fatal_failures.append(event)
-
-    def on_supervision_event(self, failure: Any) -> None:
-        # Called by Monarch on its own thread (forge.compat, 4); must never raise. Monarch names the actor mesh
-        # that failed; forge's actor meshes are named `<proc mesh>_<actor>` (`actor_mesh_name`).
-        try:
-            source = getattr(failure, "mesh_name", None) or str(failure)
-            if source.startswith(MONARCH_LOG_FORWARDER):
-                return  # the same process's death reaches us through its ProcAgent's actor mesh too
-            if any(source.startswith(f"{name}_") for name in self._retired):
-                return
-            mesh = next((m for m in self.meshes.values() if source.startswith(f"{m.name}_")), None)
-            if mesh is not None and mesh.stopped:
-                return
-            self._report(mesh, self._with_gone_processes(mesh, str(failure)))
-        except Exception:  # pragma: no cover - defensive
-            logger.exception("error while handling a mesh failure")
-
-    @staticmethod
-    def _with_gone_processes(mesh: ProvisionedMesh | None, message: str) -> str:
-        """Monarch's report, naming the processes of this host that are gone (Monarch 0.7 names neither them nor
-        their pids, and its report usually beats the pid watcher's)."""
-        gone = [p for p in (mesh.processes if mesh else []) if p.local and not processes.is_alive(p.pid)]
-        if not gone:
-            return message
-        return f"process {', '.join(map(str, gone))} of mesh {mesh.name!r} exited ({message})"
-
-    async def wait_for_fatal_failure(self) -> MeshFailure:
-        """Returns when any mesh not owned by a service fails (apps race their main loop against it)."""
-        while not self.fatal_failures:
-            # The hook runs on a Monarch thread, where an asyncio primitive must not be touched: poll.
-            await asyncio.sleep(0.2)
-        return self.fatal_failures[0]
 
     def memory_rss(self) -> dict[str, int]:
         """Resident memory in bytes of the controller and of every live process of every mesh on this host, by
@@ -422,9 +237,9 @@ class Provisioner:
         """Resident memory in bytes of every live process of every mesh on the other hosts, as their watch
         agents read it."""
         rss: dict[str, int] = {}
-        for host, watch in self._host_watch.items():
+        for host, watch in self.failures.host_watch.items():
             named = {f"{mesh.name}[{rank}]": proc.pid for mesh in self.meshes.values()
-                     for rank, (h, proc) in enumerate(zip(self._host_of_rank(mesh), mesh.processes))
+                     for rank, (h, proc) in enumerate(zip(mesh.host_of_rank(), mesh.processes))
                      if h == host and not proc.local}
             with contextlib.suppress(Exception):
                 answer = await asyncio.wait_for(watch.agents.resident_memory.call_one(named), timeout=10)
@@ -448,7 +263,7 @@ class Provisioner:
         if mesh.stopped:
             return
         mesh.stopped = True
-        self._retired.add(mesh.name)
+        self.failures.retired.add(mesh.name)
         if mesh.failed or not all(processes.is_alive(p.pid) for p in mesh.processes if p.local):
             # A mesh that lost a process cannot be stopped through Monarch (the requests wait for answers
             # that never come): kill what is left of it.
@@ -472,11 +287,11 @@ class Provisioner:
         """Kill a mesh's processes: this host's directly, another host's through its watch agent (bounded)."""
         processes.kill(processes.local_pids(mesh.processes))
         by_host: dict[int, list[int]] = {}
-        for host, proc in zip(self._host_of_rank(mesh), mesh.processes):
+        for host, proc in zip(mesh.host_of_rank(), mesh.processes):
             if not proc.local:
                 by_host.setdefault(host, []).append(proc.pid)
         for host, pids in by_host.items():
-            watch = self._host_watch.get(host)
+            watch = self.failures.host_watch.get(host)
             if watch is not None and watch is not mesh and not watch.failed:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(watch.agents.kill.call_one(pids), timeout=10)
@@ -488,12 +303,12 @@ class Provisioner:
         if self._closing:
             return
         self._closing = True
+        self.failures.closing = True
         await asyncio.gather(*(service.stop() for service in list(self.services)), return_exceptions=True)
         if self._busy:
             logger.info("shutdown: waiting for %d spawn(s) under way", len(self._busy))
             await asyncio.wait(list(self._busy), timeout=SPAWN_WAIT_S)
-        if self._watcher is not None:
-            self._watcher.cancel()
+        self.failures.stop()
         store_mesh = self._store_mesh
         # The store outlives the actors that use it (generators finish in-flight fetches in teardown).
         await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values()) if m is not store_mesh))
@@ -509,8 +324,8 @@ class Provisioner:
         if store_mesh is not None:
             await self.stop_proc_mesh(store_mesh)
             self._store_mesh = None
-        await asyncio.gather(*(self.stop_proc_mesh(watch) for watch in self._host_watch.values()))
-        self._host_watch.clear()
+        await asyncio.gather(*(self.stop_proc_mesh(watch) for watch in self.failures.host_watch.values()))
+        self.failures.host_watch.clear()
         if self.hosts is not None and self.host_mesh is not None:
             try:  # the host processes of the allocation: Monarch stops the procs they run
                 await asyncio.wait_for(self.host_mesh.shutdown(), timeout=30)
@@ -547,7 +362,7 @@ def get_provisioner() -> Provisioner:
             _provisioner = Provisioner(host_mesh=allocate_host_mesh(_hosts), hosts=_hosts)
         else:
             _provisioner = Provisioner()
-        compat.install_fault_hook(_provisioner.on_supervision_event)
+        compat.install_fault_hook(_provisioner.failures.on_supervision_event)
     return _provisioner
 
 

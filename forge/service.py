@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from forge.compat import SupervisionError
-from forge.provisioner import (DRAIN_WAIT_S, SPAWN_WAIT_S, MeshFailure, ProvisionedMesh, ShutDownError, get_provisioner,
-                               spawn_actor)
+from forge.provisioned_mesh import MeshFailure, ProvisionedMesh, ShutDownError
+from forge.provisioner import DRAIN_WAIT_S, SPAWN_WAIT_S, get_provisioner, spawn_actor
 
 from monarch._src.actor.endpoint import EndpointProperty  # noqa: E402 (after forge.compat)
 

@@ -235,7 +235,7 @@ async def test_a_mesh_across_two_hosts_has_ranks_and_rendezvous_right_on_every_h
     with pytest.raises(HostsError, match=r"hosts.procs_per_host=4: mesh 'solo' needs 3 process\(es\) on host 1"):
         await HostProbe.options(procs=3, mesh_name="solo").as_actor()
     await HostProbe.shutdown(pair)
-    assert not mesh.failed and not job.fatal_failures
+    assert not mesh.failed and not job.failures.fatal_failures
 
 
 async def test_a_tensor_goes_through_torchstore_each_way_between_hosts(hosts, job):
@@ -265,13 +265,13 @@ async def test_a_remote_process_is_watched_by_its_host_and_its_output_stays_ther
     assert f"{mesh.name}[0]" not in job.memory_rss()
     assert (await job.remote_memory_rss())[f"{mesh.name}[0]"] > 10_000_000
     await asyncio.sleep(2)  # a few watcher polls: a live remote process is not reported
-    assert not mesh.failed and not job.fatal_failures
+    assert not mesh.failed and not job.failures.fatal_failures
     # Killed on its host: reported within seconds, by Monarch's supervision or by the host's watch agent
     # (which reads host B's process table and names the process by host and pid).
     hosts.hosts[1].run(f"kill -9 {proc.pid}")
-    await _until(lambda: job.fatal_failures, 15, "the remote death reported")
+    await _until(lambda: job.failures.fatal_failures, 15, "the remote death reported")
     await job.stop_proc_mesh(mesh)  # a stopped mesh's later reports are ignored
-    failures, job.fatal_failures[:] = list(job.fatal_failures), []
+    failures, job.failures.fatal_failures[:] = list(job.failures.fatal_failures), []
     assert {f.mesh_name for f in failures} == {mesh.name}
     assert any(f"process {proc} of mesh {mesh.name!r} exited" in f.message or "Killed(sig=9)" in f.message
                for f in failures)
@@ -289,7 +289,7 @@ async def test_a_replica_killed_on_host_b_is_restarted_on_host_b_and_serves_agai
         assert restarted.hosts == [1] and restarted.processes[0] != victim
         answers = {(await svc.where.route())["host"] for _ in range(4)}
         assert answers == {hosts.hosts[0].name, hosts.hosts[1].name}
-        assert not job.fatal_failures
+        assert not job.failures.fatal_failures
     finally:
         await svc.stop()
 

@@ -43,7 +43,7 @@ def test_mesh_processes_and_their_children_are_found_and_nothing_else():
 
 
 def _mesh_on_another_host(pid: int):
-    from forge.provisioner import ProvisionedMesh
+    from forge.provisioned_mesh import ProvisionedMesh
 
     # A pid that exists here (this very process) but belongs to another host's table.
     return ProvisionedMesh("remote-0", procs=None, agents=None, gpus=[],
@@ -71,9 +71,9 @@ async def test_the_controller_neither_reads_nor_reports_a_remote_pid_from_its_ow
     provisioner = Provisioner()
     alive_here = _mesh_on_another_host(os.getpid())  # would read this process's memory
     gone_here = _mesh_on_another_host(2**22 - 7)  # no such pid here: a local check would call it dead
-    provisioner.meshes = {"remote-0": alive_here, "remote-1": gone_here}
+    provisioner.meshes.update({"remote-0": alive_here, "remote-1": gone_here})
     assert set(provisioner.memory_rss()) == {"controller"}
-    watcher = asyncio.ensure_future(provisioner._watch_processes(poll_s=0.05))
+    watcher = asyncio.ensure_future(provisioner.failures.poll_processes(poll_s=0.05))
     await asyncio.sleep(0.5)
     watcher.cancel()
-    assert not provisioner.fatal_failures and not gone_here.failed
+    assert not provisioner.failures.fatal_failures and not gone_here.failed

@@ -122,7 +122,7 @@ async def test_replica_killed_mid_stream_calls_succeed_and_replica_returns():
         assert svc.replicas[0].mesh.pids[0] != victim
         pids = {await _pid(svc, i) for i in range(4)}
         assert len(pids) == 2 and victim not in pids
-        assert not get_provisioner().fatal_failures
+        assert not get_provisioner().failures.fatal_failures
     finally:
         await svc.stop()
 

@@ -21,7 +21,8 @@ from tests.support import job_processes
 PRELUDE = """
 import asyncio, os, signal, sys, time
 from forge.actor import ForgeActor, endpoint
-from forge.provisioner import ShutDownError, get_provisioner, shutdown
+from forge.provisioned_mesh import ShutDownError
+from forge.provisioner import get_provisioner, shutdown
 from forge.service import Service
 
 class Echo(ForgeActor):
