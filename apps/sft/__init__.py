@@ -1,0 +1,1 @@
+"""`python -m apps.sft`: supervised fine-tuning through apps.grpo's TorchTitan trainer actor (docs/sft.md)."""

@@ -1,0 +1,5 @@
+import sys
+
+from apps.sft.cli import main
+
+sys.exit(main())

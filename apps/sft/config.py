@@ -1,0 +1,181 @@
+"""The SFT job's configuration: typed sections, validated before any process starts.
+
+The trainer, generator, task, checkpoint and metrics sections are apps.grpo's own; the model's layout is checked
+against its config.json as apps.grpo checks it. Errors name the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from actors.generator_config import GeneratorConfig
+from actors.model_layout import check_hf_config, check_parallel_layout
+from actors.trainer_config import TrainerConfig
+from apps.grpo.config import CheckpointConfig, read_hf_config
+from forge.metrics import MetricsConfig
+from rl.tasks.config import TaskConfig
+
+# The loss SFT trains with (losses/nll.py), by module path until losses/registry.py lists it as "nll".
+NLL_LOSSES = ("losses.nll:nll", "nll")
+# Task sources whose problems have no reference answer to learn from: their environments give rewards only.
+NO_ANSWERS = ("openenv", "environment")
+
+
+@dataclass
+class DataSection:
+    """What the model is fine-tuned on: a task's reference answers, or demonstrations in a file or dataset."""
+
+    source: Literal["task", "jsonl", "datasets"] = "task"
+    """`task`: the `task` section's problems with their reference answers (arithmetic, gsm8k, reasoning-gym);
+    `jsonl`: a local JSONL file (`path`); `datasets`: a dataset loaded with the `datasets` library (`path`: a hub id,
+    a folder or a data file). A row is `{prompt, completion}` (strings) or `{messages[, tools]}` (chat: multi-turn,
+    tool calls, rendered with the model's chat template)."""
+    path: str | None = None
+    """jsonl and datasets: where the rows are."""
+    dataset_config: str | None = None
+    """datasets: the dataset's config name."""
+    split: str = "train"
+    """datasets: the split trained on."""
+    held_out: int = 0
+    """jsonl and datasets: rows drawn (seeded) out of training for the held-out loss (0: none)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to the chat template (Qwen3: `enable_thinking`)."""
+    max_length: int | None = None
+    """Rows longer than this many tokens are left out (counted and printed); null: the model's
+    max_position_embeddings."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """source=task: an apps.grpo `task` section."""
+
+    def __post_init__(self) -> None:
+        if self.source == "task":
+            if self.path is not None:
+                raise ValueError(f"path={self.path!r}: source=task reads the task section; set source to jsonl or "
+                                 "datasets to read a file")
+            if self.task.source in NO_ANSWERS:
+                raise ValueError(f"task.source={self.task.source!r}: its environment gives rewards, not reference "
+                                 f"answers, so there is nothing to fine-tune on; SFT takes a task with answers "
+                                 f"(forge arithmetic or gsm8k, reasoning_gym)")
+            if (self.task.source, self.task.name) == ("forge", "lookup"):
+                raise ValueError("task.name='lookup': a multi-turn task (its episodes are played against its "
+                                 "environment); SFT takes single-turn tasks with reference answers (forge arithmetic "
+                                 "or gsm8k, reasoning_gym); apps.grpo's warm start trains lookup's correct episodes")
+        else:
+            if self.path is None:
+                raise ValueError(f"path=None: source={self.source} needs the rows' path")
+            if self.source == "jsonl" and not Path(self.path).is_file():
+                raise ValueError(f"path={self.path!r}: no such file (source=jsonl)")
+        if self.held_out < 0:
+            raise ValueError(f"held_out={self.held_out}: must be >= 0")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length}: must be >= 2, or null")
+
+
+@dataclass
+class SFTEvalSection:
+    """Held-out loss (every source) and greedy held-out accuracy (task sources, through apps.eval's scoring)."""
+
+    every: int = 0
+    """Evaluate every N steps too (0: only at the start and the end)."""
+    at_start: bool = True
+    """Evaluate before the first step."""
+    at_end: bool = True
+    """Evaluate after the last step."""
+    num_prompts: int = 200
+    """Held-out examples per evaluation (the task's held-out problems, or the `data.held_out` rows)."""
+    accuracy: bool = True
+    """task sources: also greedy accuracy on those prompts, sampled by a generator service (`generator`)."""
+    max_tokens: int = 16
+    """Tokens generated per held-out prompt (tiny: 4)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every={self.every}: must be >= 0 (0: only at the start and the end)")
+        for name in ("num_prompts", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass
+class SFTResources:
+    """How many trainer processes, and whether they get GPUs."""
+
+    trainer_procs: int = 1
+    """FSDP data-parallel ranks of the trainer."""
+    with_gpus: bool = False
+    """One GPU per process."""
+
+    def __post_init__(self) -> None:
+        if self.trainer_procs < 1:
+            raise ValueError(f"trainer_procs={self.trainer_procs}: must be >= 1")
+
+
+@dataclass
+class SFTConfig:
+    """The whole SFT job."""
+
+    trainer: TrainerConfig
+    """apps.grpo's trainer section; `loss` must be the nll loss, `temperature` 1."""
+    model: str = "tiny"
+    """`tiny` (built by forge into `model_cache`), an HF checkpoint folder, or a hub id; `${model}` fills the model
+    paths."""
+    model_cache: str = ".cache/forge"
+    """Where the tiny model is built."""
+    run_dir: str = "runs/sft"
+    """metrics.jsonl, summary.json, hf_model/, checkpoints/."""
+    seed: int = 0
+    """Data order and the task's problems."""
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Examples per step, split evenly over the data-parallel ranks (then in trainer.micro_batch_size micro-batches:
+    exact gradient accumulation)."""
+    resume: bool = False
+    """Resume from the newest checkpoint in `checkpoint.folder` (as `--resume`)."""
+    data: DataSection = field(default_factory=DataSection)
+    eval: SFTEvalSection = field(default_factory=SFTEvalSection)
+    generator: GeneratorConfig | None = None
+    """The generator service that samples the held-out prompts for `eval.accuracy` (null: no accuracy)."""
+    resources: SFTResources = field(default_factory=SFTResources)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def measures_accuracy(self) -> bool:
+        return self.data.source == "task" and self.eval.accuracy and self.generator is not None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: must be >= 1")
+        dp = self.resources.trainer_procs
+        if self.batch_size < 1 or self.batch_size % (dp * self.trainer.minibatches):
+            raise ValueError(f"batch_size={self.batch_size}: must be a positive multiple of resources.trainer_procs="
+                             f"{dp} x trainer.minibatches={self.trainer.minibatches} (each rank trains an equal slice)")
+        if self.trainer.loss not in NLL_LOSSES:
+            raise ValueError(f"trainer.loss={self.trainer.loss!r}: SFT trains with the nll loss; set it to "
+                             f"{NLL_LOSSES[0]!r}")
+        if self.trainer.temperature != 1:
+            raise ValueError(f"trainer.temperature={self.trainer.temperature}: must be 1 (the likelihood of the "
+                             "data is the model's own distribution)")
+        if self.trainer.max_steps < self.steps:
+            raise ValueError(f"trainer.max_steps={self.trainer.max_steps}: must be >= steps={self.steps} (the LR "
+                             "schedule's length; the tiny config sets it to ${steps})")
+        if self.trainer.lora is not None:
+            raise ValueError("trainer.lora: SFT trains the full model here (its export and held-out sampling follow "
+                             "the full weights); set trainer.lora=null")
+        if self.data.source != "task" and self.eval.accuracy and self.generator is not None:
+            raise ValueError(f"eval.accuracy=true: data.source={self.data.source} has no reward to score samples "
+                             "with (only task sources do); set eval.accuracy=false or generator=null")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """The trainer's layout against the model's config.json, as apps.grpo checks it."""
+        model = self.trainer.model_path
+        hf_config = read_hf_config(model)
+        try:
+            check_hf_config(self.trainer.family, hf_config)
+            check_parallel_layout(hf_config, self.resources.trainer_procs, self.trainer.tensor_parallel_degree)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"trainer.model_path={model!r} with resources.trainer_procs="
+                             f"{self.resources.trainer_procs}: {e}") from None

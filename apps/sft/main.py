@@ -1,0 +1,187 @@
+"""Supervised fine-tuning through apps.grpo's trainer actor.
+
+    python -m apps.sft --config configs/sft_tiny.yaml [key=value ...] [--resume]
+
+    examples (task answers | JSONL / dataset rows, chat or prompt-completion) -> masked, padded TrainBatch
+        -> TrainerActor (TorchTitan, FSDP2 over resources.trainer_procs ranks; loss losses/nll.py) -> next version
+
+Each step trains `batch_size` examples; the trainer publishes each version, which a generator service follows to
+sample the held-out prompts (greedy accuracy, scored with apps.eval's code). Checkpoints (trainer and data
+position) are apps.grpo's (apps/grpo/checkpoints.py); the run ends with `run_dir/hf_model` and `summary.json`.
+Runs under forge.lifecycle.run_job: a first SIGINT/SIGTERM finishes the step and checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from apps.eval.evaluate import Progress, Reward, evaluate_task
+from apps.eval.samplers import GeneratorSampler
+from apps.eval.scores import score_task
+from apps.grpo.checkpoints import JobCheckpoints
+from apps.grpo.config import read_hf_config
+from apps.sft.config import SFTConfig
+from apps.sft.data import Example, train_batch
+from apps.sft.sources import SFTData, load_data
+from apps.sft.trainer import SFTTrainerActor
+from forge.actor import rank0
+from forge.lifecycle import run_job
+from forge.metrics import MetricLogger
+from forge.provisioner import get_provisioner
+from rl.types import SamplingParams
+
+WEIGHTS = "sft"  # the weight store namespace the trainer publishes to and the held-out generator follows
+EVAL_CONCURRENCY = 64  # held-out prompts in flight (the generator batches them)
+
+
+class SFTJob:
+    def __init__(self, cfg: SFTConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
+            self.tokenizer.eos_token_id
+        positions = read_hf_config(cfg.trainer.model_path).get("max_position_embeddings")
+        self.data: SFTData = load_data(cfg, self.tokenizer, cfg.data.max_length or positions or 1 << 30)
+        if self.data.dropped:
+            print(f"data: {self.data.dropped} examples longer than {cfg.data.max_length or positions} tokens left "
+                  "out (data.max_length)", flush=True)
+        self.step = self.version = 0
+        self.summary: dict[str, Any] = {}
+        self.interrupted: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        print("stopping after the current step", file=sys.stderr, flush=True)
+        self.interrupted = reason
+
+    async def run(self, resume: bool) -> None:
+        cfg, started = self.cfg, time.perf_counter()
+        await self.start_actors()
+        if resume:
+            await self.restore()
+        self.version = rank0(await self.trainer.publish_weights.call())  # what the held-out generator samples
+        if cfg.eval.at_start and not self.interrupted:
+            self.summary["start"] = await self.evaluate("start")
+        await self.train()
+        if cfg.eval.at_end and not self.interrupted:
+            self.summary["end"] = await self.evaluate("end")
+        await self.finish(time.perf_counter() - started)
+
+    async def start_actors(self) -> None:
+        cfg, r = self.cfg, self.cfg.resources
+        await get_provisioner().start_weight_store()
+        spawns = [SFTTrainerActor.options(procs=r.trainer_procs, with_gpus=r.with_gpus, mesh_name="trainer")
+                  .as_actor(cfg.trainer, weight_namespace=WEIGHTS)]
+        if cfg.measures_accuracy:
+            from actors.generator import Generator
+
+            spawns.append(Generator.options(num_replicas=1, with_gpus=r.with_gpus, mesh_name="generator").as_service(
+                replace(cfg.generator, model=cfg.trainer.model_path, weight_namespace=WEIGHTS)))
+        print(f"starting actors: trainer x{r.trainer_procs}{', generator' if cfg.measures_accuracy else ''}",
+              flush=True)
+        self.trainer, *generators = await asyncio.gather(*spawns)
+        self.generators = generators[0] if generators else None
+
+    # --- training -------------------------------------------------------------------------------------------
+    async def train(self) -> None:
+        cfg = self.cfg
+        logger = MetricLogger.from_config(cfg.metrics, total_steps=cfg.steps,
+                                          jsonl_default=Path(cfg.run_dir) / "metrics.jsonl")
+        first, started = self.step, time.perf_counter()
+        try:
+            while self.step < cfg.steps and not self.interrupted:
+                step_start = time.perf_counter()
+                examples = self.data.train.take(cfg.batch_size)
+                result = rank0(await self.trainer.train_step.call(train_batch(examples, self.pad_id)))
+                self.step, self.version = self.step + 1, result.version
+                logger.log(self.step, [], step_metrics(examples, result.metrics, time.perf_counter() - step_start))
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
+                    await self.evaluate(f"step {self.step}")
+                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                    await self.save_checkpoint()
+        finally:
+            logger.close()
+        self.summary.update(steps_this_run=self.step - first, train_s=round(time.perf_counter() - started, 1))
+
+    # --- evaluation -----------------------------------------------------------------------------------------
+    async def evaluate(self, label: str) -> dict[str, float]:
+        """Held-out loss, and for a task source greedy held-out accuracy (apps.eval's sampling and scoring)."""
+        results: dict[str, float] = {}
+        held_out = self.data.held_out[: len(self.data.held_out) // self.cfg.resources.trainer_procs
+                                      * self.cfg.resources.trainer_procs]  # an equal share per rank
+        if held_out:
+            batch = train_batch(held_out, self.pad_id)
+            results["eval/loss"] = rank0(await self.trainer.held_out_loss.call(batch))
+        if self.generators is not None:
+            results["eval/accuracy"] = await self.accuracy(label)
+        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in results.items())
+        print(f"eval {label} (version {self.version}, {len(held_out)} held-out examples): {shown}", flush=True)
+        return results
+
+    async def accuracy(self, label: str) -> float:
+        await self.trainer.wait_published.call()
+        await self.generators.update_weights.fanout(self.version)
+        task, e = self.data.task, self.cfg.eval
+        params = SamplingParams(n=1, max_tokens=e.max_tokens, temperature=0.0, stop_token_ids=list(task.stop_token_ids))
+        played = await evaluate_task(GeneratorSampler(self.generators), self.data.problems, params,
+                                     Reward(task.reward, None), seed=None, slots=asyncio.Semaphore(EVAL_CONCURRENCY),
+                                     progress=Progress(f"eval {label}", len(self.data.problems), 0))
+        score = score_task(played, 1, [1], 1.0)
+        if score.failed_samples:
+            print(f"eval {label}: {score.failed_samples} samples failed, left out: {score.failures}", file=sys.stderr,
+                  flush=True)
+        return score.pass_at[1]
+
+    # --- checkpoints and the end ----------------------------------------------------------------------------
+    def checkpoints(self) -> JobCheckpoints:
+        return JobCheckpoints(self.cfg.checkpoint.folder, self.cfg.checkpoint.keep)
+
+    async def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "version": self.version, "data": self.data.train.state_dict()}
+        return await self.checkpoints().save(self.step, self.trainer, state)
+
+    async def restore(self) -> None:
+        path, state = await self.checkpoints().load_latest(self.trainer)
+        self.step, self.version = state["step"], state["version"]
+        self.data.train.load_state_dict(state["data"])
+        print(f"resumed from {path}: step {self.step}", flush=True)
+
+    async def finish(self, wall_s: float) -> None:
+        cfg, run_dir = self.cfg, Path(self.cfg.run_dir)
+        if cfg.checkpoint.final and self.summary.get("steps_this_run"):
+            saved = self.checkpoints().path(self.step)
+            self.summary["checkpoint"] = str(saved if saved.exists() else await self.save_checkpoint())
+        if not self.interrupted:
+            self.summary["hf_model"] = str(run_dir / "hf_model")
+            await self.trainer.export_hf.call(self.summary["hf_model"])
+        self.summary.update(steps=self.step, interrupted=self.interrupted, wall_s=round(wall_s, 1))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        print(f"summary: {json.dumps(self.summary)}", flush=True)
+
+
+def step_metrics(examples: list[Example], trainer: dict[str, float], step_s: float) -> dict[str, float]:
+    """The step's line: the trainer's loss, grad norm and LR, the learned tokens per second of the whole step, and
+    the share of the batch that is padding (what packing would save)."""
+    learned = sum(sum(e.learned) for e in examples)
+    longest = max(len(e) for e in examples)
+    return {"loss": trainer["loss"], "grad_norm": trainer["grad_norm"], "lr": trainer["lr"],
+            "tokens_per_s": learned / step_s, "pad_fraction": 1 - sum(map(len, examples)) / (longest * len(examples)),
+            "step_s": step_s}
+
+
+def run(cfg: SFTConfig, resume: bool) -> int:
+    """Run the job under forge.lifecycle: a first SIGINT/SIGTERM finishes the step and checkpoints."""
+    try:
+        job = SFTJob(cfg)  # reads and checks every row: a bad one is refused before any process starts
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return run_job(lambda: job.run(resume), on_stop=job.request_stop)
