@@ -3,7 +3,7 @@ or without the optimizer) and save_weights_for_sampler (an HF export), each reco
 
 from __future__ import annotations
 
-from apps.server.checkpoints import CheckpointStore
+from apps.server.checkpoint_store import CheckpointStore
 from apps.server.schemas import (
     CheckpointInfo,
     CheckpointResponse,

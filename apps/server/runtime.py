@@ -7,7 +7,7 @@
 - `Checkpointing` (checkpointing.py): save_state, load_state, save_weights_for_sampler;
 - `ServedPolicy` (policy.py): the generator service and its policy version, sync_inference_weights;
 - `Sampler` (sampling.py): sample;
-- `CheckpointStore` (checkpoints.py): the checkpoint catalogue.
+- `CheckpointStore` (checkpoint_store.py): the checkpoint catalogue.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.server.checkpointing import Checkpointing
-from apps.server.checkpoints import CheckpointStore
+from apps.server.checkpoint_store import CheckpointStore
 from apps.server.config import ServerConfig
 from apps.server.errors import ServiceError
 from apps.server.model import tokenizer_info

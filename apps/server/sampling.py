@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from apps.server.actor_calls import bounded
-from apps.server.checkpoints import CheckpointStore
+from apps.server.checkpoint_store import CheckpointStore
 from apps.server.config import ServerConfig
 from apps.server.errors import field_error
 from apps.server.model import TokenizerInfo

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from apps.server.adapters import session_lora
-from apps.server.checkpoints import CheckpointStore
+from apps.server.checkpoint_store import CheckpointStore
 from apps.server.config import ServerConfig
 from apps.server.errors import ServiceError, field_error, not_found
 from apps.server.schemas import ChunkAccepted, CreateSessionRequest, SequencedRequest, SessionInfo
