@@ -1,4 +1,5 @@
-"""The reference model: a frozen copy of the initial policy that scores sequences for the KL penalty.
+"""The reference model: a frozen copy of the initial policy that scores sequences for the KL penalty, or, with
+another checkpoint, a distillation teacher scoring the student's samples (losses/distill.py, apps/grpo: `teacher`).
 
 A plain class; the reference actor wraps it. It is built like the trainer's model (actors/model_builder.py: same
 checkpoint, same torchtitan model, FSDP2 across ranks when there are several), then frozen, and scores
@@ -22,8 +23,8 @@ from rl.types import EpisodeBatch, TrainBatch
 
 @dataclass
 class ReferenceConfig(ModelConfig):
-    """The policy's initial checkpoint (`model_path`, or `init_checkpoint`), in `dtype` for parameters and
-    compute alike: frozen weights need no float32 master copy."""
+    """The policy's initial checkpoint (`model_path`, or `init_checkpoint`), or a teacher's, in `dtype` for parameters
+    and compute alike: frozen weights need no float32 master copy."""
 
     chunk_rows: int = 4  # sequences per forward pass: peak memory is one [chunk_rows, T, vocab] logits tensor
 

@@ -12,7 +12,6 @@ from losses.terms import (
     clip_active,
     clipped_surrogate,
     importance_ratio,
-    kl_estimate,
     loss_metrics,
     masked_mean,
 )
@@ -41,7 +40,8 @@ def distill(
     (the score function has mean 0), and its value is the k1 estimate of that KL. A_t is detached (sg): the
     teacher's log-ratio is a per-token advantage, so the clip, r_t and the rollout correction w_t are those of
     `losses.grpo.grpo`. lambda = `reward_coef` mixes in the task reward's group advantage A_i (`batch.advantages`).
-    Metric `reverse_kl`: the k3 estimate of KL(pi_theta || pi_T) per token (unbiased, >= 0).
+    Metric `reverse_kl`: the k1 estimate of KL(pi_theta || pi_T), mean(log pi_theta - log pi_T) over the tokens (unbiased;
+    k3 is not used: its exp(log pi_T - log pi_theta) makes one token the student finds unlikely dominate a step).
     """
     check_hyperparams("distill", clip_eps=clip_eps, reward_coef=reward_coef, tis_cap=tis_cap,
                       token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
@@ -57,6 +57,5 @@ def distill(
     token_loss = -is_weight * clipped_surrogate(ratio, advantages, clip_eps, clip_eps)
     loss = masked_mean(token_loss, mask)  # 1/(sum_i |o_i|) sum_i sum_t
     clipped = clip_active(ratio, advantages, clip_eps, clip_eps)
-    reverse_kl = kl_estimate(logprobs.detach(), batch.ref_logprobs, mask, "k3")
     return LossOutput(loss, {**loss_metrics(mask, ratio=ratio, clipped=clipped, is_weight=is_weight),
-                             "reverse_kl": masked_mean(reverse_kl, mask).item()})
+                             "reverse_kl": masked_mean(student_over_teacher, mask).item()})

@@ -11,6 +11,7 @@ Each actor's section is that actor's own config dataclass; `model` fills the mod
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,10 +24,13 @@ from actors.trainer_config import TrainerConfig
 from actors.weight_canary import CanaryConfig
 from rl.environments.config import EnvironmentConfig
 from forge.hosts import HostsConfig
+from losses.registry import REGISTERED_LOSSES
 from losses.rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
 from rl.tasks.config import TaskConfig
 from apps.warm_start.config import WarmStartConfig
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # 'org/name': a model that is no local folder (as ModelConfig reads one)
 
 
 @dataclass
@@ -146,6 +150,35 @@ class ReferenceSection:
     """Rows per forward pass."""
 
 
+TEACHER_WARM_START = "warm_start"  # `teacher.model`: the task's warm start, trained on (apps/grpo/rollouts.py)
+WARM_START_TASKS = (("forge", "arithmetic"), ("forge", "lookup"))  # the tasks a warm start trains on the answers of
+
+
+@dataclass
+class TeacherSection:
+    """On-policy distillation's teacher (`trainer.loss: distill`, docs/distillation.md): a frozen model that scores
+    the student's own samples, served like the reference model (its own mesh of `resources.reference_procs` ranks,
+    the trainer's family, dtype and temperature); its log-probs take the reference's place in the batch."""
+
+    model: str | None = None
+    """null: no teacher. An HF checkpoint folder or hub id with the student's tokenizer (e.g. a GRPO run's
+    `hf_model`), or `warm_start`: the task's supervised warm start trained on to `warm_start_accuracy`, built and
+    cached in `model_cache` like the student's (forge's arithmetic and lookup tasks)."""
+    warm_start_accuracy: float = 0.8
+    """`model: warm_start`: the greedy accuracy (on the warm start's own eval prompts) its training stops at."""
+    chunk_rows: int = 4
+    """Rows per forward pass."""
+
+    def __post_init__(self) -> None:
+        if self.model == "":
+            raise ValueError("model='': must be null (no teacher), a checkpoint folder or hub id, or "
+                             f"{TEACHER_WARM_START!r}")
+        if not 0 < self.warm_start_accuracy <= 1:
+            raise ValueError(f"warm_start_accuracy={self.warm_start_accuracy}: must be in (0, 1]")
+        if self.chunk_rows < 1:
+            raise ValueError(f"chunk_rows={self.chunk_rows}: must be >= 1")
+
+
 @dataclass
 class GRPOConfig:
     """The whole job."""
@@ -173,6 +206,7 @@ class GRPOConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     reference: ReferenceSection = field(default_factory=ReferenceSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -235,6 +269,7 @@ class GRPOConfig:
             raise ValueError("environment.chat_template=true: the multi-turn warm start trains and evaluates the "
                              "task's plain-text transcripts, not episodes in the chat template; set "
                              "warm_start.enabled=false")
+        check_teacher(self)
         check_model_layout(self)  # last: it reads the model's config.json (a hub id's is fetched)
         if self.environment.chat_template:
             check_chat_template(self.trainer.model_path)
@@ -290,19 +325,90 @@ def check_model_layout(cfg: GRPOConfig) -> None:
     except ValueError as e:
         raise ValueError(f"model={model!r} with trainer.family={cfg.trainer.family!r}: {e}") from None
     r = cfg.resources
-    meshes = [("resources.trainer_procs", r.trainer_procs, cfg.trainer.tensor_parallel_degree)]
-    if cfg.reference.enabled:
-        meshes.append(("resources.reference_procs", r.reference_procs, 1))
-    for name, procs, tp in meshes:
+    meshes = [("resources.trainer_procs", r.trainer_procs, cfg.trainer.tensor_parallel_degree, model, hf_config)]
+    if cfg.reference.enabled or cfg.teacher.model is not None:  # the reference model's mesh, or the teacher's
+        teacher = cfg.teacher.model not in (None, TEACHER_WARM_START)  # a warm-start teacher has the student's layout
+        meshes.append(("resources.reference_procs", r.reference_procs, 1, cfg.teacher.model if teacher else model,
+                       read_hf_config(cfg.teacher.model) if teacher else hf_config))
+    for name, procs, tp, checkpoint, layout in meshes:
         try:
-            check_parallel_layout(hf_config, procs, tp)
+            check_parallel_layout(layout, procs, tp)
         except ValueError as e:
-            raise ValueError(f"{name}={procs}: {e} ({model})") from None
+            raise ValueError(f"{name}={procs}: {e} ({checkpoint})") from None
     if cfg.trainer.lora is not None:  # TrainerConfig checked it against a local folder only; a hub id's is here now
         check_lora_for_model(cfg.trainer.lora, cfg.trainer.family, hf_config, field_prefix="trainer.lora",
                              tensor_parallel_degree=cfg.trainer.tensor_parallel_degree)
     if cfg.generator.engine == "vllm":
         _check_vllm_layout(cfg, hf_config)
+
+
+def check_teacher(cfg: GRPOConfig) -> None:
+    """A distillation job has a teacher, only a distillation job has one, and the teacher's log-probs can be compared
+    with the student's: a checkpoint the trainer's family builds, whose token ids mean the student's text."""
+    teacher, loss = cfg.teacher.model, cfg.trainer.loss
+    if loss == "distill" and teacher is None:
+        raise ValueError("trainer.loss='distill': needs a teacher to distill from; set teacher.model (a checkpoint "
+                         f"with the student's tokenizer, or {TEACHER_WARM_START!r})")
+    if teacher is None:
+        return
+    if loss in REGISTERED_LOSSES and loss != "distill":
+        raise ValueError(f"teacher.model={teacher!r} with trainer.loss={loss!r}: only trainer.loss='distill' trains "
+                         "toward a teacher; set trainer.loss=distill, or teacher.model=null")
+    if cfg.reference.enabled:
+        raise ValueError(f"teacher.model={teacher!r} with reference.enabled=true: the teacher's log-probs take the "
+                         "reference model's place in the batch (TrainBatch.ref_logprobs); set reference.enabled=false")
+    if teacher == TEACHER_WARM_START:
+        task = (cfg.task.source, cfg.task.name)
+        if task not in WARM_START_TASKS:
+            raise ValueError(f"teacher.model={teacher!r}: task.source={task[0]!r} task.name={task[1]!r} has no warm "
+                             f"start to train a teacher with (only {', '.join('/'.join(t) for t in WARM_START_TASKS)}); "
+                             "set teacher.model to a checkpoint with the student's tokenizer")
+        if cfg.environment.chat_template and task == ("forge", "lookup"):
+            raise ValueError(f"teacher.model={teacher!r} with environment.chat_template=true: the multi-turn warm "
+                             "start trains plain-text transcripts, not episodes in the chat template; set "
+                             "teacher.model to a checkpoint with the student's tokenizer")
+        return  # trained from the student's own checkpoint: its layout and tokenizer
+    if not Path(teacher).exists() and not HUB_ID.match(teacher):
+        raise ValueError(f"teacher.model={teacher!r}: no such folder; must be a Hugging Face checkpoint folder, a hub "
+                         f"id 'org/name', {TEACHER_WARM_START!r} or null")
+    family = cfg.trainer.family
+    try:
+        check_hf_config(family, read_hf_config(teacher))
+        check_same_tokenizer(cfg.trainer.model_path, teacher)
+    except KeyError as e:
+        raise ValueError(f"teacher.model={teacher!r}: config.json has no {e} (a {family} checkpoint needs it)") from None
+    except ValueError as e:  # read_hf_config's and read_checkpoint_file's own start with "model=<teacher>: "
+        message = str(e).removeprefix(f"model={teacher!r}: ")
+        raise ValueError(f"teacher.model={teacher!r} (built as trainer.family={family!r}): {message}") from None
+
+
+def _vocabulary(tokenizer_json: str) -> dict[int, str]:
+    """id -> token text of a `tokenizer.json`: its model's vocabulary (BPE/WordPiece: a dict, Unigram: a list of
+    [piece, score]) and its added tokens."""
+    spec = json.loads(tokenizer_json)
+    vocab = spec.get("model", {}).get("vocab") or {}
+    ids = ({i: token for token, i in vocab.items()} if isinstance(vocab, dict)
+           else {i: piece for i, (piece, _) in enumerate(vocab)})
+    ids.update({t["id"]: t["content"] for t in spec.get("added_tokens", [])})
+    return ids
+
+
+def check_same_tokenizer(student: str, teacher: str) -> None:
+    """Distillation compares log-probs of the same token ids: the teacher's tokenizer.json must map every id to the
+    student's text (only `vocab_size` is compared where either checkpoint has no tokenizer.json)."""
+    why = "distillation compares the two models' log-probs of the same token ids; use a teacher with the student's tokenizer"
+    student_json, teacher_json = (read_checkpoint_file(model, "tokenizer.json") for model in (student, teacher))
+    if student_json is None or teacher_json is None:
+        sizes = read_hf_config(student).get("vocab_size"), read_hf_config(teacher).get("vocab_size")
+        if sizes[0] != sizes[1]:
+            raise ValueError(f"vocab_size={sizes[1]}, the student's (model={student!r}) is {sizes[0]}: {why}")
+        return
+    ours, theirs = _vocabulary(student_json), _vocabulary(teacher_json)
+    differ = sorted(i for i in ours.keys() | theirs.keys() if ours.get(i) != theirs.get(i))
+    if differ:
+        first = differ[0]
+        raise ValueError(f"its tokenizer differs from the student's (model={student!r}) on {len(differ)} token ids "
+                         f"(id {first}: {theirs.get(first)!r}, the student's {ours.get(first)!r}): {why}")
 
 
 def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:

@@ -1,7 +1,8 @@
-"""What a GRPO run starts from: its task and reward, and its actors (its model: `rollouts.warm_started_model`).
+"""What a GRPO run starts from: its task and reward, and its actors (its model: `rollouts.warm_started_model`, a
+distillation teacher's: `rollouts.teacher_model`).
 
     task = make_task(cfg)
-    actors = await start_actors(cfg, model_path)               # trainer, replay buffer, generator service, reference
+    actors = await start_actors(cfg, model_path, teacher_path)  # trainer, replay buffer, generators, reference/teacher
 """
 
 from __future__ import annotations
@@ -46,23 +47,36 @@ def reference_config(cfg: GRPOConfig, model_path: str) -> ReferenceConfig:
                            chunk_rows=cfg.reference.chunk_rows)
 
 
+def teacher_config(cfg: GRPOConfig, teacher_path: str) -> ReferenceConfig:
+    """The distillation teacher: a frozen model like the reference, with its own checkpoint's weights, scored as the
+    trainer scores (its family, dtype and temperature)."""
+    t = cfg.trainer
+    return ReferenceConfig(model_path=teacher_path, family=t.family, dtype=t.dtype, device=t.device,
+                           temperature=t.temperature, chunk_rows=cfg.teacher.chunk_rows)
+
+
 @dataclass
 class JobActors:
     trainer: Any  # TrainerActor mesh: train_step, publish_weights, checkpoints, export_hf
     buffer: Any  # ReplayBufferActor
     generators: Any  # Service of Generator replicas
-    reference: Any | None  # ReferenceActor mesh when reference.enabled
+    # ReferenceActor mesh scoring every episode (its log-probs are the batch's ref_logprobs): the reference model when
+    # reference.enabled, the teacher when teacher.model; None without either.
+    scorer: Any | None
     tokenizer: Any  # the model's, for what the job encodes itself (the weight-sync canary)
     pad_id: int
 
 
-async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
-    """Spawn every actor of the job at once (and the weight store they share)."""
+async def start_actors(cfg: GRPOConfig, model_path: str, teacher_path: str | None = None) -> JobActors:
+    """Spawn every actor of the job at once (and the weight store they share); `teacher_path`: the distillation
+    teacher's checkpoint (`teacher.model` resolved: rollouts.teacher_model)."""
     r = cfg.resources
     provisioner = get_provisioner()
     await provisioner.start_weight_store()
+    scorer = ("reference", reference_config(cfg, model_path)) if cfg.reference.enabled else (
+        ("teacher", teacher_config(cfg, teacher_path)) if teacher_path is not None else None)
     print(f"starting actors: trainer x{r.trainer_procs}, generator x{r.generator_replicas} replicas, replay buffer"
-          f"{', reference' if cfg.reference.enabled else ''}", flush=True)
+          f"{f', {scorer[0]}' if scorer else ''}", flush=True)
     trainer_cfg = replace(cfg.trainer, model_path=model_path, max_steps=max(cfg.trainer.max_steps, cfg.steps))
     generator_cfg = replace(cfg.generator, model=model_path, weight_namespace=WEIGHTS)
     lora = cfg.trainer.lora
@@ -75,13 +89,14 @@ async def start_actors(cfg: GRPOConfig, model_path: str) -> JobActors:
         Generator.options(num_replicas=r.generator_replicas, procs=r.generator_procs, with_gpus=r.with_gpus,
                           gpus_per_proc=cfg.generator_gpus_per_proc, mesh_name="generator").as_service(generator_cfg),
     ]
-    if cfg.reference.enabled:
+    if scorer is not None:
+        mesh_name, scorer_cfg = scorer
         spawns.append(ReferenceActor.options(procs=r.reference_procs, with_gpus=r.with_gpus,
-                                             mesh_name="reference").as_actor(reference_config(cfg, model_path)))
-    trainer, buffer, generators, *reference = await asyncio.gather(*spawns)
+                                             mesh_name=mesh_name).as_actor(scorer_cfg))
+    trainer, buffer, generators, *scorers = await asyncio.gather(*spawns)
     for mesh in provisioner.meshes.values():  # which process is which, for ps/top/py-spy and fault reports
         print(f"provisioned mesh {mesh.name}: {len(mesh.processes)} procs (pids [{', '.join(map(str, mesh.processes))}])"
               f"{f', gpus {mesh.gpus}' if mesh.gpus else ''}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return JobActors(trainer, buffer, generators, reference[0] if reference else None, tokenizer, pad_id)
+    return JobActors(trainer, buffer, generators, scorers[0] if scorers else None, tokenizer, pad_id)

@@ -29,7 +29,7 @@ from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
 from apps.grpo.launch import make_task, start_actors
 from apps.grpo.rollouts import (EPISODE_BITS, GroupSelector, evaluate, held_out_score, make_rollout, sampling_params,
-                                warm_started_model)
+                                teacher_model, warm_started_model)
 from apps.grpo.summary import EpisodeCounters, RunSummary, step_record
 from forge.actor import rank0
 from forge.lifecycle import run_job
@@ -60,10 +60,12 @@ class GRPOJob:
     async def run(self, resume: bool) -> None:
         cfg, wall_start = self.cfg, time.perf_counter()
         model_path, self.summary.warm_start_accuracy = await asyncio.to_thread(warm_started_model, cfg, self.task)
+        teacher_path, self.summary.teacher_warm_start_accuracy = await asyncio.to_thread(teacher_model, cfg, self.task)
+        self.summary.teacher = teacher_path
         # From here the controller's tensor work is small (packing episodes): intra-op threads would only spin-wait
         # after each op (OpenMP), which tripled its CPU per step on the tiny job.
         torch.set_num_threads(1)
-        self.actors = await start_actors(cfg, model_path)
+        self.actors = await start_actors(cfg, model_path, teacher_path)
         self.rollout = await make_rollout(cfg, self.task, self.actors)  # single-turn or multi-turn groups
         r = cfg.rollout
         self.buffer = ReplayBufferClient(self.actors.buffer, pad_id=self.actors.pad_id, group_size=r.group_size,
@@ -95,8 +97,8 @@ class GRPOJob:
             packed.append(group.to_episodes(group_id, advantages.tolist()))
         episodes = EpisodeBatch.cat(packed) if packed else None
         if episodes is not None:
-            if self.actors.reference is not None:
-                episodes.ref_logprobs = rank0(await self.actors.reference.logprobs.call(episodes, self.actors.pad_id))
+            if self.actors.scorer is not None:  # the reference model's log-probs, or the teacher's
+                episodes.ref_logprobs = rank0(await self.actors.scorer.logprobs.call(episodes, self.actors.pad_id))
             self.selector.counters.generated += len(episodes)  # counted as sent: a job stopped before counts none
         await self.buffer.add(episodes, count)
 

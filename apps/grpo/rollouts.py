@@ -21,11 +21,11 @@ import functools
 import math
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from apps.grpo.config import GRPOConfig, RolloutConfig
+from apps.grpo.config import TEACHER_WARM_START, GRPOConfig, RolloutConfig
 from apps.grpo.launch import reward_function
 from apps.grpo.rewards import RewardHangError, RewardScorer
 from apps.grpo.summary import EpisodeCounters
@@ -265,3 +265,13 @@ def warm_started_model(cfg: GRPOConfig, task: Any) -> tuple[str, float | None]:
                                           eval_problems=eval_problems, limits=cfg.environment,
                                           config=cfg.warm_start, seed=cfg.seed, max_tokens=cfg.rollout.max_tokens)
     return str(path), accuracy
+
+
+def teacher_model(cfg: GRPOConfig, task: Any) -> tuple[str | None, float | None]:
+    """The distillation teacher's checkpoint (None without one) and, when forge trains it, its warm start's accuracy:
+    `teacher.model: warm_start` is the task's warm start (`warm_started_model`) trained on to
+    `teacher.warm_start_accuracy`, cached by its inputs like the student's."""
+    if cfg.teacher.model != TEACHER_WARM_START:
+        return cfg.teacher.model, None
+    settings = replace(cfg.warm_start, enabled=True, target_accuracy=cfg.teacher.warm_start_accuracy)
+    return warm_started_model(replace(cfg, warm_start=settings), task)

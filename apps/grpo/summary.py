@@ -45,6 +45,8 @@ class RunSummary:
     controller_cpu_s: float = 0.0
     steps_this_run: int = 0
     warm_start_accuracy: float | None = None
+    teacher: str | None = None  # the distillation teacher's checkpoint
+    teacher_warm_start_accuracy: float | None = None  # when forge trained it (teacher.model: warm_start)
     # What accuracy_start / accuracy_end are: "accuracy" (rewards 0 or 1) or "mean reward" (partial rewards).
     held_out_score: str = "accuracy"
     accuracy_start: float | None = None
@@ -141,6 +143,10 @@ class RunSummary:
                  f"steps: {self.steps} (policy version {self.policy_version}), wall time {self.wall_s:.0f}s"]
         if self.warm_start_accuracy is not None:
             lines.append(f"warm start: greedy accuracy {self.warm_start_accuracy:.1%} (on its own eval prompts)")
+        if self.teacher is not None:
+            lines.append(f"teacher: {self.teacher}" + ("" if self.teacher_warm_start_accuracy is None else
+                         f" (its warm start: greedy accuracy {self.teacher_warm_start_accuracy:.1%} on its own eval "
+                         "prompts)"))
         if self.accuracy_start is not None and self.accuracy_end is not None:
             change = self.accuracy_end - self.accuracy_start
             lines.append(f"held-out {self.held_out_score}: {self.score_text(self.accuracy_start)} -> "

@@ -1,0 +1,124 @@
+"""On-policy distillation's config: a teacher for the distill loss only, one the student's token ids fit, checked
+before anything starts; `teacher.model: warm_start` is the student's warm start trained on further."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from apps.grpo.cli import load_job_config
+from forge.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+DISTILL = str(ROOT / "configs/distill_tiny.yaml")
+
+
+def load(*overrides: str):
+    return load_job_config(["--config", DISTILL, *overrides])[0]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return Path(load().model)
+
+
+def teacher_folder(tmp_path: Path, tiny: Path, *, config: dict | None = None, tokenizer: dict | None = None) -> Path:
+    """A copy of the tiny checkpoint's config.json and tokenizer files (no weights: the checks read no more)."""
+    folder = tmp_path / "teacher"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, folder / name)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({**json.loads((tiny / "config.json").read_text()), **config}))
+    if tokenizer is not None:
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def test_the_distill_config_has_a_warm_start_teacher_and_the_distill_loss():
+    cfg = load()
+    assert (cfg.trainer.loss, cfg.teacher.model, cfg.reference.enabled) == ("distill", "warm_start", False)
+    assert cfg.teacher.warm_start_accuracy > cfg.warm_start.target_accuracy  # a stronger teacher than the student
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["teacher.model=null"], r"^trainer\.loss='distill': needs a teacher to distill from; set teacher\.model"),
+    (["trainer.loss=grpo", "~trainer.loss_params.reward_coef"],
+     r"^teacher\.model='warm_start' with trainer\.loss='grpo': only trainer\.loss='distill' trains toward a teacher"),
+    (["reference.enabled=true"], r"^teacher\.model='warm_start' with reference\.enabled=true: the teacher's log-probs "
+                                 r"take the reference model's place"),
+    (["task.name=gsm8k"], r"^teacher\.model='warm_start': task\.source='forge' task\.name='gsm8k' has no warm start "
+                          r"to train a teacher with \(only forge/arithmetic, forge/lookup\)"),
+    (["teacher.model=runs/no/such/teacher"], r"^teacher\.model='runs/no/such/teacher': no such folder"),
+    (["teacher.warm_start_accuracy=1.5"], r"^teacher\.warm_start_accuracy=1\.5: must be in \(0, 1\]"),
+    (["trainer.loss_params.reward_coef=-1"], r"reward_coef=-1: must be a number >= 0"),
+])
+def test_bad_distillation_settings_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load(*overrides)
+
+
+def test_a_teacher_checkpoint_with_the_students_tokenizer_is_accepted_and_scored_as_the_trainer_scores(tmp_path, tiny):
+    from apps.grpo.launch import teacher_config
+
+    folder = teacher_folder(tmp_path, tiny, config={"num_hidden_layers": 4})  # a bigger teacher, same tokenizer
+    cfg = load(f"teacher.model={folder}")
+    teacher = teacher_config(cfg, cfg.teacher.model)
+    assert teacher.model_path == str(folder) and teacher.init_checkpoint is None  # its own weights, not the student's
+    assert (teacher.family, teacher.dtype, teacher.temperature) == (cfg.trainer.family, cfg.trainer.dtype,
+                                                                     cfg.trainer.temperature)
+
+
+def test_a_teacher_whose_token_ids_mean_other_text_is_refused(tmp_path, tiny):
+    tokenizer = json.loads((tiny / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    folder = teacher_folder(tmp_path, tiny, tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match=rf"^teacher\.model='{folder}' \(built as trainer\.family='qwen3'\): its "
+                                          rf"tokenizer differs from the student's .* on 2 token ids \(id {vocab['b']}: "
+                                          r"'b', the student's 'a'\): distillation compares"):
+        load(f"teacher.model={folder}")
+
+
+def test_without_a_tokenizer_file_the_vocabulary_sizes_must_agree(tmp_path, tiny):
+    folder = teacher_folder(tmp_path, tiny, config={"vocab_size": 1000})
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"vocab_size=1000, the student's \(model=.*\) is \d+: distillation"):
+        load(f"teacher.model={folder}")
+
+
+def test_a_teacher_the_trainers_family_cannot_build_is_refused(tmp_path, tiny):
+    folder = teacher_folder(tmp_path, tiny, config={"model_type": "llama"})
+    with pytest.raises(ConfigError, match=rf"^teacher\.model='{folder}' \(built as trainer\.family='qwen3'\): "
+                                          r"config\.json model_type='llama' is not family 'qwen3'"):
+        load(f"teacher.model={folder}")
+
+
+def test_a_warm_start_teacher_is_the_students_warm_start_trained_to_the_teachers_accuracy(monkeypatch):
+    import apps.grpo.rollouts as rollouts
+    from apps.grpo.launch import make_task
+
+    trained = []
+
+    def warm_start_on_task(model, model_cache, task, config, **kwargs):
+        trained.append(config)
+        return f"warm-{config.target_accuracy}", config.target_accuracy
+
+    monkeypatch.setattr(rollouts, "warm_start_on_task", warm_start_on_task)
+    cfg = load("warm_start.enabled=false", "teacher.warm_start_accuracy=0.7")
+    task = make_task(cfg)
+    assert rollouts.teacher_model(cfg, task) == ("warm-0.7", 0.7)
+    assert rollouts.warm_started_model(cfg, task) == (cfg.model, None)  # the student is not warm-started here
+    (settings,) = trained
+    assert settings.enabled and (settings.lr, settings.batch_size) == (cfg.warm_start.lr, cfg.warm_start.batch_size)
+
+
+def test_a_teacher_folder_is_used_as_given(tmp_path, tiny):
+    from apps.grpo.launch import make_task
+    from apps.grpo.rollouts import teacher_model
+
+    folder = teacher_folder(tmp_path, tiny)
+    cfg = load(f"teacher.model={folder}")
+    assert teacher_model(cfg, make_task(cfg)) == (str(folder), None)
