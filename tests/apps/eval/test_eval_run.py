@@ -22,7 +22,10 @@ def evaluated(tiny_run, tmp_path_factory):
     command = [sys.executable, "-m", "apps.eval", "--config", "configs/eval_tiny.yaml", f"model={tiny_run.base}",
                f"run_dir={tiny_run.run_dir}", f"output_dir={out}", f"num_prompts={PROMPTS}",
                f"sampling.num_samples={N}", "sampling.pass_k=[1,4]", "sampling.temperature=1.0", "sampling.seed=7",
-               "save_samples=true", "progress_every_s=0.01"]
+               "save_samples=true", "progress_every_s=0.01",
+               # One prompt in flight: the engine's batches (and so its logits, bit for bit) are the same in every
+               # evaluation, so equal weights give equal seeded samples (batched with other prompts, they may not).
+               "concurrency=1"]
     with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=300)
