@@ -122,7 +122,7 @@ class Gateway:
         if previous is not None:
             await self.end(previous, "refreshed")
         self._check_capacity()
-        session = self.sessions.start(request.task_id, request.api_key, timeout, self.version)
+        session = self.sessions.start(request.task_id, request.api_key, timeout)
         self.counts["sessions_started"] += 1
         return StartSessionResponse(session_id=session.session_id, api_key=session.api_key, policy_version=self.version,
                                     ended_session=previous.session_id if previous else None)

@@ -45,8 +45,6 @@ class RLSession:
     session_id: str
     api_key: str
     timeout_s: float
-    start_version: int
-    created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     interactions: list[Interaction] = field(default_factory=list)
     busy: int = 0  # chat requests in progress
@@ -92,9 +90,9 @@ class SessionStore:
                                     "key; end it first, or refresh it with its own key")
         return bound
 
-    def start(self, task_id: str | None, api_key: str | None, timeout_s: float, version: int) -> RLSession:
+    def start(self, task_id: str | None, api_key: str | None, timeout_s: float) -> RLSession:
         session_id = task_id or f"sess-{next(self._ids)}-{secrets.token_hex(4)}"
-        session = RLSession(session_id, api_key or new_api_key(), timeout_s, version)
+        session = RLSession(session_id, api_key or new_api_key(), timeout_s)
         self.by_key[session.api_key] = session
         self.by_id[session_id] = session
         return session

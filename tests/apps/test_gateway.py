@@ -52,7 +52,7 @@ def _interaction(i: int, reward: float | None, tokens: int = 2, trainable: bool 
 
 
 def test_trajectory_rewards_propagate_back_with_the_turn_discount():
-    session = RLSession("s", "k", 60, 0, interactions=[_interaction(0, None), _interaction(1, 0.5),
+    session = RLSession("s", "k", 60, interactions=[_interaction(0, None), _interaction(1, 0.5),
                                                          _interaction(2, None), _interaction(3, 1.0)])
     # Each prompt is [5, 6] again, not the previous ids continued: four conversations, three history breaks.
     episodes, skipped, breaks = trajectory_episodes(session, discount=0.5, group_id=7, first_episode_id=10)
@@ -62,7 +62,7 @@ def test_trajectory_rewards_propagate_back_with_the_turn_discount():
 
 
 def test_untrainable_or_empty_interactions_are_skipped_and_counted():
-    session = RLSession("s", "k", 60, 0, interactions=[_interaction(0, 1.0, trainable=False),
+    session = RLSession("s", "k", 60, interactions=[_interaction(0, 1.0, trainable=False),
                                                          _interaction(1, None, tokens=0), _interaction(2, None)])
     episodes, skipped, _ = trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0)
     assert skipped == 2 and [e.reward for e in episodes] == [0.0]
@@ -87,7 +87,7 @@ def _conversation(tokenizer, users: list[str], replies: list[list[int]], trainab
                   fmt: str = "plain") -> RLSession:
     """Requests as an OpenAI client makes them: each re-sends the previous messages, the assistant's reply (the text
     the gateway answered) and a new user message."""
-    encoder, messages, session = PromptEncoder(tokenizer, fmt, 256), [], RLSession("s", "k", 60, 0)
+    encoder, messages, session = PromptEncoder(tokenizer, fmt, 256), [], RLSession("s", "k", 60)
     for k, (user, reply) in enumerate(zip(users, replies)):
         messages.append(ChatMessage(role="user", content=user))
         text = _chat(encoder, session, messages, reply, True if trainable is None else trainable[k])
@@ -131,7 +131,7 @@ def test_a_request_that_does_not_re_send_the_conversation_starts_a_new_episode_a
                     [user("1+1="), said("3")],  # a reply other than the one the gateway answered
                     [user("1+1=")],  # the reply left out
                     []):  # a new conversation
-        session = RLSession("s", "k", 60, 0)
+        session = RLSession("s", "k", 60)
         first = _chat(encoder, session, [user("1+1=")], ids("2") + [eos])
         assert first == "2"
         _chat(encoder, session, history + [user("2+2=")], ids("4") + [eos])
@@ -142,7 +142,7 @@ def test_a_request_that_does_not_re_send_the_conversation_starts_a_new_episode_a
         assert export.episodes[1].prompt_ids == ids("".join(m.text() for m in history) + "2+2=")
         assert [e.reward for e in export.episodes] == [0.5, 1.0]
     # The same messages again, verbatim, continue: only a re-sent conversation chains.
-    session = RLSession("s", "k", 60, 0)
+    session = RLSession("s", "k", 60)
     _chat(encoder, session, [user("1+1=")], ids("2") + [eos])
     _chat(encoder, session, [user("1+1="), said("2"), user("2+2=")], ids("4"))
     assert trajectory_episodes(session, discount=1.0, group_id=0, first_episode_id=0).history_breaks == 0
