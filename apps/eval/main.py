@@ -46,7 +46,7 @@ class Evaluation:
         self.metrics = MetricLogger.from_config(cfg.metrics, jsonl_default=self.out / "metrics.jsonl")
         self.results: list[VersionResult] = []
 
-    async def version(self, version: ModelVersion, sampler: Any) -> VersionResult:
+    async def evaluate(self, version: ModelVersion, sampler: Any) -> VersionResult:
         """Every task on one model version."""
         s, start = self.cfg.sampling, time.perf_counter()
         result = VersionResult(version)
@@ -106,7 +106,7 @@ async def evaluate_endpoint(cfg: EvalJobConfig) -> int:
     sampler = EndpointSampler(cfg.endpoint)
     try:
         (version,) = cfg.versions()
-        await evaluation.version(version, sampler)
+        await evaluation.evaluate(version, sampler)
     finally:
         await sampler.close()
     return evaluation.report()
@@ -133,7 +133,7 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
             await store.publish(weights, number, dtype=getattr(torch, cfg.generator.dtype))
             await generators.update_weights.fanout(number)
             await store.delete_older_than(number)  # one version in shared memory at a time
-        await evaluation.version(version, sampler)
+        await evaluation.evaluate(version, sampler)
     return evaluation.report()
 
 
