@@ -23,7 +23,7 @@ RUN_BY = {
     # Prose, tables, shell commands and YAML only.
     **{page: [] for page in ("architecture.md", "benchmarks.md", "configuration.md", "eval.md", "gpus.md", "hosts.md",
                              "lora.md", "multiturn.md", "off_policy.md", "reliability.md", "several_hosts.md",
-                             "stack.md")},
+                             "sft.md", "stack.md")},
     # The page's environment module, imported by the job its command runs (tests/docs/test_environments_page.py).
     "environments.md": ["tests/docs/test_environments_page.py::test_the_pages_command_trains_on_the_environment"],
 }
