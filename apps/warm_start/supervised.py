@@ -2,7 +2,11 @@
 
 GRPO needs some reward signal to begin with: a randomly initialised model never emits a correct answer,
 so every group has zero variance and nothing is learned. A few hundred teacher-forced steps on
-(prompt, answer + EOS) pairs bring greedy accuracy to a low threshold (~20%); GRPO does the rest.
+(prompt, reference answer + end token) pairs bring greedy accuracy to a low threshold (~20%); GRPO does the rest.
+The examples are apps.sft's (apps/sft/sources.py: every task with reference answers, masks by token ids, a chat
+task's answers ended by its template's end of turn); the loss, the token-mean NLL of the answers, is HF's with those
+masks as labels (the same as losses/nll.py). Training runs in this process, one model, stopped at the target accuracy:
+a warm start is seconds of work on the tiny model, less than starting the trainer's processes.
 The result is saved as an ordinary HF checkpoint directory, cached by its inputs.
 """
 
@@ -15,35 +19,49 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl.tasks import Problem
+from apps.sft.data import completion_example
+from apps.sft.sources import reference_completion
 from apps.warm_start.config import WarmStartConfig
+from rl.tasks import Problem
 
 
-def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[[str, str], float], max_tokens: int) -> float:
-    """Exact-answer accuracy of greedy decoding (one left-padded batch)."""
+def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[[str, str], float], max_tokens: int,
+                    stop_token_ids: Sequence[int] = ()) -> float:
+    """Exact-answer accuracy of greedy decoding (one left-padded batch), stopped where the task's answers end."""
     from actors.engines.hf import HFEngine
     from rl.types import SamplingParams
 
     engine = HFEngine.from_model(model, tokenizer)  # decodes with the training model itself, no copy
-    outputs = engine.generate([p.prompt for p in problems], SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0))
+    params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids))
+    outputs = engine.generate([p.prompt for p in problems], params)
     return sum(reward(out[0].text, p.answer) for p, out in zip(problems, outputs)) / len(problems)
 
 
 def warm_start_on_task(model: str, model_cache: str | Path, task: Any, config: WarmStartConfig, *, seed: int,
                        max_tokens: int) -> tuple[str, float]:
-    """`model` trained on `task`'s answers (`warm_start`), cached under `model_cache/warm_start`: training and
-    evaluation prompts come from `task.sample_prompts` with generators seeded from `seed`, so every app that warm
-    starts the same model on the same task and seed shares one cached checkpoint."""
+    """`model` trained on `task`'s reference answers (`warm_start`), cached under `model_cache/warm_start`: training
+    and evaluation prompts come from `task.sample_prompts` with generators seeded from `seed`, so every app that warm
+    starts the same model on the same task and seed shares one cached checkpoint. Any single-turn task with reference
+    answers (arithmetic, gsm8k, reasoning-gym); a task whose environment scores episodes has none and is refused by
+    name."""
+    if hasattr(task, "environment"):
+        raise ValueError(f"warm start: task {type(task).__name__} has no reference answers (its environment scores "
+                         "episodes); the multi-turn warm start trains a task's correct episodes "
+                         "(apps.warm_start.multiturn), or set warm_start.enabled=false")
     eval_problems = task.sample_prompts(config.eval_prompts, random.Random(f"{seed}-warm-start-eval"))
     train_rng = random.Random(f"{seed}-warm-start")
+    end_id = task.stop_token_ids[-1] if task.stop_token_ids else None  # a chat task's end of turn; else EOS
     path, accuracy = warm_start(model, Path(model_cache) / "warm_start",
                                 train_problems=lambda n: task.sample_prompts(n, train_rng), eval_problems=eval_problems,
-                                reward=task.reward, config=config, seed=seed, max_tokens=max_tokens)
+                                reward=task.reward, config=config, seed=seed, max_tokens=max_tokens,
+                                completion=lambda problem: reference_completion(task, problem), end_id=end_id,
+                                stop_token_ids=task.stop_token_ids)
     return str(path), accuracy
 
 
@@ -62,13 +80,25 @@ def warm_start(
     seed: int,
     max_tokens: int,
     log: Callable[[str], None] = log_now,
+    completion: Callable[[Problem], str] = lambda problem: problem.answer,
+    end_id: int | None = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> tuple[Path, float]:
-    """Train on `train_problems(n)` (prompt -> answer + EOS) until greedy accuracy on `eval_problems` reaches the
-    target. Returns the saved checkpoint directory and the accuracy reached (see `train_until_accurate`)."""
+    """Train on `train_problems(n)` (prompt -> `completion(problem)` + `end_id`, EOS when None) until greedy accuracy
+    on `eval_problems` (generation stopped at `stop_token_ids`) reaches the target. Returns the saved checkpoint
+    directory and the accuracy reached (see `train_until_accurate`)."""
+
+    def batch(tokenizer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = tokenizer.eos_token_id if end_id is None else end_id
+        examples = [completion_example(tokenizer, p.prompt, completion(p), end) for p in train_problems(n)]
+        labels = [[t if learned else -100 for t, learned in zip(e.ids, e.learned)] for e in examples]
+        return padded_batch([list(e.ids) for e in examples], labels,
+                            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end)
+
     return train_until_accurate(
-        model_dir, out_dir, cache_key={"eval": [tuple(p) for p in eval_problems[:20]]},
-        batch=lambda tokenizer, n: _teacher_forcing_batch(tokenizer, train_problems(n), tokenizer.eos_token_id),
-        accuracy=lambda model, tokenizer: greedy_accuracy(model, tokenizer, eval_problems, reward, max_tokens),
+        model_dir, out_dir, cache_key={"eval": [tuple(p) for p in eval_problems[:20]]}, batch=batch,
+        accuracy=lambda model, tokenizer: greedy_accuracy(model, tokenizer, eval_problems, reward, max_tokens,
+                                                          stop_token_ids),
         config=config, seed=seed, log=log, what=f"greedy accuracy on {len(eval_problems)} prompts")
 
 
@@ -202,17 +232,6 @@ class Progress:
             left = f"at most {bound:.0f}s left (an estimate once accuracy rises)"
         return (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {done:4.0%} | step {step}/{self.max_steps} | greedy "
                 f"accuracy {accuracy:.1%} (target {self.target:.0%}) | {elapsed:.0f}s, {left}")
-
-
-def _teacher_forcing_batch(tokenizer, problems: list[Problem], eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer+EOS; labels only on the answer and EOS (-100 elsewhere)."""
-    rows, label_rows = [], []
-    for p in problems:
-        prompt = tokenizer.encode(p.prompt)
-        answer = tokenizer.encode(p.answer) + [eos]
-        rows.append(prompt + answer)
-        label_rows.append([-100] * len(prompt) + answer)
-    return padded_batch(rows, label_rows, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
 
 
 def padded_batch(rows: list[list[int]], label_rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

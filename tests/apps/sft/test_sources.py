@@ -9,7 +9,6 @@ import random
 from apps.sft.cli import load_sft_config
 from apps.sft.data import Epochs
 from apps.sft.sources import TaskStream, load_data, reference_completion
-from apps.warm_start.supervised import _teacher_forcing_batch
 from rl.tasks.arithmetic import ArithmeticTask
 from rl.tasks.reasoning_gym import ReasoningGymTask
 from rl.tiny_model import build_tokenizer
@@ -17,13 +16,13 @@ from rl.tiny_model import build_tokenizer
 TINY = "configs/sft_tiny.yaml"
 
 
-def test_a_task_example_is_the_warm_starts_teacher_forcing_row():
+def test_a_task_example_learns_the_reference_answer_and_eos():
     tokenizer, task = build_tokenizer(), ArithmeticTask(seed=0, reverse_answer=True)
     problem = task.sample_prompts(1, random.Random(0))[0]
     example = TaskStream(task, tokenizer, seed=0).example(problem)
-    input_ids, labels = _teacher_forcing_batch(tokenizer, [problem], tokenizer.eos_token_id)
-    assert list(example.ids) == input_ids[0].tolist()
-    assert [t for t, on in zip(example.ids, example.learned) if on] == [t for t in labels[0].tolist() if t != -100]
+    prompt, answer = tokenizer.encode(problem.prompt), tokenizer.encode(problem.answer) + [tokenizer.eos_token_id]
+    assert example.ids == tuple(prompt + answer)
+    assert example.learned == (False,) * len(prompt) + (True,) * len(answer)
 
 
 def test_a_reasoning_gym_problem_learns_its_reference_answer_tagged():
