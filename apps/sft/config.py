@@ -28,7 +28,8 @@ class DataSection:
     """What the model is fine-tuned on: a task's reference answers, or demonstrations in a file or dataset."""
 
     source: Literal["task", "jsonl", "datasets"] = "task"
-    """`task`: the `task` section's problems with their reference answers (arithmetic, gsm8k, reasoning-gym);
+    """`task`: the `task` section's problems with their reference answers (arithmetic, gsm8k, reasoning-gym; the
+    multi-turn `lookup` task's correct episodes);
     `jsonl`: a local JSONL file (`path`); `datasets`: a dataset loaded with the `datasets` library (`path`: a hub id,
     a folder or a data file). A row is `{prompt, completion}` (strings) or `{messages[, tools]}` (chat: multi-turn,
     tool calls, rendered with the model's chat template)."""
@@ -57,10 +58,6 @@ class DataSection:
                 raise ValueError(f"task.source={self.task.source!r}: its environment gives rewards, not reference "
                                  f"answers, so there is nothing to fine-tune on; SFT takes a task with answers "
                                  f"(forge arithmetic or gsm8k, reasoning_gym)")
-            if (self.task.source, self.task.name) == ("forge", "lookup"):
-                raise ValueError("task.name='lookup': a multi-turn task (its episodes are played against its "
-                                 "environment); SFT takes single-turn tasks with reference answers (forge arithmetic "
-                                 "or gsm8k, reasoning_gym); apps.grpo's warm start trains lookup's correct episodes")
         else:
             if self.path is None:
                 raise ValueError(f"path=None: source={self.source} needs the rows' path")
@@ -142,6 +139,10 @@ class SFTConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
+    def is_multi_turn_task(self) -> bool:
+        return self.data.source == "task" and (self.data.task.source, self.data.task.name) == ("forge", "lookup")
+
+    @property
     def measures_accuracy(self) -> bool:
         return self.data.source == "task" and self.eval.accuracy and self.generator is not None
 
@@ -164,6 +165,10 @@ class SFTConfig:
         if self.trainer.lora is not None:
             raise ValueError("trainer.lora: SFT trains the full model here (its export and held-out sampling follow "
                              "the full weights); set trainer.lora=null")
+        if self.is_multi_turn_task and self.eval.accuracy and self.generator is not None:
+            raise ValueError("eval.accuracy=true: data.task.name='lookup' is multi-turn; its accuracy is played "
+                             "against its environment (apps.grpo's eval), not sampled from single prompts; set "
+                             "eval.accuracy=false (the held-out loss is still measured)")
         if self.data.source != "task" and self.eval.accuracy and self.generator is not None:
             raise ValueError(f"eval.accuracy=true: data.source={self.data.source} has no reward to score samples "
                              "with (only task sources do); set eval.accuracy=false or generator=null")

@@ -9,7 +9,7 @@ from typing import Any
 
 from apps.sft.config import SFTConfig
 from apps.sft.data import (ChatRenderer, Epochs, Example, completion_example, read_dataset, read_jsonl,
-                           row_examples, split_held_out)
+                           row_examples, split_held_out, transcript_example)
 from rl import tasks as rl_tasks
 
 
@@ -24,7 +24,7 @@ def reference_completion(task: Any, problem: Any) -> str:
 
 
 class TaskStream:
-    """A task's training problems with their reference completions, drawn from a generator seeded by the job (its
+    """A task's training problems with their reference completions (a multi-turn task's correct episodes), drawn from a generator seeded by the job (its
     state is checkpointed, so a resumed run draws what the stopped one would have)."""
 
     def __init__(self, task: Any, tokenizer: Any, seed: int) -> None:
@@ -34,6 +34,8 @@ class TaskStream:
         self.end_id = task.stop_token_ids[-1] if task.stop_token_ids else tokenizer.eos_token_id
 
     def example(self, problem: Any) -> Example:
+        if hasattr(self.task, "transcript"):  # a multi-turn task: its correct episode, the model's turns learned
+            return transcript_example(self.tokenizer, self.task.transcript(problem))
         return completion_example(self.tokenizer, problem.prompt, reference_completion(self.task, problem),
                                   self.end_id)
 

@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Callable
 
+from apps.sft.data import transcript_example
 from rl.environments.config import EnvironmentConfig
 from rl.environments.rollout import run_episodes
 from rl.environments.trajectory import Trajectory
@@ -64,15 +65,9 @@ def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: An
 
 
 def transcript_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    """The episode's ids (segments encoded one by one, EOS after the last model segment) and which ones the model
-    writes (so they are learned)."""
-    ids, learned = [], []
-    last_model = max(i for i, (_, by_model) in enumerate(segments) if by_model)
-    for i, (text, by_model) in enumerate(segments):
-        piece = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if i == last_model else [])
-        ids += piece
-        learned += [by_model] * len(piece)
-    return ids, learned
+    """The episode's ids and which ones the model writes (apps.sft's `transcript_example`, as lists)."""
+    example = transcript_example(tokenizer, segments)
+    return list(example.ids), list(example.learned)
 
 
 async def greedy_episodes(model, tokenizer, task: Any, problems: list, limits: EnvironmentConfig,

@@ -7,7 +7,7 @@ import json
 import random
 
 from apps.sft.cli import load_sft_config
-from apps.sft.data import Epochs
+from apps.sft.data import Epochs, Example
 from apps.sft.sources import TaskStream, load_data, reference_completion
 from rl.tasks.arithmetic import ArithmeticTask
 from rl.tasks.reasoning_gym import ReasoningGymTask
@@ -61,3 +61,28 @@ def test_rows_longer_than_max_length_are_left_out_and_counted(tmp_path):
     cfg, _ = load_sft_config(["--config", TINY, "data.source=jsonl", f"data.path={path}", "eval.accuracy=false"])
     data = load_data(cfg, build_tokenizer(), max_length=16)
     assert data.dropped == 1 and len(data.train.examples) == 1
+
+
+def test_a_multi_turn_task_learns_its_correct_episodes_model_turns():
+    from rl.tasks.lookup import LookupTask
+
+    tokenizer = build_tokenizer()
+    task = LookupTask(seed=0, held_out=10, tokenizer=tokenizer)
+    problem = task.sample_prompts(1, random.Random(0))[0]
+    example = TaskStream(task, tokenizer, seed=0).example(problem)
+    (prompt, _), (query, _), (reply, _), (answer, _) = task.transcript(problem)
+    expected_ids, expected_learned = [], []
+    # By hand: the prompt and the environment's reply not learned, the model's query and answer (with EOS) learned.
+    for text, learned, end in ((prompt, False, []), (query, True, []), (reply, False, []),
+                               (answer, True, [tokenizer.eos_token_id])):
+        piece = tokenizer.encode(text, add_special_tokens=False) + end
+        expected_ids += piece
+        expected_learned += [learned] * len(piece)
+    assert example == Example(tuple(expected_ids), tuple(expected_learned))
+
+
+def test_the_lookup_task_trains_with_its_held_out_loss(tmp_path):
+    cfg, _ = load_sft_config(["--config", TINY, "data.task.name=lookup", "data.task.held_out=20",
+                              "eval.accuracy=false", "eval.num_prompts=4"])
+    data = load_data(cfg, build_tokenizer(), max_length=256)
+    assert len(data.held_out) == 4 and all(any(e.learned) and not e.learned[0] for e in data.held_out)
