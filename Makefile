@@ -36,7 +36,7 @@ grpo: $(STAMP)
 # rest run together. When a Monarch module fails, its failed tests run once more (the whole module if pytest
 # named none) and fail the suite only if they fail again: Monarch can miss its deadlines on a busy 2-core host
 # (forge.compat 13, docs/reliability.md); the retry is printed, never silent. `make test ARGS=...` runs pytest
-# once with your arguments instead.
+# once with your arguments instead. The slowest tests are printed (--durations): the suite must stay under 45 min.
 MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples|server|gateway)|start_weight_store" tests --include='test_*.py' | sort)
 SHELL := /bin/bash
 
@@ -44,10 +44,10 @@ test: $(STAMP)
 ifeq ($(strip $(ARGS)),)
 	@status=0; retried=""; log=$$(mktemp); trap 'rm -f $$log' EXIT; \
 	echo "== pytest (no Monarch processes)"; \
-	$(PY) -m pytest tests $(addprefix --ignore=,$(MONARCH_TESTS)) || status=1; \
+	$(PY) -m pytest --durations=15 tests $(addprefix --ignore=,$(MONARCH_TESTS)) || status=1; \
 	for module in $(MONARCH_TESTS); do \
 		echo "== pytest $$module"; \
-		$(PY) -m pytest -rfE $$module 2>&1 | tee $$log; \
+		$(PY) -m pytest -rfE --durations=3 $$module 2>&1 | tee $$log; \
 		if [ $${PIPESTATUS[0]} -ne 0 ]; then \
 			failed=$$(sed -nE 's/^(FAILED|ERROR) ([^ ]+).*/\2/p' $$log | sort -u | tr '\n' ' '); \
 			echo "== RETRY $${failed:-$$module}: failed once; running again (forge.compat 13: Monarch on a loaded host)"; \
