@@ -55,6 +55,9 @@ class SFTJob:
                   "out (data.max_length)", flush=True)
         self.step = self.version = 0
         self.summary: dict[str, Any] = {}
+        # Each step's line and record; an evaluation's results are a record of their own, at the step it followed.
+        self.logger = MetricLogger.from_config(cfg.metrics, total_steps=cfg.steps,
+                                               jsonl_default=Path(cfg.run_dir) / "metrics.jsonl")
         self.interrupted: str | None = None
 
     def request_stop(self, reason: str) -> None:
@@ -92,22 +95,17 @@ class SFTJob:
     # --- training -------------------------------------------------------------------------------------------
     async def train(self) -> None:
         cfg = self.cfg
-        logger = MetricLogger.from_config(cfg.metrics, total_steps=cfg.steps,
-                                          jsonl_default=Path(cfg.run_dir) / "metrics.jsonl")
         first, started = self.step, time.perf_counter()
-        try:
-            while self.step < cfg.steps and not self.interrupted:
-                step_start = time.perf_counter()
-                examples = self.data.train.take(cfg.batch_size)
-                result = rank0(await self.trainer.train_step.call(train_batch(examples, self.pad_id)))
-                self.step, self.version = self.step + 1, result.version
-                logger.log(self.step, [], step_metrics(examples, result.metrics, time.perf_counter() - step_start))
-                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
-                    await self.evaluate(f"step {self.step}")
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
-                    await self.save_checkpoint()
-        finally:
-            logger.close()
+        while self.step < cfg.steps and not self.interrupted:
+            step_start = time.perf_counter()
+            examples = self.data.train.take(cfg.batch_size)
+            result = rank0(await self.trainer.train_step.call(train_batch(examples, self.pad_id)))
+            self.step, self.version = self.step + 1, result.version
+            self.logger.log(self.step, [], step_metrics(examples, result.metrics, time.perf_counter() - step_start))
+            if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
+                await self.evaluate(f"step {self.step}")
+            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                await self.save_checkpoint()
         self.summary.update(steps_this_run=self.step - first, train_s=round(time.perf_counter() - started, 1))
 
     # --- evaluation -----------------------------------------------------------------------------------------
@@ -121,8 +119,8 @@ class SFTJob:
             results["eval/loss"] = rank0(await self.trainer.held_out_loss.call(batch))
         if self.generators is not None:
             results["eval/accuracy"] = await self.accuracy(label)
-        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in results.items())
-        print(f"eval {label} (version {self.version}, {len(held_out)} held-out examples): {shown}", flush=True)
+        if results:
+            self.logger.log(self.step, [], results)
         return results
 
     async def accuracy(self, label: str) -> float:
@@ -161,6 +159,7 @@ class SFTJob:
         if not self.interrupted:
             self.summary["hf_model"] = str(run_dir / "hf_model")
             await self.trainer.export_hf.call(self.summary["hf_model"])
+        self.logger.close()
         self.summary.update(steps=self.step, interrupted=self.interrupted, wall_s=round(wall_s, 1))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))

@@ -49,8 +49,13 @@ def test_the_held_out_loss_falls_and_the_accuracy_is_measured(runs):
     assert summary["end"]["eval/loss"] < summary["start"]["eval/loss"] - 0.5, summary
     assert 0 <= summary["start"]["eval/accuracy"] <= 1 and 0 <= summary["end"]["eval/accuracy"] <= 1
     records = [json.loads(line) for line in (root / "whole/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in records)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in steps)
+    evaluations = [r for r in records if "eval/loss" in r]  # at the start and the end, beside the training steps
+    assert [(r["step"], r["eval/loss"], r["eval/accuracy"]) for r in evaluations] == [
+        (0, summary["start"]["eval/loss"], summary["start"]["eval/accuracy"]),
+        (STEPS, summary["end"]["eval/loss"], summary["end"]["eval/accuracy"])]
 
 
 def test_the_hf_export_loads_and_generates(runs):
