@@ -16,17 +16,8 @@ to 0.7.0 are listed after the table with the check that retired them.
     the caller; 0.7.0 passes the check below, 1,000       `EndpointError` (`report_endpoint_errors`, which also makes
     raises in a row in 2.4 s) Monarch 0.7 refuses an       a ForgeActor's sync endpoints async); kept as forge's
     actor mixing sync and async endpoints                  error API until its callers take Monarch's ActorError
- 8  (0.1.2) a reply to an actor that is gone was a         forge's and torchstore's actors drop such messages
-    supervision failure of the sender. 0.7: a caller's     (`drop_undeliverable`, `import_torchstore`); the check
-    process SIGKILLed mid-call, the callee (default        passes on 0.7: it can go from forge/actor.py, ProcAgent and
-    handler) replies 2 s later: 45 s on, past the 30 s     the torchstore classes together
-    delivery timeout, it still answers and no
-    supervision event names it
-    (/tmp/m07c/e8_undeliverable.py)
  9  torchstore's `keys(prefix)` returns [] for any prefix  filter all keys by hand (`keys_with_prefix`)
 11  `SupervisionError` is only exported privately          `SupervisionError` below
-12  pytest's fd-level capture stalls replies that carry    the suite runs with `--capture=sys` (pyproject.toml)
-    remote tracebacks
 13  a starved start-up on a loaded 2-core host can miss    `make test` runs each Monarch test module in its own
     Monarch's deadlines                                    process and runs its failed tests once more, reporting
                                                            them as FLAKY; `tests/support.start_http_app` retries a start
@@ -108,8 +99,19 @@ to 0.7.0 are listed after the table with the check that retired them.
     torch.distributed set-up (tcp://<outward IP>:port     it imports no Monarch, so it lives there); can go when
     with one worker, tcp://127.0.0.1:port with several)   tests/actors/engines/test_vllm_worker.py passes with the
                                                           module's last line removed
+32  a proc mesh not up within 30 s fails to spawn          allow 120 s (HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE in
+    (`error spawning proc mesh: statuses: Timeout(30s)`:   `JOB_ENVIRONMENT`), forge's own bound on a remote spawn
+    a two-host test's mesh on a loaded 2-core host, a      (REMOTE_SPAWN_TIMEOUT_S); can go when tests/forge passes
+    fresh-clone `make test`)                               with it unset on a loaded 2-core host
 
 Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
+12  the suite's `--capture=sys` (pyproject.toml: in 0.1.2, replies carrying remote tracebacks stalled under pytest's
+    fd-level capture): on 0.7, `pytest --capture=fd` passed tests/forge/test_actor.py (remote errors raised in the
+    caller), tests/forge/test_service.py and tests/apps/test_examples.py in their usual times (62 s, 51 s, 34 s).
+ 8  forge's and torchstore's actors dropping replies to callers that are gone (`drop_undeliverable`; in 0.1.2 such a
+    reply was a supervision failure of the sender): on plain 0.7, a caller's process SIGKILLed mid-call and the
+    callee (default handler) replying 2 s later, the callee still answered 45 s on, past the 30 s delivery timeout,
+    and no supervision event named it (/tmp/m07c/e8_undeliverable.py).
  1  CPU stand-ins for libcuda/libcudart/libnccl/libibverbs/libmlx5 (`forge/native`): 0.7.0's `_rust_bindings`
     links only libc, libm, libgcc_s, libdl, librt and libpthread; `import monarch.actor` works with nothing on
     LD_LIBRARY_PATH.
@@ -154,13 +156,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# -- 2, 3, 16. the environment of a job's processes ---------------------------------------------------------
+# -- 2, 3, 16, 32. the environment of a job's processes -------------------------------------------------------
 # 2 can go when a busy process is no longer declared dead at the default deadline (run tests/forge with
 # the variable unset on a loaded 2-core host). 3 can go when `import torchstore` prints nothing.
 JOB_ENVIRONMENT = {
     "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "300s",
     "HYPERACTOR_CODEC_MAX_FRAME_LENGTH": "910737418240",
     "HYPERACTOR_MESSAGE_DELIVERY_TIMEOUT": "3600s",  # 16
+    "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "120s",  # 32
 }
 
 # -- 30. the environment is written before Monarch starts its threads ---------------------------------------------
@@ -203,11 +206,9 @@ def plain_log_messages() -> None:
 
 
 def import_torchstore() -> Any:
-    """torchstore, imported quietly, with its storage volumes dropping replies to callers that are gone (8)."""
+    """torchstore, imported quietly (3, 30)."""
     import torchstore  # HYPERACTOR_CODEC_MAX_FRAME_LENGTH is set (3, 30)
-    from torchstore.storage_volume import StorageVolume
 
-    StorageVolume._handle_undeliverable_message = drop_undeliverable
     return torchstore
 
 
@@ -229,13 +230,12 @@ def as_async(method: Callable) -> Callable:
 
 def _torchstore_controller_class() -> type:
     """torchstore's Controller with each sync endpoint re-declared async (Monarch 0.7 refuses an actor that
-    mixes both), dropping replies to callers that are gone (8)."""
+    mixes both)."""
     from monarch._src.actor.endpoint import EndpointProperty
     from monarch.actor import endpoint
     from torchstore.controller import Controller
 
-    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": "TorchstoreController",
-                                 "_handle_undeliverable_message": drop_undeliverable}
+    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": "TorchstoreController"}
     for name in dir(Controller):
         value = getattr(Controller, name)
         if isinstance(value, EndpointProperty) and not inspect.iscoroutinefunction(value._method):
@@ -302,9 +302,9 @@ def _kill_host_tree_and_exit() -> None:
     os._exit(1)
 
 
-# -- 7, 8. endpoint errors and undeliverable replies ----------------------------------------------------------
-# 7 can go when an endpoint raising 1,000 times in a row (tests/forge/test_actor.py) neither wedges nor
-# crashes the caller with the wrapper removed; 8 when killing a caller mid-call leaves the callee's mesh up.
+# -- 7. endpoint errors --------------------------------------------------------------------------------------
+# Can go when an endpoint raising 1,000 times in a row (tests/forge/test_actor.py) neither wedges nor crashes the
+# caller with the wrapper removed.
 
 
 class EndpointError(RuntimeError):
@@ -350,12 +350,6 @@ def raise_if_failed(value: Any) -> Any:
             if isinstance(item, RaisedInEndpoint):
                 raise item.exception()
     return value
-
-
-def drop_undeliverable(actor: Any, message: Any) -> bool:
-    """`Actor._handle_undeliverable_message`: a reply whose caller died is not this actor's failure."""
-    logger.debug("%s: undeliverable message dropped: %s", type(actor).__name__, message)
-    return True
 
 
 # -- 9. torchstore keys ------------------------------------------------------------------------------------

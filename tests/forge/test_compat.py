@@ -48,6 +48,30 @@ def test_a_job_start_sets_the_job_environment_without_overriding_the_users():
     assert values["HYPERACTOR_CODEC_MAX_FRAME_LENGTH"] == compat.JOB_ENVIRONMENT["HYPERACTOR_CODEC_MAX_FRAME_LENGTH"]
 
 
+
+def test_the_spawn_deadline_forge_raises_is_the_one_monarch_reads():
+    # compat 32: HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE bounds a proc mesh's spawn. Set tiny (the user's value wins),
+    # a spawn must fail on it; with forge's value a mesh has 120 s to come up.
+    assert compat.JOB_ENVIRONMENT["HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"] == "120s"
+    script = textwrap.dedent("""
+        import asyncio, os
+        os.environ["HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"] = "1ms"
+        from forge import compat
+        compat.configure_job_environment()
+        from monarch.actor import this_host
+
+        async def main():
+            try:
+                await this_host().spawn_procs(per_host={"procs": 1}, name="late").initialized
+                print("spawned")
+            except Exception as e:
+                print("refused:", e)
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "refused: error spawning proc mesh: statuses: Timeout(" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
 async def test_keys_with_prefix_filters_what_torchstore_returns():
     class FakeStore:
         async def keys(self, prefix: str | None = None) -> list[str]:
