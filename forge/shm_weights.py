@@ -78,7 +78,21 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    checksums: tuple[int, ...]  # a hash (Manifest.checksum) of each _CHUNK-byte piece of its bytes, from publish
+    checksums: tuple[int, ...]  # a hash (Manifest.checksum) of each _CHUNK-byte piece of its stored bytes, from publish
+    # What the stored bytes are: "full", the tensor's own; "sparse" or "bitmask", a delta (forge/weight_delta.py: its
+    # `changed` new values and their positions, `to_bytes`) that rewrites the manifest's `base` version into this one.
+    encoding: str = "full"
+    changed: int = -1  # elements whose bits differ from the previous published version (-1: not compared)
+    tensor_checksums: tuple[int, ...] = ()  # a delta's: the checksums of the tensor it rebuilds (full: `checksums`)
+
+    @property
+    def rebuilt_checksums(self) -> tuple[int, ...]:
+        """The checksums of the tensor this entry gives a reader (once applied, for a delta)."""
+        return self.checksums if self.encoding == "full" else self.tensor_checksums
+
+    @property
+    def tensor_nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,13 @@ class Manifest:
     in_torchstore: bool
     entries: dict[str, TensorEntry]
     checksum: str  # the hash of TensorEntry.checksums: "xxh3_64" or "crc32"
+    base: int | None = None  # the version its delta entries rewrite (None: every entry is full)
+    anchor: int | None = None  # the full version its chain of deltas starts from (None: published without deltas)
+
+    @property
+    def tensor_nbytes(self) -> int:
+        """Bytes of the tensors a reader holds once it has this version (`nbytes`: the bytes stored)."""
+        return sum(e.tensor_nbytes for e in self.entries.values())
 
     @property
     def nbytes(self) -> int:
@@ -157,25 +178,38 @@ def hash_function(algorithm: str) -> Callable[[memoryview], int]:
     raise ValueError(f"checksum={algorithm!r}: must be 'xxh3_64' or 'crc32'")
 
 
+class _Hasher:
+    """hash_function(algorithm) over bytes given in steps (the same value as over all of them at once)."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._digest = hash_function(algorithm)  # also refuses an unknown algorithm, or xxh3_64 without xxhash
+        self._state = xxhash.xxh3_64() if algorithm == "xxh3_64" else None
+        self._crc = 0
+
+    def update(self, data: memoryview) -> None:
+        if self._state is not None:
+            self._state.update(data)
+        else:
+            self._crc = self._digest(data, self._crc)
+
+    def digest(self) -> int:
+        return self._state.intdigest() if self._state is not None else self._crc
+
+
 def _read_and_hash(fd: int, view: memoryview, offset: int, algorithm: str) -> int | None:
     """preadv `view` from `fd` at `offset` in _HASH_STEP steps, hashing each step right after it is read (while it is
     still in this core's cache: 1 GB read and hashed took ~0.29 core-s so, ~0.33 hashing each 32 MB piece after
     reading it whole); the hash of all of it, the same as hash_function(algorithm)(view). None: the file ended
     before `view` was full."""
-    digest = hash_function(algorithm)  # also refuses an unknown algorithm, or xxh3_64 without xxhash
-    state = xxhash.xxh3_64() if algorithm == "xxh3_64" else None
-    crc, done = 0, 0
+    hasher, done = _Hasher(algorithm), 0
     while done < len(view):
         step = view[done : done + _HASH_STEP]
         got = os.preadv(fd, [step], offset + done)
         if got == 0:
             return None
-        if state is not None:
-            state.update(step[:got])
-        else:
-            crc = digest(step[:got], crc)
+        hasher.update(step[:got])
         done += got
-    return state.intdigest() if state is not None else crc
+    return hasher.digest()
 
 
 def check_compatible(manifest: Manifest, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -261,27 +295,48 @@ class SegmentWriter:
     def write(self, tensor: torch.Tensor, offset: int) -> None:
         """pwrite a contiguous CPU tensor's bytes at `offset` (from `layout`), then mark them ready when everything
         before them is in place (tensors written in layout order: `ready` never covers a gap)."""
+        data = _bytes_of(tensor)
+        self._pwrite(data, offset)
+        self._mark_written(offset, len(data))
+
+    def _mark_written(self, offset: int, nbytes: int) -> None:
+        if self.fd is not None and offset <= -(-self.ready // _ALIGN) * _ALIGN:
+            self.mark_ready(offset + nbytes)
+
+    def write_checksummed(self, tensor: torch.Tensor, offset: int, algorithm: str) -> tuple[int, ...]:
+        """`write` one _CHUNK piece at a time, each hashed _HASH_STEP bytes at a time right before those bytes are
+        written (while they are in this core's cache: the bytes are read from memory once, not twice), so it is
+        ready to stream once written; returns the pieces' checksums."""
+        pieces = tensor.detach().reshape(-1).view(torch.uint8).split(_CHUNK)
+        sums = []
+        for index, piece in enumerate(pieces):
+            hasher = _Hasher(algorithm)
+            data, start = _bytes_of(piece), offset + index * _CHUNK
+            for at in range(0, len(data), _HASH_STEP):
+                step = data[at : at + _HASH_STEP]
+                hasher.update(step)
+                self._pwrite(step, start + at)
+            sums.append(hasher.digest())
+            self._mark_written(start, len(data))
+        return tuple(sums)
+
+    def _pwrite(self, data: memoryview, offset: int) -> None:
+        """pwrite all of `data` at tensor offset `offset`; a failure marks the segment abandoned (see `write`)."""
         if self.fd is None:
             return
-        data, done = _bytes_of(tensor), 0
+        done = 0
         try:
             while done < len(data):
                 done += os.pwrite(self.fd, data[done:], HEADER + offset + done)
-            if offset <= -(-self.ready // _ALIGN) * _ALIGN:
-                self.mark_ready(offset + done)
         except OSError as e:  # ENOSPC: /dev/shm filled up after the check
             self.error = e
             self.abort()
 
-    def write_checksummed(self, tensor: torch.Tensor, offset: int, algorithm: str) -> tuple[int, ...]:
-        """`write` one _CHUNK piece at a time, each hashed first and written while its bytes are still in the
-        caches, so it is ready to stream once written; returns the pieces' checksums."""
-        digest, pieces = hash_function(algorithm), tensor.detach().reshape(-1).view(torch.uint8).split(_CHUNK)
-        sums = []
-        for index, piece in enumerate(pieces):
-            sums.append(digest(_bytes_of(piece)))
-            self.write(piece, offset + index * _CHUNK)
-        return tuple(sums)
+    def shrink(self, size: int) -> None:
+        """The segment holds `size` bytes of tensors, fewer than reserved (a version of deltas): the file ends there."""
+        if self.fd is not None and size < self.size:
+            os.ftruncate(self.fd, HEADER + max(size, 1))
+        self.size = min(size, self.size)
 
     def mark_ready(self, nbytes: int) -> None:
         """The first `nbytes` tensor bytes are in place (and hashed): readers and streams may take them."""
@@ -333,8 +388,13 @@ class SegmentRead:
             progress = SegmentProgress(fd, manifest.version, path.name, ARRIVAL_STALL_S if arriving else None)
             self.out, self.staged = {}, {}
             for name, entry in manifest.entries.items():
+                if entry.encoding != "full":  # a delta's bytes (forge/weight_delta.py), never into a caller's tensor
+                    self.out[name] = self.staged[name] = torch.empty(entry.nbytes, dtype=torch.uint8)
+                    continue
                 dtype = getattr(torch, entry.dtype)
-                target = into[name] if into is not None else torch.empty(entry.shape, dtype=dtype)
+                target = into.get(name) if into is not None else None
+                if target is None:
+                    target = torch.empty(entry.shape, dtype=dtype)
                 direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
                 self.out[name] = target
                 self.staged[name] = target if direct else torch.empty(entry.shape, dtype=dtype)
@@ -377,6 +437,47 @@ class SegmentRead:
                 if buffer is not self.out[name]:
                     self.out[name].copy_(buffer)
         return self.out
+
+
+def copy_verified(sources: dict[str, torch.Tensor], manifest: Manifest,
+                  into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Copies of `sources` (a reader's own copy of `manifest`'s version: contiguous CPU tensors of the published dtypes)
+    into `into`'s tensors or fresh ones, each _HASH_STEP of bytes hashed right before it is copied (in this core's
+    cache) and every tensor compared with the checksums of the tensor published (`TensorEntry.rebuilt_checksums`):
+    WeightChecksumError naming every tensor whose bytes differ, else the copies."""
+    found: dict[tuple[str, int], int] = {}
+    out, staged = {}, {}
+    for name, entry in manifest.entries.items():
+        target = into.get(name) if into is not None else None
+        if target is None:
+            target = torch.empty(entry.shape, dtype=sources[name].dtype)
+        out[name] = target
+        direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == sources[name].dtype
+        staged[name] = target if direct else None
+
+    def copy(piece: tuple[str, int], view: memoryview) -> None:
+        name, index = piece
+        target = staged[name]
+        into_view = None if target is None else _bytes_of(target)[index * _CHUNK : index * _CHUNK + len(view)]
+        hasher = _Hasher(manifest.checksum)
+        for at in range(0, len(view), _HASH_STEP):
+            step = view[at : at + _HASH_STEP]
+            hasher.update(step)
+            if into_view is not None:
+                into_view[at : at + len(step)] = step
+        found[name, index] = hasher.digest()
+
+    pieces = [((name, i), view) for name, tensor in sources.items() for i, view in enumerate(_chunks(_bytes_of(tensor)))]
+    _run_io(copy, pieces, manifest.tensor_nbytes)
+    _raise_on_mismatch(manifest, [(name, index, got, sums[index] if index < len(sums) else None)
+                                  for (name, index), got in found.items()
+                                  for sums in [manifest.entries[name].rebuilt_checksums]
+                                  if index >= len(sums) or got != sums[index]], rebuilt=True)
+    with torch.no_grad():
+        for name, target in staged.items():
+            if target is None:
+                out[name].copy_(sources[name])
+    return out
 
 
 def open_segment_file(path: Path, version: int, arriving: bool) -> int:
@@ -443,12 +544,16 @@ class SegmentProgress:
         self._wait(lambda: self.complete)
 
 
-def _raise_on_mismatch(manifest: Manifest, mismatches: list[tuple[str, int, int, int | None]]) -> None:
+def _raise_on_mismatch(manifest: Manifest, mismatches: list[tuple[str, int, int, int | None]], *,
+                       rebuilt: bool = False) -> None:
+    """WeightChecksumError for the first of `mismatches` (name, piece, found, published) of the bytes stored, or of
+    the tensors rebuilt from them (`rebuilt`)."""
     if not mismatches:
         return
     names = sorted({name for name, *_ in mismatches})
     name, index, found, published = min(mismatches, key=lambda m: m[:2])
-    start, nbytes, algorithm = index * _CHUNK, manifest.entries[name].nbytes, manifest.checksum
+    entry = manifest.entries[name]
+    start, nbytes, algorithm = index * _CHUNK, entry.tensor_nbytes if rebuilt else entry.nbytes, manifest.checksum
     expected = "no checksum was published" if published is None else f"published {algorithm} {published:#x}"
     raise WeightChecksumError(
         f"policy version {manifest.version}: tensor {name!r} does not match the checksum taken when it was "

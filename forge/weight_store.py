@@ -36,6 +36,18 @@ Every tensor's checksums (a hash per 32 MB, forge/shm_weights.py) are taken once
 what it read against them on either path and raises WeightChecksumError, naming the tensor and the version,
 instead of returning weights that differ from what was published.
 
+Delta sync (`WeightStore(delta=DeltaSync(enabled=True))`, forge/weight_delta.py): the publisher keeps its own copy of
+the version it published last and stores each tensor of the next as its delta from it (changed positions and their
+new bits) where that is smaller, whole else; a version of whole tensors only (every `full_every` versions, when a
+reader asked for one, or when no delta paid: a tiny model at a high learning rate) starts a new chain. The manifest
+says which (`base`: the version the deltas rewrite; `anchor`: the chain's full version). A reader rebuilds a version
+on its own copy of the one it fetched last (the deltas after it), or from the chain's full version and the deltas
+after it when it holds none of the chain; the rebuilt tensors are checked against the checksums of the tensors
+published before they are handed out (as copies). `delete_older_than` keeps the chain the oldest kept version
+needs. A reader that cannot read a chain (a version of it deleted, or bytes that fail the check) asks for a full
+version, and the next publish is one. Each version records `weights/published_bytes`, `weights/published_delta`
+(1: deltas, 0: full) and `weights/changed_share`.
+
 Segments are named `forge-<job>-<namespace>-v<version>` where <job> is the controller's pid
 (FORGE_JOB_ID): `delete` removes one, `remove_job_segments` (run at shutdown, and for dead jobs at
 start-up) removes whatever a crash left behind.
@@ -55,7 +67,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from forge import compat, shm_weights
+from forge import compat, shm_weights, weight_delta
 from forge.distributed import group_rank, group_size
 from forge.metrics import record_metric
 from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and the job_* helpers are re-exported)
@@ -69,6 +81,7 @@ from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and
     WeightVersionError,
     check_compatible,
     checksums,
+    copy_verified,
     create_segment,
     gathered_on_host,
     job_id,
@@ -91,6 +104,26 @@ RELAY_NAMESPACES_KEY = "forge-weight-relay/namespaces"  # the namespaces publish
 RELAY_WAIT_S = 300.0
 
 
+@dataclasses.dataclass(frozen=True)
+class DeltaSync:
+    """Publishing only what changed (forge/weight_delta.py): each tensor of a version is stored as its delta from the
+    previous version where that is smaller, whole else; readers rebuild it on their own copy of the previous version
+    (one copy of the weights in each reader's host memory, and one in the publisher's)."""
+
+    enabled: bool = False
+    """Compare each published tensor with the previous version's and store only what changed where that is smaller."""
+    full_every: int = 8
+    """A version of full tensors at least every this many versions: bounds what a reader that has none of a chain
+    reads (its full version and the deltas after it), and what the store keeps (a chain's versions stay until a
+    newer chain is kept)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"delta.enabled={self.enabled!r}: must be true or false")
+        if not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ValueError(f"delta.full_every={self.full_every!r}: must be an int >= 1 (1: every version full)")
+
+
 def torchstore_has_rdma() -> bool:
     """Whether torchstore moves tensors by RDMA here (then the relays pull versions from torchstore)."""
     from torchstore.transport.buffers import rdma_available
@@ -104,7 +137,8 @@ def relayed() -> bool:
 
 
 class WeightStore:
-    def __init__(self, namespace: str = "policy", *, transport: Transport = "auto", cross_host: bool = False) -> None:
+    def __init__(self, namespace: str = "policy", *, transport: Transport = "auto", cross_host: bool = False,
+                 delta: DeltaSync | None = None) -> None:
         if transport not in ("auto", "shm", "torchstore"):
             raise ValueError(f"transport={transport!r}: must be one of 'auto', 'shm', 'torchstore'")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
@@ -115,6 +149,13 @@ class WeightStore:
         self.cross_host = cross_host or self.relayed  # the relays copy versions from torchstore
         self.host = socket.gethostname()
         self._registered = False
+        self.delta = delta or DeltaSync()
+        # Publishing with deltas: the previous version's tensors (rank 0). Reading a chain of deltas: this process's
+        # own copy of the newest version it rebuilt (`_held_version`), never handed out (fetch returns copies).
+        self._chain = weight_delta.Chain(self.delta.full_every) if self.delta.enabled else None
+        self._held: dict[str, torch.Tensor] = {}
+        self._held_version: int | None = None
+        self._rebuild_lock = asyncio.Lock()
 
     # --- keys ---------------------------------------------------------------------------------------
     def _manifest_key(self, version: int) -> str:
@@ -136,6 +177,10 @@ class WeightStore:
 
     def _incoming_key(self) -> str:
         return f"{self.namespace}/incoming"
+
+    def _full_wanted_key(self) -> str:
+        """Set by a reader that could not rebuild a version from its chain: the next version is published full."""
+        return f"{self.namespace}/full_wanted"
 
     def host_incoming_key(self, host: str) -> str:
         """The layout of the version `host`'s relay is streaming into its shared memory (readers may start)."""
@@ -167,28 +212,38 @@ class WeightStore:
                                                     and (not self.relayed or torchstore_has_rdma()))
         entries, size = layout(state_dict, dtype)
         algorithm = shm_weights.CHECKSUM
+        chain = self._chain if is_writer else None
+        if chain is not None:
+            chain.begin(force_full=await self._full_wanted())
         segment = await asyncio.to_thread(self._open_segment, version, size, group) if use_shm else None
         put_keys, announced = [], None
-        if segment is not None and self.relayed and not use_ts:
-            # The relays stream its pieces as they are written (no checksums yet: those come with the manifest).
+        if segment is not None and self.relayed and not use_ts and self._chain is None:
+            # The relays stream its pieces as they are written (no checksums yet: those come with the manifest). A
+            # version of deltas has its layout only once written: the relays copy it once complete.
             incoming = Manifest(version, self.host, segment.path.name, False, entries, algorithm)
             announced = asyncio.ensure_future(ts.put(self._incoming_key(), incoming))
+        cursor = 0  # where the next tensor's bytes go in a version of deltas (they are smaller than `layout`'s room)
         try:
             for name, tensor in state_dict.items():
-                written = await asyncio.to_thread(_gather_and_write, tensor, dtype, group, segment, entries[name].offset,
-                                                algorithm)
-                if written is None:
+                offset = entries[name].offset if chain is None else cursor
+                stored = await asyncio.to_thread(_gather_and_store, name, tensor, dtype, group, entries[name], segment,
+                                                 offset, chain, algorithm)
+                if stored is None:
                     continue
-                full, sums = written
-                entries[name] = dataclasses.replace(entries[name], checksums=sums)
+                entries[name], payload = stored
+                cursor = offset + (entries[name].nbytes + 63) // 64 * 64
                 if use_ts:
                     put_keys.append(f"{self.tensors_key(version)}/{name}")
-                    await ts.put(put_keys[-1], full)
+                    await ts.put(put_keys[-1], payload)
             if announced is not None:
                 await announced
             if segment is not None:
+                if chain is not None:
+                    segment.shrink(cursor)
                 await asyncio.to_thread(segment.commit)
         except BaseException:
+            if chain is not None:
+                chain.reset()  # its copies may be half updated: the next version is full
             if segment is not None:
                 segment.abort()  # marks it abandoned: a relay streaming it stops, and its host's readers with it
             if announced is not None:
@@ -200,8 +255,10 @@ class WeightStore:
             raise
         if not is_writer:
             return None
+        base, anchor = chain.end(version) if chain is not None else (None, None)
         manifest = Manifest(version, self.host, None if segment is None else segment.path.name, use_ts, entries,
-                            algorithm)
+                            algorithm, base, anchor)
+        _record_publish_metrics(manifest)
         await ts.put(self._manifest_key(version), manifest)
         # `latest` only moves forward, and only after the bytes are in place.
         latest = await self.published_version()
@@ -212,6 +269,13 @@ class WeightStore:
         if self.relayed:
             await self._register_namespace()
         return manifest
+
+    async def _full_wanted(self) -> bool:
+        """Whether a reader asked for a full version (and the request is taken)."""
+        wanted = await get_if_exists(self._full_wanted_key())
+        if wanted is not None:
+            await ts.delete(self._full_wanted_key())
+        return wanted is not None
 
     async def _register_namespace(self) -> None:
         """Tell the relays to follow this namespace (checked on every publish: a lost concurrent update heals)."""
@@ -284,20 +348,33 @@ class WeightStore:
     async def fetch(self, version: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Version `version` as {name: tensor}: copied into `into`'s tensors when given (names and shapes must
         match), else fresh tensors. Every tensor is checked against the checksums taken when it was published:
-        WeightChecksumError (naming the tensor and the version) rather than weights that differ from them."""
-        arriving = False
-        if self.relayed:
-            manifest, arriving = await self._relayed_manifest(version)
-        else:
-            manifest = await self.manifest(version)
+        WeightChecksumError (naming the tensor and the version) rather than weights that differ from them. A version
+        published as deltas is rebuilt on this process's own copy of an earlier one (`_fetch_rebuilt`)."""
+        manifest, arriving = await self._locate(version)
         if into is not None:
             check_compatible(manifest, {n: (tuple(t.shape), t.dtype) for n, t in into.items()})
+        if manifest.anchor is not None:
+            return await self._fetch_rebuilt(manifest, arriving, into)
+        return (await self._read_stored(manifest, arriving, into))[1]
+
+    async def _locate(self, version: int) -> tuple[Manifest, bool]:
+        """`version`'s manifest where this process reads it, and whether it is still arriving on this host."""
+        if self.relayed:
+            return await self._relayed_manifest(version)
+        return await self.manifest(version), False
+
+    async def _read_stored(self, manifest: Manifest, arriving: bool,
+                           into: dict[str, torch.Tensor] | None) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """The bytes stored for `manifest`'s version, each checked against the publisher's checksums: full tensors
+        (into `into`'s where it has them) and deltas' bytes (uint8); and the publisher's manifest."""
+        version = manifest.version
         if arriving:  # read as its host's relay streams it in; checked against the publisher's final checksums
             read = await asyncio.to_thread(SegmentRead, SHM_DIR / manifest.segment, manifest, into, arriving=True)
-            return await asyncio.to_thread(read.verified, await self._published_manifest(version))
+            published = await self._published_manifest(version)
+            return published, await asyncio.to_thread(read.verified, published)
         if manifest.segment is not None and manifest.host == self.host:
             try:
-                return await asyncio.to_thread(read_segment, SHM_DIR / manifest.segment, manifest, into)
+                return manifest, await asyncio.to_thread(read_segment, SHM_DIR / manifest.segment, manifest, into)
             except FileNotFoundError:
                 raise WeightVersionError(
                     f"policy version {version} was deleted while being fetched; available versions: {await self.versions()}"
@@ -308,13 +385,78 @@ class WeightStore:
             key = self.tensors_key(version)
             fetched = {}
             for name, entry in manifest.entries.items():
-                fetched[name] = await ts.get(f"{key}/{name}", inplace_tensor=None if into is None else into[name])
-                verify(name, fetched[name].to(getattr(torch, entry.dtype)), manifest)
-            return fetched
+                full = entry.encoding == "full"
+                target = into.get(name) if into is not None and full else None
+                fetched[name] = await ts.get(f"{key}/{name}", inplace_tensor=target)
+                verify(name, fetched[name].to(getattr(torch, entry.dtype)) if full else fetched[name], manifest)
+            return manifest, fetched
         raise WeightVersionError(
             f"policy version {version} was published to shared memory on host {manifest.host!r} only; this process "
             f"is on {self.host!r}. Publish with WeightStore(cross_host=True) (or transport='torchstore') for multi-host jobs."
         )
+
+    async def _fetch_rebuilt(self, manifest: Manifest, arriving: bool,
+                             into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """A version of a chain of deltas: this process's copy is brought to it (the deltas after the version it
+        holds, or the chain's full version and the deltas after it), then copied out, every tensor checked against
+        the checksums of the tensor published. A copy that fails the check is dropped and the version rebuilt once
+        from its chain's full version; a chain that cannot be read (a version of it deleted) or still fails asks
+        the publisher for a full version (`_full_wanted_key`) and raises."""
+        async with self._rebuild_lock:
+            try:
+                try:
+                    return await self._rebuild(manifest, arriving, into)
+                except WeightChecksumError:
+                    self._held_version = None  # its copy is not what was published: rebuilt from the full version
+                    return await self._rebuild(manifest, arriving, into)
+            except (WeightChecksumError, WeightVersionError):
+                self._held_version = None
+                await ts.put(self._full_wanted_key(), manifest.version)
+                raise
+
+    async def _rebuild(self, manifest: Manifest, arriving: bool,
+                       into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        for link, link_arriving in await self._chain_to(manifest, arriving):
+            await self._apply(link, link_arriving)
+        return await asyncio.to_thread(copy_verified, self._held, manifest, into)
+
+    async def _chain_to(self, manifest: Manifest, arriving: bool) -> list[tuple[Manifest, bool]]:
+        """The versions to apply, oldest first, to bring this process's copy to `manifest`'s version: from the one
+        after the version it holds, or from the chain's full version."""
+        links = [(manifest, arriving)]
+        while True:
+            link = links[-1][0]
+            if link.version == self._held_version:
+                return links[-2::-1]
+            if link.base is None or link.base == self._held_version:
+                return links[::-1]
+            links.append(await self._locate(link.base))
+
+    async def _apply(self, manifest: Manifest, arriving: bool) -> None:
+        """One version into this process's copy: its full tensors read straight into it, its deltas applied."""
+        if manifest.base is None or manifest.base != self._held_version:
+            self._held = {name: self._held_buffer(name, entry) for name, entry in manifest.entries.items()}
+        self._held_version = None  # half applied until the end
+        published, stored = await self._read_stored(manifest, arriving, self._held)
+
+        def apply_deltas() -> None:
+            for name, entry in published.entries.items():
+                if entry.encoding != "full":
+                    try:
+                        weight_delta.apply(self._held[name], weight_delta.from_bytes(
+                            entry.encoding, stored[name], entry.changed, self._held[name].dtype))
+                    except (ValueError, RuntimeError, IndexError) as e:  # bytes that passed their check but do not fit
+                        raise WeightChecksumError(f"policy version {published.version}: the delta of tensor {name!r} "
+                                                  f"does not apply ({e}). The version is not served.") from e
+
+        await asyncio.to_thread(apply_deltas)
+        self._held_version = published.version
+
+    def _held_buffer(self, name: str, entry: shm_weights.TensorEntry) -> torch.Tensor:
+        held, dtype = self._held.get(name), getattr(torch, entry.dtype)
+        if held is not None and tuple(held.shape) == tuple(entry.shape) and held.dtype == dtype:
+            return held
+        return torch.empty(entry.shape, dtype=dtype)
 
     async def _relayed_manifest(self, version: int, poll_s: float = 0.05) -> tuple[Manifest, bool]:
         """Where this process reads `version` in a relayed job, and whether it is still arriving: this host's
@@ -371,8 +513,15 @@ class WeightStore:
                 await ts.delete(key)
 
     async def delete_older_than(self, version: int) -> list[int]:
-        """Delete every version below `version` (what no generator or trainer can still need)."""
-        old = [v for v in await self.versions() if v < version]
+        """Delete every version below `version` (what no generator or trainer can still need), but for the chain of
+        deltas the oldest version kept needs (its full version and the deltas after it)."""
+        versions = await self.versions()
+        kept = [v for v in versions if v >= version]
+        if kept:
+            with contextlib.suppress(WeightVersionError):
+                anchor = (await self.manifest(kept[0])).anchor
+                version = min(version, version if anchor is None else anchor)
+        old = [v for v in versions if v < version]
         for v in old:
             await self.delete(v)
         return old
@@ -393,12 +542,32 @@ async def get_if_exists(key: str):
         return None
 
 
-def _gather_and_write(tensor: torch.Tensor, dtype: torch.dtype | None, group: dist.ProcessGroup | None,
-                      segment: SegmentWriter | None, offset: int,
-                      algorithm: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """One tensor cast, gathered to rank 0, checksummed and written there; returns the full CPU tensor and its
-    checksums on rank 0, None on the others."""
+def _gather_and_store(name: str, tensor: torch.Tensor, dtype: torch.dtype | None, group: dist.ProcessGroup | None,
+                      entry: TensorEntry, segment: SegmentWriter | None, offset: int, chain: weight_delta.Chain | None,
+                      algorithm: str) -> tuple[TensorEntry, torch.Tensor] | None:
+    """One tensor cast, gathered to rank 0 and stored there at `offset` of the segment: its delta from the previous
+    version where `chain` has one that is smaller, else the tensor. Returns its entry (checksums of the bytes stored,
+    and of the tensor) and the bytes stored as a CPU tensor on rank 0; None on the other ranks."""
     full = gathered_on_host(tensor, dtype, group)
     if full is None:
         return None
-    return full, segment.write_checksummed(full, offset, algorithm) if segment is not None else checksums(full, algorithm)
+    delta, changed = chain.encode(name, full) if chain is not None else (None, -1)
+    payload = full if delta is None else weight_delta.to_bytes(delta)
+    sums = segment.write_checksummed(payload, offset, algorithm) if segment is not None else checksums(payload, algorithm)
+    stored = dataclasses.replace(entry, offset=offset, checksums=sums, changed=changed)
+    if delta is not None:
+        stored = dataclasses.replace(stored, nbytes=payload.numel(), encoding=delta.encoding,
+                                     tensor_checksums=checksums(full, algorithm))
+    if chain is not None:
+        chain.keep(name, full, tensor)
+    return stored, payload
+
+
+def _record_publish_metrics(manifest: Manifest) -> None:
+    """Per version: the bytes stored, full or deltas, and the share of elements that changed (where compared)."""
+    record_metric("weights/published_bytes", manifest.nbytes, "sum")
+    record_metric("weights/published_delta", float(manifest.base is not None), "mean")
+    compared = [e for e in manifest.entries.values() if e.changed >= 0]
+    numel = sum(int(torch.Size(e.shape).numel()) for e in compared)
+    if numel:
+        record_metric("weights/changed_share", sum(e.changed for e in compared) / numel, "mean")

@@ -57,13 +57,13 @@ def trainer_for(checkpoint: Path) -> TitanTrainer:
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Shared-memory writes wait until the test sets this event: a publish held in flight."""
     opened = threading.Event()
-    write = shm_weights.SegmentWriter.write
+    write = shm_weights.SegmentWriter.write_checksummed
 
-    def gated_write(self, tensor: torch.Tensor, offset: int) -> None:
+    def gated_write(self, tensor: torch.Tensor, offset: int, algorithm: str) -> tuple[int, ...]:
         assert opened.wait(timeout=120), "the test never opened the gate"
-        write(self, tensor, offset)
+        return write(self, tensor, offset, algorithm)
 
-    monkeypatch.setattr(shm_weights.SegmentWriter, "write", gated_write)
+    monkeypatch.setattr(shm_weights.SegmentWriter, "write_checksummed", gated_write)
     yield opened
     opened.set()
 

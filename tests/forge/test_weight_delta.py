@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge.weight_delta import TensorDelta, apply, encode
+from forge import weight_delta
+from forge.weight_delta import Chain, TensorDelta, apply, compare, encode, from_bytes, to_bytes
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -79,3 +80,61 @@ def test_mismatched_tensors_are_refused():
         encode(torch.zeros(3), torch.zeros(4))
     with pytest.raises(ValueError, match="bit patterns cannot apply"):
         apply(torch.zeros(100), encode(torch.zeros(100, dtype=torch.bfloat16), _changed(torch.zeros(100, dtype=torch.bfloat16), 0.05, 3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("share", [0.01, 0.3])
+def test_a_delta_travels_as_one_byte_payload(dtype, share):
+    base = torch.randn(3001).to(dtype)
+    new = _changed(base, share, 4)
+    delta = encode(base, new)
+    payload = to_bytes(delta)
+    assert payload.dtype == torch.uint8 and payload.numel() <= delta.nbytes + 7
+    target = base.clone()
+    apply(target, from_bytes(delta.encoding, payload, delta.values.numel(), dtype))
+    assert torch.equal(_bits(target), _bits(new))
+
+
+def test_a_payload_of_the_wrong_size_or_positions_out_of_range_is_refused():
+    base = torch.randn(1000).to(torch.bfloat16)
+    delta = encode(base, _changed(base, 0.01, 5))
+    payload = to_bytes(delta)
+    with pytest.raises(ValueError, match="sparse delta of .* values needs .* bytes of positions"):
+        from_bytes("sparse", payload[:-4], delta.values.numel(), torch.bfloat16)
+    wild = TensorDelta("sparse", delta.positions.clone(), delta.values)
+    wild.positions[0] = 5000
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 1000\)"):
+        apply(base.clone(), wild)
+
+
+def test_a_tensor_that_nearly_all_changed_is_refused_on_a_sample(monkeypatch):
+    """The precheck compares one element in _SAMPLE_STRIDE: nearly everything changed, no full comparison."""
+    base = torch.randn(1 << 17).to(torch.bfloat16)
+    full_comparisons = []
+    real_ne = torch.Tensor.__ne__
+    monkeypatch.setattr(torch.Tensor, "__ne__", lambda a, b: full_comparisons.append(a.numel()) or real_ne(a, b))
+    delta, changed = compare(base, base.neg())
+    assert delta is None and changed == base.numel()  # estimated from the sample: every sampled element changed
+    assert full_comparisons == [-(-base.numel() // weight_delta._SAMPLE_STRIDE)]
+    full_comparisons.clear()
+    delta, changed = compare(base, _changed(base, 0.02, 6))
+    assert delta is not None and changed == delta.values.numel() and base.numel() in full_comparisons
+
+
+def test_a_chain_is_full_every_n_versions_and_after_a_reset():
+    chain, tensor = Chain(full_every=3), torch.randn(4096).to(torch.bfloat16)
+    bases = []
+    for version in range(7):
+        chain.begin(force_full=version == 5)
+        tensor = _changed(tensor, 0.01, version)
+        delta, _ = chain.encode("w", tensor)
+        chain.keep("w", tensor, tensor)
+        assert chain.previous["w"] is not tensor and torch.equal(chain.previous["w"], tensor)  # its own copy
+        bases.append(chain.end(version))
+    # 0 full; 1, 2 deltas; 3 full (every 3); 4 delta; 5 full (asked for); 6 delta
+    assert bases == [(None, 0), (0, 0), (1, 0), (None, 3), (3, 3), (None, 5), (5, 5)]
+    chain.reset()
+    chain.begin(force_full=False)
+    assert chain.encode("w", tensor) == (None, -1)  # nothing to compare with after a failed publish
+    with pytest.raises(ValueError, match="full_every=0: must be an int >= 1"):
+        Chain(full_every=0)
