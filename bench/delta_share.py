@@ -14,11 +14,19 @@ Per step it prints the share of changed elements and the bytes of a full copy ag
 sparse (int32 index + value per changed element), bitmask (one bit per element + the changed values) and
 XOR of the bit patterns compressed with zlib level 1 (the fastest compressor installed), with the time each
 takes to encode on one core.
+
+With `--store`, each step's weights are also published through the weight store's host path (shared memory) twice,
+side by side, in alternating order: without deltas and with them (`DeltaSync(enabled=True)`), each fetched by a reader
+store of this process into pre-allocated tensors that it keeps across versions (a generator's). It prints the
+bytes stored per version and publish-to-ready (publish + fetch, both verified) of each:
+
+    python -m bench.delta_share --model-shape qwen3-1.7b --layers 2 --lrs 1e-6,1e-5,1e-4 --steps 4 --store
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 import zlib
 
@@ -28,6 +36,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from bench.publish_to_ready import DTYPES, SHAPES, qwen3_config
+from forge import provisioner
+from forge.weight_store import DeltaSync, WeightStore
 from rl.tiny_model import tiny_config
 
 
@@ -59,6 +69,37 @@ def published(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Ten
     return {name: p.detach().to(dtype, copy=True) for name, p in model.named_parameters()}
 
 
+class StorePaths:
+    """The host path without and with deltas: a publisher store and a reader store each, the reader's tensors kept."""
+
+    def __init__(self, lr: float) -> None:
+        self.stores = {way: (WeightStore(f"bench-delta-{way}-{lr:g}", transport="shm", delta=DeltaSync(enabled=on)),
+                             WeightStore(f"bench-delta-{way}-{lr:g}", transport="shm"))
+                       for way, on in (("full", False), ("delta", True))}
+        self.into: dict[str, dict[str, torch.Tensor]] = {}
+
+    async def publish_and_fetch(self, way: str, weights: dict[str, torch.Tensor], version: int,
+                                dtype: torch.dtype) -> tuple[int, float]:
+        """(bytes stored, publish-to-ready seconds) of one version through `way`."""
+        publisher, reader = self.stores[way]
+        into = self.into.setdefault(way, {n: torch.empty(t.shape, dtype=dtype) for n, t in weights.items()})
+        start = time.perf_counter()
+        manifest = await publisher.publish(weights, version, dtype=dtype)
+        await reader.fetch(version, into=into)
+        seconds = time.perf_counter() - start
+        await publisher.delete_older_than(version)
+        for name, tensor in weights.items():
+            if not torch.equal(into[name].view(torch.int16), tensor.detach().to(dtype).view(torch.int16)):
+                raise RuntimeError(f"{way}: the reader's {name} differs from version {version} as published")
+        return manifest.nbytes, seconds
+
+    async def step(self, weights: dict[str, torch.Tensor], version: int, dtype: torch.dtype) -> str:
+        ways = ("full", "delta") if version % 2 else ("delta", "full")  # alternated: neither always goes first
+        measured = {way: await self.publish_and_fetch(way, weights, version, dtype) for way in ways}
+        return "; ".join(f"{way}: {measured[way][0] / 1e6:.1f} MB stored, publish-to-ready {measured[way][1]:.3f} s"
+                         for way in ("full", "delta"))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-shape", default="qwen3-1.7b", choices=sorted([*SHAPES, "forge-tiny"]))
@@ -68,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store", action="store_true",
+                        help="also publish every version through the weight store's host path, without and with deltas")
     args = parser.parse_args(argv)
     args.lrs = [float(x) for x in args.lrs.split(",")]
     args.publish_dtypes = [DTYPES[x] for x in args.publish_dtypes.split(",")]
@@ -78,6 +121,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if not args.store:
+        measure(args)
+        return
+
+    async def with_store() -> None:
+        await provisioner.get_provisioner().start_weight_store()
+        try:
+            await asyncio.to_thread(measure, args, asyncio.get_running_loop())
+        finally:
+            await provisioner.shutdown()
+
+    asyncio.run(with_store())
+
+
+def measure(args: argparse.Namespace, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """The Adam steps and their shares (and, given the event loop of the weight store, the store's paths)."""
     config = Qwen3Config(**tiny_config()) if args.model_shape == "forge-tiny" else qwen3_config(args.model_shape)
     kept = min(args.layers, config.num_hidden_layers)
     config.num_hidden_layers = kept
@@ -88,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.model_shape}, {kept} decoder layers, {numel / 1e6:.1f}M parameters (fp32 master), Adam lr {lr:g}",
               flush=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        paths = StorePaths(lr) if loop is not None else None
+        if paths is not None:  # version 0: the initial weights, full on both paths
+            asyncio.run_coroutine_threadsafe(paths.step(dict(model.named_parameters()), 0, args.publish_dtypes[0]),
+                                             loop).result()
         previous = {dtype: published(model, dtype) for dtype in args.publish_dtypes}
         tokens = torch.randint(0, config.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(args.seed))
         for step in range(1, args.steps + 1):
@@ -112,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
                                   for k, v in totals.items() if k != "full")
                 print(f"  step {step} loss {loss.item():.3f} {str(dtype).removeprefix('torch.')}: "
                       f"{changed / numel:.2%} of elements changed; full {full / 1e6:.1f} MB; {sizes}", flush=True)
+            if paths is not None:
+                stored = asyncio.run_coroutine_threadsafe(
+                    paths.step(dict(model.named_parameters()), step, args.publish_dtypes[0]), loop).result()
+                print(f"    weight store, host path, {str(args.publish_dtypes[0]).removeprefix('torch.')}: {stored}",
+                      flush=True)
 
 
 if __name__ == "__main__":
