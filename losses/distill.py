@@ -40,8 +40,8 @@ def distill(
     (the score function has mean 0), and its value is the k1 estimate of that KL. A_t is detached (sg): the
     teacher's log-ratio is a per-token advantage, so the clip, r_t and the rollout correction w_t are those of
     `losses.grpo.grpo`. lambda = `reward_coef` mixes in the task reward's group advantage A_i (`batch.advantages`).
-    Metric `reverse_kl`: the k1 estimate of KL(pi_theta || pi_T), mean(log pi_theta - log pi_T) over the tokens (unbiased;
-    k3 is not used: its exp(log pi_T - log pi_theta) makes one token the student finds unlikely dominate a step).
+    Metric `reverse_kl`: the k1 estimate of KL(pi_theta || pi_T), mean(log pi_theta - log pi_T) over the tokens
+    (unbiased; not k3: its exp(log pi_T - log pi_theta) lets one token the student finds unlikely dominate a step).
     """
     check_hyperparams("distill", clip_eps=clip_eps, reward_coef=reward_coef, tis_cap=tis_cap,
                       token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
@@ -52,7 +52,7 @@ def distill(
     log_ratio, is_weight = importance_ratio(logprobs, batch, old_logprobs=old_logprobs, tis_cap=tis_cap,
                                            token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)
     ratio = log_ratio.exp()  # r_t
-    student_over_teacher = torch.where(mask > 0, logprobs.detach() - batch.ref_logprobs, 0)  # sg(log pi_theta - log pi_T)
+    student_over_teacher = torch.where(mask > 0, logprobs.detach() - batch.ref_logprobs, 0)  # sg(log pi - log pi_T)
     advantages = -student_over_teacher + reward_coef * batch.advantages.unsqueeze(-1)  # A_t
     token_loss = -is_weight * clipped_surrogate(ratio, advantages, clip_eps, clip_eps)
     loss = masked_mean(token_loss, mask)  # 1/(sum_i |o_i|) sum_i sum_t

@@ -360,9 +360,10 @@ def check_teacher(cfg: GRPOConfig) -> None:
     if teacher == TEACHER_WARM_START:
         task = (cfg.task.source, cfg.task.name)
         if task not in WARM_START_TASKS:
+            tasks = ", ".join("/".join(t) for t in WARM_START_TASKS)
             raise ValueError(f"teacher.model={teacher!r}: task.source={task[0]!r} task.name={task[1]!r} has no warm "
-                             f"start to train a teacher with (only {', '.join('/'.join(t) for t in WARM_START_TASKS)}); "
-                             "set teacher.model to a checkpoint with the student's tokenizer")
+                             f"start to train a teacher with (only {tasks}); set teacher.model to a checkpoint with "
+                             "the student's tokenizer")
         if cfg.environment.chat_template and task == ("forge", "lookup"):
             raise ValueError(f"teacher.model={teacher!r} with environment.chat_template=true: the multi-turn warm "
                              "start trains plain-text transcripts, not episodes in the chat template; set "
@@ -376,7 +377,8 @@ def check_teacher(cfg: GRPOConfig) -> None:
         check_hf_config(family, read_hf_config(teacher))
         check_same_tokenizer(cfg.trainer.model_path, teacher)
     except KeyError as e:
-        raise ValueError(f"teacher.model={teacher!r}: config.json has no {e} (a {family} checkpoint needs it)") from None
+        raise ValueError(f"teacher.model={teacher!r}: config.json has no {e} (a {family} checkpoint needs it)"
+                         ) from None
     except ValueError as e:  # read_hf_config's and read_checkpoint_file's own start with "model=<teacher>: "
         message = str(e).removeprefix(f"model={teacher!r}: ")
         raise ValueError(f"teacher.model={teacher!r} (built as trainer.family={family!r}): {message}") from None
@@ -396,7 +398,8 @@ def _vocabulary(tokenizer_json: str) -> dict[int, str]:
 def check_same_tokenizer(student: str, teacher: str) -> None:
     """Distillation compares log-probs of the same token ids: the teacher's tokenizer.json must map every id to the
     student's text (only `vocab_size` is compared where either checkpoint has no tokenizer.json)."""
-    why = "distillation compares the two models' log-probs of the same token ids; use a teacher with the student's tokenizer"
+    why = ("distillation compares the two models' log-probs of the same token ids; use a teacher with the student's "
+           "tokenizer")
     student_json, teacher_json = (read_checkpoint_file(model, "tokenizer.json") for model in (student, teacher))
     if student_json is None or teacher_json is None:
         sizes = read_hf_config(student).get("vocab_size"), read_hf_config(teacher).get("vocab_size")

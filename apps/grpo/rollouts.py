@@ -37,6 +37,7 @@ from rl.environments.rollout import run_episodes
 from rl.environments.threads import EnvironmentsBlocked, ThreadedEnvironment
 from rl.environments.trajectory import Trajectory
 from rl.types import CompletionBatch, EpisodeBatch, SamplingParams
+from apps.warm_start.config import WarmStartConfig
 from apps.warm_start.multiturn import warm_start_multiturn
 from apps.warm_start.supervised import warm_start_on_task
 
@@ -247,23 +248,26 @@ async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any) -> SingleTurn | 
     return MultiTurn(cfg, task, actors.tokenizer, actors.generators, hosts)
 
 
-def warm_started_model(cfg: GRPOConfig, task: Any) -> tuple[str, float | None]:
+def warm_started_model(cfg: GRPOConfig, task: Any,
+                       settings: WarmStartConfig | None = None) -> tuple[str, float | None]:
     """`cfg.model`, first trained briefly on the task when `warm_start.enabled` (cached by its inputs): a multi-turn
-    task on its correct episodes (apps.warm_start.multiturn), arithmetic on its answers (apps.warm_start.supervised)."""
-    if not cfg.warm_start.enabled:
+    task on its correct episodes (apps.warm_start.multiturn), arithmetic on its answers (apps.warm_start.supervised).
+    `settings`: other warm-start settings than `cfg.warm_start` (a distillation teacher's: `teacher_model`)."""
+    settings = cfg.warm_start if settings is None else settings
+    if not settings.enabled:
         return cfg.model, None
     if not is_multi_turn(task):
         if (cfg.task.source, cfg.task.name) != ("forge", "arithmetic"):
             return cfg.model, None
-        return warm_start_on_task(cfg.model, cfg.model_cache, task, cfg.warm_start, seed=cfg.seed,
+        return warm_start_on_task(cfg.model, cfg.model_cache, task, settings, seed=cfg.seed,
                                   max_tokens=cfg.rollout.max_tokens)
-    eval_problems = task.sample_prompts(cfg.warm_start.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
+    eval_problems = task.sample_prompts(settings.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
     train_rng = random.Random(f"{cfg.seed}-warm-start")
     path, accuracy = warm_start_multiturn(cfg.model, Path(cfg.model_cache) / "warm_start", task=task,
                                           task_name=cfg.task.name,
                                           train_problems=lambda n: task.sample_prompts(n, train_rng),
                                           eval_problems=eval_problems, limits=cfg.environment,
-                                          config=cfg.warm_start, seed=cfg.seed, max_tokens=cfg.rollout.max_tokens)
+                                          config=settings, seed=cfg.seed, max_tokens=cfg.rollout.max_tokens)
     return str(path), accuracy
 
 
@@ -274,4 +278,4 @@ def teacher_model(cfg: GRPOConfig, task: Any) -> tuple[str | None, float | None]
     if cfg.teacher.model != TEACHER_WARM_START:
         return cfg.teacher.model, None
     settings = replace(cfg.warm_start, enabled=True, target_accuracy=cfg.teacher.warm_start_accuracy)
-    return warm_started_model(replace(cfg, warm_start=settings), task)
+    return warm_started_model(cfg, task, settings)

@@ -39,7 +39,8 @@ def test_distill_matches_hand_computation(case, eps, reward_coef, tis_cap):
 
 def one_token_batch(student: torch.Tensor, teacher: torch.Tensor, token: int, advantage: float) -> TrainBatch:
     """One sequence, one generated token `token`, sampled by the student itself (behaviour = student)."""
-    return TrainBatch(input_ids=torch.zeros(1, 2, dtype=torch.long), response_mask=torch.ones(1, 1, dtype=torch.float64),
+    return TrainBatch(input_ids=torch.zeros(1, 2, dtype=torch.long),
+                      response_mask=torch.ones(1, 1, dtype=torch.float64),
                       behaviour_logprobs=student[token].detach().reshape(1, 1),
                       policy_versions=torch.zeros(1, 1, dtype=torch.long),
                       advantages=torch.tensor([advantage], dtype=torch.float64),
