@@ -27,7 +27,7 @@ def test_the_tiny_config_loads():
     ("batch_size=63", r"^batch_size=63: must be a positive multiple of resources.trainer_procs=2"),
     ("trainer.loss=grpo", r"^trainer.loss='grpo': SFT trains with the nll loss; set it to 'losses.nll:nll'"),
     ("trainer.temperature=0.7", r"^trainer.temperature=0.7: must be 1"),
-    ("trainer.max_steps=10", r"^trainer.max_steps=10: must be >= steps=300"),
+    ("trainer.max_steps=10", r"^trainer.max_steps=10: must be >= steps=400"),
     ("data.task.name=lookup", r"^eval.accuracy=true: data.task.name='lookup' is multi-turn; its accuracy is played"),
     ("data.source=jsonl", r"^data.path=None: source=jsonl needs the rows' path"),
     ("data.path=x.jsonl", r"^data.path='x.jsonl': source=task reads the task section"),
