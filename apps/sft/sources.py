@@ -24,8 +24,9 @@ def reference_completion(task: Any, problem: Any) -> str:
 
 
 class TaskStream:
-    """A task's training problems with their reference completions (a multi-turn task's correct episodes), drawn from a generator seeded by the job (its
-    state is checkpointed, so a resumed run draws what the stopped one would have)."""
+    """A task's training problems with their reference completions (a multi-turn task's correct episodes), drawn
+    from a generator seeded by the job (its state is checkpointed, so a resumed run draws what the stopped one would
+    have)."""
 
     def __init__(self, task: Any, tokenizer: Any, seed: int) -> None:
         self.task, self.tokenizer = task, tokenizer

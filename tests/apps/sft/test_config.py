@@ -58,7 +58,8 @@ def test_a_bad_row_exits_2_naming_its_line_before_any_process(tmp_path, capsys):
     code = main(["--config", TINY, "data.source=jsonl", f"data.path={path}", "eval.accuracy=false",
                  f"run_dir={tmp_path}/run"])
     assert code == 2
-    assert f"config error: data.path='{path}' line 2: a row must have 'prompt' and 'completion'" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert f"config error: data.path='{path}' line 2: a row must have 'prompt' and 'completion'" in error
 
 
 def test_help_lists_every_section_and_imports_no_torch():
