@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from torchtitan.config import TORCH_DTYPE_MAP
 
 CHECKSUMS_FILE = "checksums.json"
-TRAINER_PARTS = ("optimizer", "lr_scheduler", "train_state", "lora")  # a checkpoint's top-level keys beside the model's
+OPTIMIZER_PARTS = ("optimizer", "lr_scheduler")  # what a weights-only checkpoint (apps.server's save_state) leaves out
+TRAINER_PARTS = (*OPTIMIZER_PARTS, "train_state", "lora")  # a checkpoint's top-level keys beside the model's
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 

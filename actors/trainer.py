@@ -21,7 +21,6 @@ from typing import Any, Callable
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from actors.logprobs import check_input_ids
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from actors.weight_publisher import WeightPublisher
@@ -30,7 +29,7 @@ from forge.distributed import init_from_environment, local_device
 from rl.types import TrainBatch
 from forge.weight_store import WeightStore
 
-__all__ = ["TitanTrainer", "TrainStepResult", "TrainerActor", "TrainerConfig", "check_input_ids"]
+__all__ = ["TrainStepResult", "TrainerActor"]
 
 
 @dataclass

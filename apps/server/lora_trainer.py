@@ -40,7 +40,6 @@ from forge.actor import endpoint
 from forge.distributed import init_from_environment
 from rl.types import Completion, SamplingParams
 
-_STATEFUL = ("optimizer", "lr_scheduler", "train_state")
 
 
 def adapter_name(session_id: str) -> str:
@@ -163,14 +162,16 @@ class SharedBaseLoRATrainer(ServerTrainer):
         states = {**self._adapter_state(), "optimizer": _SingleAdapterNames(session.optimizers, session.name),
                   "lr_scheduler": session.lr_schedulers, "train_state": session.train_state}
         if self._model_only:
-            states.pop("optimizer"), states.pop("lr_scheduler")
+            for key in checkpoint.OPTIMIZER_PARTS:
+                states.pop(key)
         return states
 
     def load_checkpoint(self, path: str | Path) -> None:
         states = self._checkpoint_states()
         checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
         name = self._session.name
-        adapter = {_renamed(k, lora_layers.ADAPTER_NAME, name): v for k, v in states.items() if k not in _STATEFUL}
+        adapter = {_renamed(k, lora_layers.ADAPTER_NAME, name): v for k, v in states.items()
+                   if checkpoint.is_model_key(k)}
         set_model_state_dict(self.model, adapter, options=StateDictOptions(strict=False))
 
     def export_hf(self, path: str | Path) -> str:

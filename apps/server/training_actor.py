@@ -17,15 +17,16 @@ from typing import Any
 import torch
 from torchtitan.distributed import utils as titan_dist
 
-from actors.trainer import TitanTrainer, TrainerActor, check_input_ids
+from actors import checkpoint
+from actors.logprobs import check_input_ids
+from actors.titan_trainer import TitanTrainer
+from actors.trainer import TrainerActor
 from forge.actor import endpoint
 from forge.distributed import init_from_environment
 from losses.rules import uses_old_logprobs
 from rl.types import TrainBatch
 from forge.weight_store import WeightStore
 from losses import get_loss
-
-_OPTIMIZER_KEYS = ("optimizer", "lr_scheduler")
 
 
 def _on_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
@@ -89,7 +90,7 @@ class ServerTrainer(TitanTrainer):
     def _checkpoint_states(self) -> dict[str, Any]:
         states = super()._checkpoint_states()
         if self._model_only:
-            for key in _OPTIMIZER_KEYS:
+            for key in checkpoint.OPTIMIZER_PARTS:
                 states.pop(key)
         return states
 
