@@ -18,7 +18,7 @@ DESCRIPTION = ("Supervised fine-tuning on a task's reference answers, prompt-com
 
 def reference() -> str:
     """Every key with its type, default and meaning."""
-    from apps.grpo.config_reference import sections  # the same renderer as apps.grpo's reference (no torch)
+    from apps.config_reference import sections  # the same renderer as apps.grpo's reference (no torch)
 
     return "Configuration keys:\n\n" + "\n".join(sections(SFTConfig, "", ""))
 

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.reference_model import ReferenceConfig, ReferenceModel
-from actors.trainer import TitanTrainer, TrainerConfig
+from actors.titan_trainer import TitanTrainer
+from actors.trainer_config import TrainerConfig
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import TrainBatch
 
