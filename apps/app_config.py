@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from forge.config import load_config, validate
-from rl.tiny_model import TINY_MODEL, ensure_tiny_checkpoint, is_built, write_tiny_config
+from rl.tiny_model import TINY_CHECKPOINT_DIR, TINY_MODEL, ensure_tiny_checkpoint, is_built, write_tiny_config
 
 T = TypeVar("T")
 
@@ -21,7 +21,7 @@ def load_app_config(path: str | Path | None, overrides: Sequence[str], schema: t
     cfg = load_config(path, overrides)
     if cfg.get("model", TINY_MODEL) != TINY_MODEL:
         return validate(cfg, schema)
-    tiny = Path(cfg.get("model_cache", ".cache/forge")) / "tiny-qwen3"
+    tiny = Path(cfg.get("model_cache", ".cache/forge")) / TINY_CHECKPOINT_DIR
     if not is_built(tiny):
         with tempfile.TemporaryDirectory() as config_only:
             validate(load_config(path, [*overrides, f"model={write_tiny_config(config_only)}"]), schema)

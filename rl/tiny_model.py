@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 TINY_MODEL = "tiny"  # `model: tiny` in an app's config names this checkpoint (apps/app_config.py)
+TINY_CHECKPOINT_DIR = "tiny-qwen3"  # its folder in an app's `model_cache`
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

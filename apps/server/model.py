@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from rl.tasks.arithmetic import ArithmeticTask
+from rl.tiny_model import TINY_CHECKPOINT_DIR
 from apps.warm_start.config import WarmStartConfig
 from apps.warm_start.supervised import warm_start_on_task
 
 
 def is_tiny(model: str, model_cache: str) -> bool:
-    return Path(model).resolve() == (Path(model_cache) / "tiny-qwen3").resolve()
+    return Path(model).resolve() == (Path(model_cache) / TINY_CHECKPOINT_DIR).resolve()
 
 
 def model_to_serve(model: str, model_cache: str, config: WarmStartConfig, *, seed: int,

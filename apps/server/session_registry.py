@@ -19,6 +19,7 @@ from apps.server.schemas import ChunkAccepted, CreateSessionRequest, SequencedRe
 from apps.server.sequencer import Sequencer
 from apps.server.sessions import Session
 from apps.server.trainer_pool import TrainerPool
+from rl.tiny_model import TINY_CHECKPOINT_DIR, TINY_MODEL
 
 logger = logging.getLogger(__name__)
 Execute = Callable[[Session, int, list], Awaitable[Any]]  # (the session, its seq_id, the request's parts in order)
@@ -50,8 +51,8 @@ class SessionRegistry:
         names = [self.model_path, str(Path(self.model_path).resolve())]
         configured = self.cfg.model
         names += [configured, str(Path(configured).resolve())] if configured else []
-        if Path(configured).name == "tiny-qwen3":
-            names.append("tiny")
+        if Path(configured).name == TINY_CHECKPOINT_DIR:
+            names.append(TINY_MODEL)
         return names
 
     async def create(self, request: CreateSessionRequest) -> SessionInfo:
