@@ -42,8 +42,8 @@ class TrainerConfig(ModelConfig):
     minibatches: int = 1
     """Optimizer steps per training step, each on 1/minibatches of the batch's rows (one published version)."""
     loss: Any = "grpo"
-    """grpo, dapo, gspo, cispo, dr_grpo, or `package.module:function` (dr_grpo needs
-    `rollout.normalize_advantages: false`)."""
+    """grpo, dapo, gspo, cispo, dr_grpo, distill, or `package.module:function` (dr_grpo needs
+    `rollout.normalize_advantages: false`; distill needs `teacher.model`)."""
     loss_params: dict[str, Any] = field(default_factory=dict)
     """The loss's hyperparameters (e.g. `clip_eps`, `kl_coef`, `kl_estimator`) and the rollout corrections `tis_cap`,
     `token_mask_band`, `seq_mask_band` (docs/off_policy.md)."""

@@ -38,14 +38,14 @@ def check_resources(cfg: GRPOConfig) -> None:
     import torch
 
     r, tp = cfg.resources, cfg.generator_gpus_per_proc
-    wanted = (r.generator_replicas * r.generator_procs * tp + r.trainer_procs
-              + (r.reference_procs if cfg.reference.enabled else 0))
+    scorer = cfg.reference.enabled or cfg.teacher.model is not None  # the reference model's mesh, or the teacher's
+    wanted = r.generator_replicas * r.generator_procs * tp + r.trainer_procs + (r.reference_procs if scorer else 0)
     have = torch.cuda.device_count()
     if wanted > have:
         raise ConfigError(
             f"resources: the layout needs {wanted} GPUs (generator_replicas={r.generator_replicas} x generator_procs="
             f"{r.generator_procs}{f' x tensor_parallel_size={tp}' if tp > 1 else ''} + trainer_procs={r.trainer_procs}"
-            f"{f' + reference_procs={r.reference_procs}' if cfg.reference.enabled else ''}) but {have} are visible"
+            f"{f' + reference_procs={r.reference_procs}' if scorer else ''}) but {have} are visible"
         )
 
 

@@ -251,14 +251,13 @@ async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any) -> SingleTurn | 
 def warm_started_model(cfg: GRPOConfig, task: Any,
                        settings: WarmStartConfig | None = None) -> tuple[str, float | None]:
     """`cfg.model`, first trained briefly on the task when `warm_start.enabled` (cached by its inputs): a multi-turn
-    task on its correct episodes (apps.warm_start.multiturn), arithmetic on its answers (apps.warm_start.supervised).
+    task on its correct episodes (apps.warm_start.multiturn), a single-turn task on its reference answers
+    (apps.warm_start.supervised, apps.sft's examples: arithmetic, GSM8K, reasoning-gym).
     `settings`: other warm-start settings than `cfg.warm_start` (a distillation teacher's: `teacher_model`)."""
     settings = cfg.warm_start if settings is None else settings
     if not settings.enabled:
         return cfg.model, None
     if not is_multi_turn(task):
-        if (cfg.task.source, cfg.task.name) != ("forge", "arithmetic"):
-            return cfg.model, None
         return warm_start_on_task(cfg.model, cfg.model_cache, task, settings, seed=cfg.seed,
                                   max_tokens=cfg.rollout.max_tokens)
     eval_problems = task.sample_prompts(settings.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))

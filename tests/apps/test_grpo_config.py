@@ -281,7 +281,7 @@ BAD = [
     ("resources.trainer_procs=3", r"replay_buffer\.batch_size=1024: must be divisible by resources\.trainer_procs=3 "),
     ("task.name=chess", r"task\.name='chess': must be one of 'arithmetic', 'gsm8k'"),
     ("task.reward=not_a_reference", r"task\.reward='not_a_reference': must be 'package\.module:function'"),
-    ("trainer.loss=ppo2", r"trainer\.loss='ppo2': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo, or "
+    ("trainer.loss=ppo2", r"trainer\.loss='ppo2': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo, distill, or "
                           r"'package\.module:function'"),
     ("generator.engine=sglang", r"generator\.engine='sglang': must be one of hf, vllm"),
     ("model=/no/such/model", r"trainer\.model_path='/no/such/model': must be a Hugging Face checkpoint folder with "

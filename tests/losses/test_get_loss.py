@@ -9,13 +9,14 @@ from losses import LOSSES, get_loss
 from losses.registry import REGISTERED_LOSSES, SUPPLIED_BY_TRAINER
 from losses.cispo import cispo
 from losses.dapo import dapo
+from losses.distill import distill
 from losses.dr_grpo import dr_grpo
 from losses.grpo import grpo
 from losses.gspo import gspo
 
 
 def test_registered_names_resolve_to_their_functions():
-    expected = {"grpo": grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "dr_grpo": dr_grpo}
+    expected = {"grpo": grpo, "dapo": dapo, "gspo": gspo, "cispo": cispo, "dr_grpo": dr_grpo, "distill": distill}
     assert LOSSES == expected
     for name, fn in expected.items():
         assert get_loss(name) is fn
@@ -57,7 +58,7 @@ def test_module_function_path_resolves_a_user_loss(tmp_path, monkeypatch):
 
 
 def test_unknown_name_lists_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"loss='ppo': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo, or"):
+    with pytest.raises(ValueError, match=r"loss='ppo': unknown; must be one of grpo, dapo, gspo, cispo, dr_grpo, distill, or"):
         get_loss("ppo")
 
 

@@ -107,7 +107,7 @@ def job_with(rollout) -> GRPOJob:
     job.task = SimpleNamespace(sample_prompts=lambda n, rng: [SimpleNamespace(prompt="p")] * n, stop_token_ids=[])
     job.rollout, job.rng, job.buffer = rollout, random.Random(0), Buffer()
     job.selector = GroupSelector(job.cfg.rollout, EpisodeCounters())
-    job.actors = SimpleNamespace(reference=None, pad_id=0)
+    job.actors = SimpleNamespace(scorer=None, pad_id=0)
     return job
 
 
