@@ -11,6 +11,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from rl.tasks import ArithmeticTask
 from forge.weight_store import WeightStore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 class EchoActor(ForgeActor):
@@ -254,3 +258,25 @@ def assert_kept_sets_replay(model, completions, *, temperature, version, atol):
             logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1]
         replayed = token_logprobs(logits, torch.tensor(c.token_ids), temperature, c.kept_token_ids)
         torch.testing.assert_close(replayed, torch.tensor(c.logprobs), atol=atol, rtol=0)
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Flip the low bit of one byte of a file in place (a corrupted shared-memory segment)."""
+    with open(path, "r+b") as segment:
+        segment.seek(offset)
+        byte = segment.read(1)
+        segment.seek(offset)
+        segment.write(bytes([byte[0] ^ 0x01]))
+
+
+def tokenizer_merging_across_turns() -> PreTrainedTokenizerFast:
+    """A chat tokenizer whose BPE merges the end of a turn's text ("e") with the "!" its template writes after it, so
+    its template is not prefix-stable (the template is left to the caller)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    characters = sorted(set("abcdefghijklmnopqrstuvwxyz !?;:0123456789+=\n"))
+    vocab = {token: i for i, token in enumerate(("<|endoftext|>", *characters, "e!"))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("e", "!")]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")

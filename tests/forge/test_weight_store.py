@@ -9,7 +9,7 @@ import torch
 
 from forge.actor import ForgeActor
 from forge.provisioner import get_provisioner
-from tests.support import ShardedPublisher, WeightReader, constant_state_dict as _state_dict
+from tests.support import ShardedPublisher, WeightReader, constant_state_dict as _state_dict, flip_byte
 from forge import shm_weights, weight_store
 from forge.shm_weights import HEADER, WeightChecksumError
 from forge.weight_store import SHM_DIR, SharedMemoryError, WeightStore, WeightVersionError, job_id
@@ -101,14 +101,6 @@ async def test_a_failed_write_leaves_no_segment_and_publishes_nothing(store, mon
     assert 62 not in await store.versions() and await store.latest_version() == latest
 
 
-def _flip_byte(path, offset: int) -> None:
-    with open(path, "r+b") as segment:
-        segment.seek(offset)
-        byte = segment.read(1)
-        segment.seek(offset)
-        segment.write(bytes([byte[0] ^ 0x01]))
-
-
 @pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])  # with the xxhash package, and without it
 async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(store, monkeypatch, algorithm):
     monkeypatch.setattr(shm_weights, "CHECKSUM", algorithm)
@@ -116,7 +108,7 @@ async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(sto
     manifest = await store.publish(_state_dict(70), version=70)
     assert manifest.checksum == algorithm
     up_proj = manifest.entries["model.layers.0.mlp.up_proj.weight"]
-    _flip_byte(SHM_DIR / manifest.segment, HEADER + up_proj.offset + 37)  # one bit of one bf16 value
+    flip_byte(SHM_DIR / manifest.segment, HEADER + up_proj.offset + 37)  # one bit of one bf16 value
     with pytest.raises(WeightChecksumError, match=r"policy version 70: tensor 'model.layers.0.mlp.up_proj.weight' "
                                                   rf"does not match the checksum.* {algorithm} .*corrupted tensors: "
                                                   r"\['model.layers.0.mlp.up_proj.weight'\]"):
@@ -136,7 +128,7 @@ async def test_corruption_in_a_later_chunk_read_on_a_thread_pool_is_caught(store
     manifest = await store.publish(weights, version=71)
     assert len(manifest.entries["b"].checksums) == 20  # 20,000 bytes in pieces of 1,000
     await store.fetch(71)  # intact: every piece matches
-    _flip_byte(SHM_DIR / manifest.segment, HEADER + manifest.entries["b"].offset + 12_345)
+    flip_byte(SHM_DIR / manifest.segment, HEADER + manifest.entries["b"].offset + 12_345)
     with pytest.raises(WeightChecksumError, match=r"tensor 'b' .*bytes 12000\.\.13000 of 20000.*\['b'\]"):
         await store.fetch(71)
     await store.delete(71)

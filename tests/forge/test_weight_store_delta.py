@@ -10,6 +10,7 @@ from forge import weight_delta
 from forge.provisioner import get_provisioner
 from forge.shm_weights import HEADER, WeightChecksumError, checksums
 from forge.weight_store import SHM_DIR, DeltaSync, WeightStore, WeightVersionError, ts
+from tests.support import flip_byte
 
 NAMES = ("embed", "layer.q", "layer.k", "norm", "head")
 
@@ -138,17 +139,9 @@ async def _delta_version(namespace: str) -> tuple[WeightStore, WeightStore, dict
     return publisher, reader, _published(master), manifest
 
 
-def _flip_byte(path, offset: int) -> None:
-    with open(path, "r+b") as segment:
-        segment.seek(offset)
-        byte = segment.read(1)
-        segment.seek(offset)
-        segment.write(bytes([byte[0] ^ 0x01]))
-
-
 async def test_a_corrupted_delta_in_shared_memory_fails_the_fetch_naming_the_tensor(torchstore):
     publisher, reader, _, manifest = await _delta_version("delta-corrupt")
-    _flip_byte(SHM_DIR / manifest.segment, HEADER + manifest.entries["head"].offset + 1)  # a new value's bits
+    flip_byte(SHM_DIR / manifest.segment, HEADER + manifest.entries["head"].offset + 1)  # a new value's bits
     with pytest.raises(WeightChecksumError, match=r"policy version 1: tensor 'head' does not match the checksum"):
         await reader.fetch(1)
     for version in await publisher.versions():
@@ -161,7 +154,7 @@ async def test_a_delta_that_rebuilds_other_bits_fails_the_check_of_the_rebuilt_t
     publisher, reader, _, manifest = await _delta_version("delta-rebuilt")
     head = manifest.entries["head"]
     path = SHM_DIR / manifest.segment
-    _flip_byte(path, HEADER + head.offset + 1)
+    flip_byte(path, HEADER + head.offset + 1)
     with open(path, "rb") as segment:
         segment.seek(HEADER + head.offset)
         stored = torch.frombuffer(bytearray(segment.read(head.nbytes)), dtype=torch.uint8)

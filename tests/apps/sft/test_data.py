@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
-from apps.sft.data import ChatRenderer, Epochs, Example, completion_example, read_dataset, read_jsonl, row_examples, \
+from apps.sft.data import ChatRenderer, Epochs, Example, read_dataset, read_jsonl, row_examples, \
     split_held_out, train_batch
 from rl.tiny_model import build_tokenizer
 from tests.rl.environments.test_chat import QWEN3_LIKE
 from tests.rl.tasks.test_chat import CHATML, chat_tokenizer
+from tests.support import tokenizer_merging_across_turns
 
 # ChatML with tool calls and tool results, as Qwen's templates lay them out (simplified).
 CHATML_TOOLS = (
@@ -118,11 +117,7 @@ def test_qwen3_history_without_thinking_gives_a_row_per_assistant_message():
 
 def test_a_template_that_is_not_prefix_stable_is_refused_with_the_reason():
     # A BPE merge across the end of the assistant's text: chat mode's own check (rl.environments.chat) refuses it.
-    characters = sorted(set("abcdefghijklmnopqrstuvwxyz !?;:0123456789+=\n"))
-    vocab = {token: i for i, token in enumerate(("<|endoftext|>", *characters, "e!"))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("e", "!")]))
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    tokenizer = tokenizer_merging_across_turns()
     tokenizer.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}!\n{% endfor %}"
                                "{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(ValueError, match=r"^data.path='x.jsonl': chat rows need the model's chat template: the "

@@ -4,7 +4,6 @@ token ids, against character-level tokenizers with real templates (built here, n
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models
 
 from rl.environments.chat import ChatTemplate
 from rl.environments.config import EnvironmentConfig
@@ -14,6 +13,7 @@ from forge.metrics import drain_local
 from rl.tiny_model import build_tokenizer
 from rl.types import Completion, SamplingParams
 from tests.rl.tasks.test_chat import BOS_TEMPLATE, CHATML, chat_tokenizer
+from tests.support import tokenizer_merging_across_turns
 
 # Qwen3's way with history: an earlier assistant turn is shown without its thinking, so the template's rendering of a
 # longer conversation does not start with its rendering of a shorter one.
@@ -195,13 +195,7 @@ def test_a_template_that_drops_the_models_turn_is_refused(chatml):
 
 def test_a_template_whose_tokens_merge_with_the_models_turn_is_refused():
     # A BPE merge across the end of the model's text ("e" + "!"): the template's tokens after a turn are not its own.
-    characters = sorted(set("abcdefghijklmnopqrstuvwxyz !?;:0123456789+=\n"))
-    vocab = {token: i for i, token in enumerate(("<|endoftext|>", *characters, "e!"))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("e", "!")]))
-    backend.decoder = decoders.Fuse()
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    tokenizer = tokenizer_merging_across_turns()
     tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}!\n{% endfor %}" \
                               "{% if add_generation_prompt %}assistant: {% endif %}"
     with pytest.raises(ValueError, match="not prefix-stable"):
