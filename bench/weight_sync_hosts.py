@@ -45,7 +45,7 @@ from bench.weight_sync_actors import DTYPES, Publisher, Reader, delete_torchstor
 from actors.generator_config import GeneratorConfig
 from forge import provisioner
 from forge.actor import endpoint, mesh_of
-from forge.hosts import HostsConfig
+from forge.hosts.config import HostsConfig
 from forge.weight_store import WeightStore
 
 RAW_PORT = 26650  # the raw copy's port on host A (inside its namespace: nothing else listens there)

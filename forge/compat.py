@@ -37,11 +37,11 @@ to 0.7.0 are listed after the table with the check that retired them.
     not propagate supervision event: coordinator port      with the variable unset (tests/apps/test_grpo_faults)
     is not set") and aborts the job
 17  the default transport is unix sockets (enabled on      `enable_tcp_transport` before the first Monarch call
-    the first Monarch call): a proc mesh on a remote host  (forge.hosts_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
-    never answers                                          in the per-host agents' environment (forge.host_agent)
+    the first Monarch call): a proc mesh on a remote host  (forge.hosts.host_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
+    never answers                                          in the per-host agents' environment (forge.hosts.agent)
 19  every process listens on the address its host's name   the per-host agent refuses to start when its name does
-    resolves to. 0.7 no longer hangs on a name that        not resolve to its configured IP (forge.host_agent); the
-    resolves to loopback only (127.0.0.1 on a stock        controller's name is checked the same way (forge.hosts_mesh),
+    resolves to. 0.7 no longer hangs on a name that        not resolve to its configured IP (forge.hosts.agent); the
+    resolves to loopback only (127.0.0.1 on a stock        controller's name is checked the same way (forge.hosts.host_mesh),
     Debian /etc/hosts): under tcp its first call panics    each naming what to map in /etc/hosts before anything
     ("hostname resolved to no non-loopback, non-link-      starts; can go when a process takes its address from its
     local address; configure an explicit transport         worker's, not from its host's name
@@ -52,12 +52,12 @@ to 0.7.0 are listed after the table with the check that retired them.
     printed one line through Monarch's pipe could          FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent); the
     deadlock its host process (4 runs in 12). 0.7: a       workaround is no longer needed: without it a remote
     worker's processes inherit the worker's                process's output is its host agent's; kept as where remote
-    stdout/stderr and nothing forwards them                output goes until that is decided (forge.host_agent
+    stdout/stderr and nothing forwards them                output goes until that is decided (forge.hosts.agent
     (/tmp/m07c/e5_output.py remote 20: 20/20 starts,       --log-dir, tests/forge/test_multihost.py, docs)
     all 120 lines in the worker's output)
 22  (0.1.2) a SIGKILLed controller's remote processes    each host's watch process holds a TCP "lifeline" to the
     lived on for minutes (with 2 and 16's long             controller; when it closes, it kills what its host's
-    deadlines), its /dev/shm segments with them; and on    worker started (`kill_host_tree_when_closed`, forge.hosts_mesh);
+    deadlines), its /dev/shm segments with them; and on    worker started (`kill_host_tree_when_closed`, forge.hosts.host_mesh);
     the controller's own host, where no mesh of a multi-   a detached guard process kills the controller's Monarch
     host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
     (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
@@ -87,7 +87,7 @@ to 0.7.0 are listed after the table with the check that retired them.
 30  Monarch 0.7 starts threads at import (telemetry-      forge's variables are written before Monarch is imported:
     worker, OpenTelemetry) that call getenv, which is not  JOB_ENVIRONMENT and FORGE_JOB_ID at the top of this
     safe against a concurrent setenv: a controller died    module, a host agent's in its worker's own environment
-    of SIGSEGV in telemetry-worker, in libc, right after   (forge.host_agent); left: a mesh process's RANK etc.
+    of SIGSEGV in telemetry-worker, in libc, right after   (forge.hosts.agent); left: a mesh process's RANK etc.
     start (dmesg; test_grpo_faults, once in a fresh-clone  (ProcAgent.set_environment, once, after start-up) and a
     `make test`; /tmp/envrace*.py stress loops, 1.9M      multi-host controller's transport and secret; can go
     writes and 20 starts, did not reproduce it)            when Monarch's threads read no environment once started
@@ -123,7 +123,7 @@ Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
     flight logs nothing on 0.7.
 18  a host mesh extent of hosts x 1, and
 21  HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR: 0.7 has no remote allocator; the controller attaches to a Monarch worker
-    on every host (`attach_to_workers`, a 1-D `hosts` mesh; forge.hosts_mesh, forge.host_agent).
+    on every host (`attach_to_workers`, a 1-D `hosts` mesh; forge.hosts.host_mesh, forge.hosts.agent).
 26  the local host agent behind `this_host()` that HostMesh.shutdown could not stop (0.1.2): 0.7 spawns a mesh's
     processes as the controller's own children with no host process (tests/forge/test_shutdown.py: none is left).
  5  each process of a mesh on the controller's host writing straight to the controller's stdout/stderr
@@ -288,13 +288,13 @@ def install_fault_hook(handler: Callable[[Any], None]) -> None:
 
 
 def _kill_host_tree_and_exit() -> None:
-    """Kill the job's other processes on this host (everything this host's Monarch worker, `forge.host_agent`,
+    """Kill the job's other processes on this host (everything this host's Monarch worker, `forge.hosts.agent`,
     started; the worker itself stays for the next job) and this process."""
     import psutil
 
     me = psutil.Process()
     worker = me.parent()
-    is_worker = worker is not None and "forge.host_agent" in worker.cmdline()
+    is_worker = worker is not None and "forge.hosts.agent" in worker.cmdline()
     for proc in worker.children(recursive=True) if is_worker else []:
         if proc.pid != me.pid:
             with contextlib.suppress(psutil.Error):

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from forge import processes
-from forge.hosts import HostsConfig
+from forge.hosts.config import HostsConfig
 from forge.processes import ProcessId
 from forge.provisioned_mesh import MONARCH_LOG_FORWARDER, MeshFailure, ProvisionedMesh
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from forge.hosts import HostsConfig, HostsError
+from forge.hosts.config import HostsConfig, HostsError
 from forge.provisioned_mesh import ProvisionedMesh
 
 

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from forge import compat, metrics, processes
-from forge.host_agent import DEFAULT_LOG_DIR, LOG_DIR_VARIABLE, host_address
+from forge.hosts.agent import DEFAULT_LOG_DIR, LOG_DIR_VARIABLE, host_address
 
 from monarch.actor import Actor, current_rank, endpoint  # noqa: E402 (after forge.compat)
 

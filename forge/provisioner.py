@@ -7,7 +7,7 @@ RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) before any user actor exists, an
 process's metrics to the controller each step.
 
 Several hosts: `configure_hosts(HostsConfig)` (before anything else starts Monarch) makes the provisioner
-place each mesh on the hosts its role has in the config (forge.hosts). Every process is then known by its
+place each mesh on the hosts its role has in the config (forge.hosts.config). Every process is then known by its
 host and pid (`ProcessId`); the liveness, memory and killing of another host's processes go through a
 small watch mesh on that host, never through this host's process table.
 `start_weight_store()` also starts one weight relay per host (forge/weight_relay.py), and every process
@@ -33,8 +33,8 @@ from typing import Any, AsyncIterator, Callable
 from forge import compat, metrics, processes, weight_store
 from forge.endpoints import ActorHandle, EndpointActor
 from forge.failure_watch import FailureWatch
-from forge.hosts import HostsConfig, HostsError
-from forge.hosts_mesh import Lifeline, allocate_host_mesh, check_hosts, lifeline_address
+from forge.hosts.config import HostsConfig, HostsError
+from forge.hosts.host_mesh import Lifeline, allocate_host_mesh, check_hosts, lifeline_address
 from forge.job_auth import SECRET_VARIABLE, job_secret
 from forge.proc_agent import ProcAgent
 from forge.placement import place, visible_gpus

@@ -27,7 +27,7 @@ the job's secret, both ways; the secret made by the controller, in the environme
 client without the secret gets the challenge and the end of the connection, never a byte of a segment or an event;
 one that says nothing is dropped after job_auth.HANDSHAKE_TIMEOUT_S (each connection has its own thread, so it
 holds up no other). The server listens on its host's
-configured address only (forge.host_agent.host_address), never on every interface. The bytes cross the network in
+configured address only (forge.hosts.agent.host_address), never on every interface. The bytes cross the network in
 the clear: the trust boundary is the job's private network (docs/several_hosts.md, "Sockets and trust").
 
 A version published as deltas (forge/weight_store.py, DeltaSync) is copied as stored, deltas and all, after the
@@ -58,14 +58,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Iterator
 
 from forge import compat
 from forge import job_auth
 from forge.endpoints import EndpointActor
 from monarch.actor import endpoint  # noqa: E402 (after forge.compat)
-from forge.host_agent import host_address
+from forge.hosts.agent import host_address
 from forge.job_auth import JobAuthenticationError, job_secret
 from forge.metrics import record_metric
 from forge.shm_weights import (

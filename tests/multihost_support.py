@@ -3,7 +3,7 @@
 Each host is a network namespace joined to a bridge in the root namespace by a veth pair, with its own
 hostname, /etc/hosts, resolv.conf (pointing at 127.0.0.1, so no name query leaves the machine), a private
 tmpfs /dev/shm, and its own PID namespace (a remote pid means nothing to the controller, as on real
-machines). Inside it runs forge's per-host agent (`python -m forge.host_agent`, a Monarch
+machines). Inside it runs forge's per-host agent (`python -m forge.hosts.agent`, a Monarch
 worker). The test process is the controller, on the bridge's address: it runs again in a
 hostname and hosts file of its own (`relaunch_as_controller_host`) so that Monarch listens there.
 
@@ -168,7 +168,7 @@ class SimulatedHost:
         with contextlib.suppress(psutil.Error):
             for proc in psutil.Process(init).children(recursive=True) if init else []:
                 with contextlib.suppress(psutil.Error):
-                    if proc.status() != psutil.STATUS_ZOMBIE and "forge.host_agent" not in proc.cmdline():
+                    if proc.status() != psutil.STATUS_ZOMBIE and "forge.hosts.agent" not in proc.cmdline():
                         found.append(proc)
         return found
 
@@ -242,7 +242,7 @@ class SimulatedHosts:
             f"set -e; hostname {host.name}; "
             f"mount --bind {host.folder}/hosts /etc/hosts; mount --bind {host.folder}/resolv.conf /etc/resolv.conf; "
             f"mount -t tmpfs -o size=4g tmpfs /dev/shm; "
-            f"exec {sys.executable} -c '{_INIT}' {sys.executable} -m forge.host_agent --addr {host.address} "
+            f"exec {sys.executable} -c '{_INIT}' {sys.executable} -m forge.hosts.agent --addr {host.address} "
             f"--port {host.port} --log-dir {host.log_dir}"
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -447,7 +447,7 @@ def small_job(addresses: list[str], port: int) -> int:
     host 0 publishes version 1 and whose reader on host 1 reads it (relayed into host 1's shared memory); prints
     a line once both hosts hold it, then runs until it is killed or a failure ends it."""
     from forge import provisioner
-    from forge.hosts import HostsConfig
+    from forge.hosts.config import HostsConfig
     from forge.lifecycle import run_job
 
     provisioner.configure_hosts(HostsConfig(addresses=addresses, port=port, roles={"pub": [0], "readers": [1]}))

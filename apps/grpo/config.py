@@ -23,7 +23,7 @@ from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
 from actors.weight_canary import CanaryConfig
 from rl.environments.config import EnvironmentConfig
-from forge.hosts import HostsConfig
+from forge.hosts.config import HostsConfig
 from losses.registry import REGISTERED_LOSSES
 from losses.rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
@@ -211,7 +211,7 @@ class GRPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # weight-sync check (actors/weight_canary.py)
-    hosts: HostsConfig = field(default_factory=HostsConfig)  # several hosts (forge/hosts.py); empty: this one
+    hosts: HostsConfig = field(default_factory=HostsConfig)  # several hosts (forge/hosts/config.py); empty: this one
 
     @property
     def generator_gpus_per_proc(self) -> int:

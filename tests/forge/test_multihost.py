@@ -33,7 +33,7 @@ from tests.multihost_support import (
 
 from forge import compat, provisioner
 from forge.actor import mesh_of
-from forge.hosts import HostsConfig, HostsError
+from forge.hosts.config import HostsConfig, HostsError
 from forge.job_auth import SECRET_VARIABLE
 
 _UNAVAILABLE = namespaces_unavailable()
@@ -121,7 +121,7 @@ def test_more_processes_than_a_host_offers_are_refused():
 
 
 def test_the_host_mesh_attaches_to_every_hosts_worker():
-    from forge.hosts import worker_address
+    from forge.hosts.config import worker_address
 
     section = HostsConfig(addresses=["198.18.0.2", "198.18.0.3"], port=26601).validate()
     assert [worker_address(a, section.port) for a in section.addresses] == ["tcp://198.18.0.2:26601",
@@ -129,7 +129,7 @@ def test_the_host_mesh_attaches_to_every_hosts_worker():
 
 
 def test_the_job_secret_is_made_once_by_the_controller_and_refused_when_missing_or_short(monkeypatch):
-    """The controller makes it (forge.hosts_mesh.allocate_host_mesh); its own host's processes inherit it and the
+    """The controller makes it (forge.hosts.host_mesh.allocate_host_mesh); its own host's processes inherit it and the
     provisioner passes it to other hosts' processes with their environment (checked by the relay test below)."""
     from forge.job_auth import job_secret, make_job_secret
 
@@ -147,14 +147,15 @@ def test_the_job_secret_is_made_once_by_the_controller_and_refused_when_missing_
 def test_the_lifeline_holds_only_connections_that_prove_the_job_secret(monkeypatch):
     """A watch process's lifeline is held for the life of the controller; a stranger's connection is closed after
     the handshake (it was held for ever too, one file descriptor each)."""
-    from forge import hosts_mesh, job_auth
+    from forge import job_auth
+    from forge.hosts import host_mesh
 
     monkeypatch.setenv(SECRET_VARIABLE, "s" * 64)
     monkeypatch.setattr(job_auth, "HANDSHAKE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(hosts_mesh, "controller_address", lambda: "127.0.0.1")
-    monkeypatch.setattr(hosts_mesh, "_lifeline", None)  # this test's own server, forgotten after it
-    monkeypatch.setattr(hosts_mesh, "_lifeline_connections", [])
-    address = hosts_mesh.lifeline_address()
+    monkeypatch.setattr(host_mesh, "controller_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(host_mesh, "_lifeline", None)  # this test's own server, forgotten after it
+    monkeypatch.setattr(host_mesh, "_lifeline_connections", [])
+    address = host_mesh.lifeline_address()
     with socket.create_connection(address, timeout=10) as silent, \
             socket.create_connection(address, timeout=10) as guessing:
         guessing.sendall(bytes(job_auth.NONCE_BYTES + job_auth.MAC_BYTES))
@@ -162,22 +163,22 @@ def test_the_lifeline_holds_only_connections_that_prove_the_job_secret(monkeypat
             received = b""
             while chunk := stranger.recv(4096):  # the end of the connection, not the test's 10 s
                 received += chunk
-            assert received.startswith(hosts_mesh._LIFELINE_HELLO)
-            assert len(received) == len(hosts_mesh._LIFELINE_HELLO) + job_auth.NONCE_BYTES
-    with job_auth.connect(address, b"s" * 64, hosts_mesh._LIFELINE_HELLO, timeout=10) as watch:
+            assert received.startswith(host_mesh._LIFELINE_HELLO)
+            assert len(received) == len(host_mesh._LIFELINE_HELLO) + job_auth.NONCE_BYTES
+    with job_auth.connect(address, b"s" * 64, host_mesh._LIFELINE_HELLO, timeout=10) as watch:
         deadline = time.monotonic() + 10
-        while len(hosts_mesh._lifeline_connections) != 1:
+        while len(host_mesh._lifeline_connections) != 1:
             assert time.monotonic() < deadline, "the watch process's lifeline was not held"
             time.sleep(0.05)
         watch.settimeout(1.0)
         with pytest.raises(TimeoutError):  # held open: nothing sent, not closed
             watch.recv(1)
-    hosts_mesh._lifeline_connections[0].close()
+    host_mesh._lifeline_connections[0].close()
 
 
 def test_the_host_agent_states_its_trust_boundary_at_start_and_tells_its_processes_its_address(
         tmp_path, monkeypatch, capsys):
-    from forge import host_agent
+    from forge.hosts import agent as host_agent
 
     class Served(Exception):
         pass

@@ -32,7 +32,7 @@ from forge.shm_weights import (
 from forge.job_auth import JobAuthenticationError
 from forge.weight_relay import SegmentServer, connect, receive_segment
 
-SECRET = b"0123456789abcdef" * 4  # the job's secret in these tests (forge.hosts.job_secret in a job)
+SECRET = b"0123456789abcdef" * 4  # the job's secret in these tests (forge.job_auth.job_secret in a job)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from forge.host_agent import own_address_problem
+from forge.hosts.agent import own_address_problem
 
 
 def resolving_to(monkeypatch, *addresses: str) -> None:

@@ -3,10 +3,10 @@ forge's environment.
 
 Run once on every host of the job, before the controller starts (the same port on every host):
 
-    python -m forge.host_agent --addr 10.0.0.2 --port 26600 [--log-dir /tmp/forge-logs]
+    python -m forge.hosts.agent --addr 10.0.0.2 --port 26600 [--log-dir /tmp/forge-logs]
 
 The worker spawns the job's processes on this host when the controller, attached to every host's worker
-(forge.hosts_mesh), asks. They inherit this environment: forge's job deadlines and the tcp transport
+(forge.hosts.host_mesh), asks. They inherit this environment: forge's job deadlines and the tcp transport
 (forge.compat), FORGE_HOST_LOG_DIR, the folder on this host where each remote process writes its output
 (each remote process writes its output there: forge.compat, 20), and FORGE_HOST_ADDRESS, the
 address given here, where forge's own servers on this host listen (the weight relay's). The job's secret comes
@@ -67,7 +67,7 @@ def worker_environment(log_dir: str, address: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m forge.host_agent", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m forge.hosts.agent", description=__doc__.split("\n\n")[0])
     parser.add_argument("--addr", required=True, help="this host's IP address, as the job's `hosts.addresses` lists it")
     parser.add_argument("--port", type=int, default=26600, help="the port every host's agent listens on")
     parser.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help="where this host's job processes write their output")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     environment = worker_environment(args.log_dir, args.addr)
-    from forge.hosts import worker_address
+    from forge.hosts.config import worker_address
 
     address = worker_address(args.addr, args.port)
     print(f"forge host agent: Monarch worker on {address} (process output in {args.log_dir})", flush=True)
@@ -102,8 +102,8 @@ def serve_jobs(address: str, environment: dict[str, str]) -> None:
     serve = ("from monarch.actor import run_worker_loop_forever; "
              f"run_worker_loop_forever(address={address!r}, ca='trust_all_connections')")
     while True:
-        # `forge.host_agent` in its command line: how a job's process knows its host's worker (forge.compat, 22).
-        code = subprocess.call([sys.executable, "-c", serve, "forge.host_agent"], env=environment)
+        # `forge.hosts.agent` in its command line: how a job's process knows its host's worker (forge.compat, 22).
+        code = subprocess.call([sys.executable, "-c", serve, "forge.hosts.agent"], env=environment)
         print(f"forge host agent: worker exited ({code}); starting the next", flush=True)
         time.sleep(WORKER_RESTART_PAUSE_S)
 

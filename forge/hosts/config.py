@@ -2,7 +2,7 @@
 no Monarch: a bad section is refused before anything starts).
 
     hosts:
-      addresses: [10.0.0.2, 10.0.0.3]   # each host runs `python -m forge.host_agent --addr IP --port PORT`
+      addresses: [10.0.0.2, 10.0.0.3]   # each host runs `python -m forge.hosts.agent --addr IP --port PORT`
       port: 26600
       procs_per_host: 8                 # optional: refuse a placement that needs more
       roles: {trainer: [0], generator: [1]}
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 def worker_address(address: str, port: int) -> str:
-    """Where the Monarch worker of the host agent at `address` listens (forge.host_agent)."""
+    """Where the Monarch worker of the host agent at `address` listens (forge.hosts.agent)."""
     return f"tcp://{address}:{port}"
 
 
@@ -32,7 +32,7 @@ class HostsConfig:
     """Several hosts: the per-host agents, and the hosts each mesh runs on (docs/hosts.md)."""
 
     addresses: list[str] = field(default_factory=list)
-    """IPs where the per-host agents listen (`python -m forge.host_agent`); empty: this host only."""
+    """IPs where the per-host agents listen (`python -m forge.hosts.agent`); empty: this host only."""
     port: int = 26600
     """The agents' port, the same on every host."""
     procs_per_host: int | None = None
@@ -110,5 +110,5 @@ class HostsConfig:
         failed = [f"{path}.addresses[{i}]={a!r}: no agent answers on port {self.port} ({p})"
                   for i, (a, p) in enumerate(zip(self.addresses, problems)) if p]
         if failed:
-            raise HostsError("unreachable host(s): " + "; ".join(failed) + ". Start `python -m forge.host_agent "
+            raise HostsError("unreachable host(s): " + "; ".join(failed) + ". Start `python -m forge.hosts.agent "
                              f"--addr IP --port {self.port}` on each, and check the network between them")

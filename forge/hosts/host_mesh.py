@@ -1,5 +1,5 @@
-"""A Monarch host mesh over the hosts of a `hosts` config section (forge.hosts): the controller attaches to
-the Monarch worker that every host's agent runs (`python -m forge.host_agent`). Everything that can be
+"""A Monarch host mesh over the hosts of a `hosts` config section (forge.hosts.config): the controller attaches to
+the Monarch worker that every host's agent runs (`python -m forge.hosts.agent`). Everything that can be
 refused is refused before the first Monarch call."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 from forge import compat
 from forge.endpoints import EndpointActor
 from forge import job_auth
-from forge.hosts import HostsConfig, HostsError, worker_address
+from forge.hosts.config import HostsConfig, HostsError, worker_address
 
 from monarch.actor import HostMesh, attach_to_workers
 
