@@ -63,7 +63,7 @@ class TrainerActor(ForgeActor):
             torch.set_num_threads(self.config.torch_threads)
         rank, world_size = init_from_environment(self.config.device)
         self.trainer = await self._compute(TitanTrainer, self.config, rank=rank, world_size=world_size)
-        self.store = WeightStore(self.weight_namespace)
+        self.store = WeightStore(self.weight_namespace, delta=self.config.publish_deltas)
 
     async def _compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the trainer's work on its own thread, so the event loop keeps publishing meanwhile."""

@@ -62,12 +62,14 @@ import os
 import re
 import socket
 import time
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from forge import compat, shm_weights, weight_delta
+from forge.delta_sync import DeltaSync
 from forge.distributed import group_rank, group_size
 from forge.metrics import record_metric
 from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and the job_* helpers are re-exported)
@@ -102,26 +104,6 @@ RELAY_NAMESPACES_KEY = "forge-weight-relay/namespaces"  # the namespaces publish
 
 # A host's relay copies each version once for all its readers; a big model's copy takes a while on a slow link.
 RELAY_WAIT_S = 300.0
-
-
-@dataclasses.dataclass(frozen=True)
-class DeltaSync:
-    """Publishing only what changed (forge/weight_delta.py): each tensor of a version is stored as its delta from the
-    previous version where that is smaller, whole else; readers rebuild it on their own copy of the previous version
-    (one copy of the weights in each reader's host memory, and one in the publisher's)."""
-
-    enabled: bool = False
-    """Compare each published tensor with the previous version's and store only what changed where that is smaller."""
-    full_every: int = 8
-    """A version of full tensors at least every this many versions: bounds what a reader that has none of a chain
-    reads (its full version and the deltas after it), and what the store keeps (a chain's versions stay until a
-    newer chain is kept)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"delta.enabled={self.enabled!r}: must be true or false")
-        if not isinstance(self.full_every, int) or self.full_every < 1:
-            raise ValueError(f"delta.full_every={self.full_every!r}: must be an int >= 1 (1: every version full)")
 
 
 def torchstore_has_rdma() -> bool:
