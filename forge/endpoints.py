@@ -45,6 +45,8 @@ class EndpointActor(Actor):
     async def teardown(self) -> None:
         """Run before the actor's processes are stopped; override to stop background work."""
 
+    _handle_undeliverable_message = compat.drop_undeliverable
+
     @classmethod
     def has_teardown(cls) -> bool:
         """Whether a subclass overrides `teardown` (only actors with background work get a teardown call)."""

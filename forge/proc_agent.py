@@ -68,3 +68,4 @@ class ProcAgent(Actor):
     def resident_memory(self, pids: dict[str, int]) -> dict[str, int]:
         return processes.resident_memory(pids)
 
+    _handle_undeliverable_message = compat.drop_undeliverable

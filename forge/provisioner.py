@@ -269,8 +269,8 @@ class Provisioner:
             # that never come): kill what is left of it.
             await self._kill(mesh)
         else:
-            # Let actors finish what they are doing (background tasks, in-flight store requests) before
-            # their processes go.
+            # Let actors finish what they are doing (background tasks, in-flight store requests): a reply
+            # sent to an actor that is already gone is a supervision failure (forge.compat, 8).
             for actor in mesh.actors:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(actor.teardown.call(), timeout=10)
