@@ -59,19 +59,24 @@ def _job_segments(pid: int) -> list[str]:
     return [p.name for p in SHM_DIR.glob(f"forge-{pid}-*")]
 
 
-def test_generator_replica_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
-    # Long enough (~0.15 s a step) for the restart (a new process, ~10-20 s here) to finish within the run.
-    job = RunningJob(tmp_path / "run", "steps=300", "resources.generator_replicas=2", "checkpoint.final=false")
+def test_generator_replica_killed_mid_run_is_restarted_and_the_run_goes_on(tmp_path):
+    # The run is stopped once the restarted replica has been in service for a few steps: a fixed step count long
+    # enough for the restart on a loaded 2-core CI machine cost 3 minutes.
+    job = RunningJob(tmp_path / "run", "steps=100000", "resources.generator_replicas=2", "checkpoint.interval=0")
     job.wait_for(lambda: job.steps_logged() >= 2, "step 2")
     victim = job.pids("generator-r0")[0]
     subprocess.run(["kill", "-9", str(victim)], check=True)
-    assert job.finish() == 0, job.output()[-3000:]
+    job.wait_for(lambda: "replica 0 restarted" in job.output(), "replica 0 restarted")
+    restarted_at = job.steps_logged()
+    job.wait_for(lambda: job.steps_logged() >= restarted_at + 3, "3 steps after the restart")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(timeout=60) == 128 + signal.SIGTERM.value, job.output()[-3000:]
     out = job.output()
     assert "replica 0 failed" in out and f"process {victim} of mesh 'generator-r0" in out
-    assert "replica 0 restarted" in out
     rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 301))  # the same number of trained steps
-    assert not processes_with_mark(str(job.run_dir))
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))  # no step lost or repeated
+    assert not processes_with_mark(str(job.run_dir), timeout=5)
 
 
 def test_trainer_death_stops_the_job_within_30s_naming_it_and_resume_continues(tmp_path):
