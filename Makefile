@@ -37,7 +37,9 @@ grpo: $(STAMP)
 # named none) and fail the suite only if they fail again: Monarch can miss its deadlines on a busy 2-core host
 # (forge.compat 13, docs/reliability.md); the retry is printed, never silent. `make test ARGS=...` runs pytest
 # once with your arguments instead. The slowest tests are printed (--durations): the suite must stay under 45 min.
-MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|apps\.(grpo|examples|server|gateway)|start_weight_store" tests --include='test_*.py' | sort)
+# A module counts when it spawns actors or a weight store, names an app as a command ("apps.grpo" followed by a
+# quote or space), or imports an app's entry point; importing an app's config or helpers alone does not.
+MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|start_weight_store|apps\.(grpo|examples|server|gateway)[^._a-z]|apps\.(grpo|examples|server|gateway)\.(main|launch|runtime|client)" tests --include='test_*.py' | sort)
 SHELL := /bin/bash
 
 test: $(STAMP)
