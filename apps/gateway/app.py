@@ -26,9 +26,9 @@ from apps.gateway.schemas import (
     StartSessionRequest,
     StartSessionResponse,
 )
-from apps.server.auth import presented_key, require_key
-from apps.server.errors import ServiceError
-from apps.server.serving import install_error_handlers
+from apps.http.auth import presented_key, require_key
+from apps.http.errors import ServiceError
+from apps.http.serving import install_error_handlers
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422, 429, 500, 502, 504)}
 

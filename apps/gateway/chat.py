@@ -16,7 +16,7 @@ from apps.gateway.schemas import (
     TokenLogprob,
     Usage,
 )
-from apps.server.errors import field_error
+from apps.http.errors import field_error
 from rl.types import Completion
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from apps.gateway.config import GatewayConfig
-from apps.http_main import HttpApp, run_http_app
+from apps.http.main import HttpApp, run_http_app
 
 
 def _open(cfg: GatewayConfig, model_path: str, warm_start_accuracy: float | None) -> tuple[Any, Any]:

@@ -34,9 +34,9 @@ from apps.gateway.schemas import (
     StartSessionResponse,
 )
 from apps.gateway.sessions import Interaction, RLSession, SessionStore, set_reward, trajectory_episodes
-from apps.server.errors import ServiceError, field_error
-from apps.server.model import tokenizer_info
-from apps.server.actor_calls import endpoint_failure
+from apps.http.errors import ServiceError, field_error
+from apps.http.model import tokenizer_info
+from apps.http.actor_calls import endpoint_failure
 from forge.actor import EndpointError, rank0
 from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from apps.gateway.chat import ChatContext
-from apps.server.errors import ServiceError
+from apps.http.errors import ServiceError
 from rl.environments.trajectory import Trajectory
 from rl.types import Completion, Episode
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, TypeVar
 
-from apps.server.errors import ServiceError
+from apps.http.errors import ServiceError
 from forge.actor import EndpointError
 from forge.service import NoHealthyReplicaError
 

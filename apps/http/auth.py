@@ -7,7 +7,7 @@ import secrets
 
 from fastapi import Request
 
-from apps.server.errors import ServiceError
+from apps.http.errors import ServiceError
 
 
 def presented_key(request: Request) -> str | None:

@@ -59,8 +59,8 @@ def run_http_app(app: HttpApp, argv: list[str] | None = None) -> int:
 
 async def _serve(app: HttpApp, cfg: Any, stop: asyncio.Event) -> None:
     """Serve until `stop` is set or the service's watch ends."""
-    from apps.server.model import model_to_serve
-    from apps.server.serving import serve
+    from apps.http.model import model_to_serve
+    from apps.http.serving import serve
 
     model_path, accuracy = await asyncio.to_thread(model_to_serve, cfg.model, cfg.model_cache, cfg.warm_start,
                                                    seed=cfg.seed)

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from apps.server.errors import ServiceError
+from apps.http.errors import ServiceError
 
 logger = logging.getLogger(__name__)
 ErrorBody = Callable[[int, Any], dict]  # (status, detail: a message or [{loc, msg, input}]) -> response body

@@ -9,7 +9,7 @@ from typing import Any
 
 from actors.lora_config import LORA_TARGETS, LoRAConfig, check_lora_for_model, local_hf_config
 from apps.server.config import ServerConfig
-from apps.server.errors import field_error
+from apps.http.errors import field_error
 from apps.server.schemas import CheckpointInfo, CreateSessionRequest, LoRASpec
 
 

@@ -7,8 +7,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from apps.server.auth import require_key
-from apps.server.errors import ServiceError
+from apps.http.auth import require_key
+from apps.http.errors import ServiceError
 from apps.server.runtime import TrainingService
 from apps.server.schemas import (
     ChunkAccepted,
@@ -40,7 +40,7 @@ from apps.server.schemas import (
     SyncWeightsResponse,
     UnloadResponse,
 )
-from apps.server.serving import install_error_handlers
+from apps.http.serving import install_error_handlers
 from forge.provisioner import get_provisioner
 
 # Every error status the API answers (docs/serving.md, "Error codes"), in its OpenAPI schema.

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from apps.server.errors import ServiceError, field_error
+from apps.http.errors import ServiceError, field_error
 from apps.server.schemas import Datum
 from losses.rules import uses_old_logprobs
 from rl.sampling import MAX_KEPT_TOKENS

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.server.adapters import adapter_summary, same_adapter
-from apps.server.errors import ServiceError, field_error, not_found
+from apps.http.errors import ServiceError, field_error, not_found
 from apps.server.schemas import CheckpointInfo
 
 RECORD = "forge_checkpoint.json"

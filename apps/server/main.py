@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from apps.http_main import HttpApp, run_http_app
+from apps.http.main import HttpApp, run_http_app
 from apps.server.config import ServerConfig
 
 

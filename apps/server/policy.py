@@ -8,9 +8,9 @@ from dataclasses import replace
 from typing import Any
 
 from actors.generator import Generator
-from apps.server.actor_calls import bounded
+from apps.http.actor_calls import bounded
 from apps.server.config import ServerConfig
-from apps.server.errors import field_error
+from apps.http.errors import field_error
 from apps.server.schemas import SyncWeightsRequest, SyncWeightsResponse
 from apps.server.session_registry import SessionRegistry
 from apps.server.sessions import Session

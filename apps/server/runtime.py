@@ -19,8 +19,8 @@ from typing import Any
 from apps.server.checkpointing import Checkpointing
 from apps.server.checkpoint_store import CheckpointStore
 from apps.server.config import ServerConfig
-from apps.server.errors import ServiceError
-from apps.server.model import tokenizer_info
+from apps.http.errors import ServiceError
+from apps.http.model import tokenizer_info
 from apps.server.policy import ServedPolicy
 from apps.server.sampling import Sampler
 from apps.server.schemas import (

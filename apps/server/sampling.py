@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from apps.server.actor_calls import bounded
+from apps.http.actor_calls import bounded
 from apps.server.checkpoint_store import CheckpointStore
 from apps.server.config import ServerConfig
-from apps.server.errors import field_error
-from apps.server.model import TokenizerInfo
+from apps.http.errors import field_error
+from apps.http.model import TokenizerInfo
 from apps.server.policy import ServedPolicy
 from apps.server.schemas import SampledSequence, SampleRequest, SampleResponse
 from apps.server.trainer_pool import TrainerPool

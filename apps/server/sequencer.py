@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from apps.server.errors import ServiceError
+from apps.http.errors import ServiceError
 
 Execute = Callable[[int, list[Any]], Awaitable[Any]]  # (seq_id, the chunks' parts in order)
 GAP_SETTING = "sessions.sequence_gap_timeout_s"

@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 from apps.server.adapters import session_lora
 from apps.server.checkpoint_store import CheckpointStore
 from apps.server.config import ServerConfig
-from apps.server.errors import ServiceError, field_error, not_found
+from apps.http.errors import ServiceError, field_error, not_found
 from apps.server.schemas import ChunkAccepted, CreateSessionRequest, SequencedRequest, SessionInfo
 from apps.server.sequencer import Sequencer
 from apps.server.sessions import Session

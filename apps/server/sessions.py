@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from apps.server.actor_calls import bounded
+from apps.http.actor_calls import bounded
 from apps.server.schemas import SessionInfo
 from apps.server.sequencer import Sequencer
 from forge.actor import rank0

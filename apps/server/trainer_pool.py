@@ -9,9 +9,9 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from actors.lora_config import LoRAConfig
-from apps.server.actor_calls import bounded
+from apps.http.actor_calls import bounded
 from apps.server.config import ServerConfig
-from apps.server.errors import ServiceError
+from apps.http.errors import ServiceError
 from apps.server.lora_trainer import LoRATrainerActor
 from apps.server.sessions import Session
 from apps.server.training_actor import ServerTrainerActor

@@ -8,8 +8,8 @@ from typing import Any
 
 from apps.server.batches import batch_temperature, build_batch, check_loss, check_loss_inputs, concat_batches
 from apps.server.config import ServerConfig
-from apps.server.errors import ServiceError
-from apps.server.model import TokenizerInfo
+from apps.http.errors import ServiceError
+from apps.http.model import TokenizerInfo
 from apps.server.schemas import (
     ChunkAccepted,
     ForwardBackwardRequest,

@@ -34,8 +34,8 @@ from apps.gateway.errors import openai_error
 from apps.gateway.runtime import Gateway
 from apps.gateway.schemas import ChatMessage
 from apps.gateway.sessions import Interaction, RLSession, trajectory_episodes
-from apps.server.errors import ServiceError
-from apps.server.serving import install_error_handlers
+from apps.http.errors import ServiceError
+from apps.http.serving import install_error_handlers
 from bench.gateway_load import percentile, run_load
 from apps.app_config import load_app_config
 from rl.tiny_model import DEFAULT_MODEL_ARGS, build_tokenizer

@@ -25,13 +25,13 @@ from fastapi.testclient import TestClient
 from apps.server.app import build_app
 from apps.server.batches import batch_temperature, build_batch, concat_batches
 from apps.server.config import ServerConfig
-from apps.server.errors import ServiceError
-from apps.server.model import model_to_serve
-from apps.server.actor_calls import endpoint_failure
+from apps.http.errors import ServiceError
+from apps.http.model import model_to_serve
+from apps.http.actor_calls import endpoint_failure
 from apps.server.runtime import TrainingService
 from apps.server.schemas import Datum
 from apps.server.sequencer import Sequencer
-from apps.server.serving import install_error_handlers
+from apps.http.serving import install_error_handlers
 from forge.compat import report_endpoint_errors
 from apps.app_config import load_app_config
 from forge.provisioner import free_port

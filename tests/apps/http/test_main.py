@@ -1,4 +1,4 @@
-"""apps.http_main: the one main() of the HTTP apps (apps.server, apps.gateway), without processes."""
+"""apps.http.main: the one main() of the HTTP apps (apps.server, apps.gateway), without processes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.http_main import _stopped
+from apps.http.main import _stopped
 
 ROOT = Path(__file__).resolve().parents[2]
 
