@@ -32,6 +32,7 @@ MAX_SPARSE_NUMEL = 2**31 - 1  # int32 positions
 _SAMPLE_STRIDE = 97  # the precheck's sample: one element in this many (a prime: no alignment with row lengths)
 _SAMPLE_MIN_NUMEL = 1 << 16  # smaller tensors are compared whole at once
 _SAMPLE_REFUSE = 0.95  # refuse without the full comparison when the sample's estimate exceeds this share of the tensor
+_STEP = 1 << 20  # elements compared or rebuilt at a time (a multiple of 8: whole bytes of the packed mask)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bit patterns, flat, as a same-size integer tensor (a view where the tensor is contiguous)."""
     if tensor.element_size() not in _BITS:
         raise TypeError(f"a weight delta needs 1, 2, 4 or 8-byte elements; got {tensor.dtype}")
-    return tensor.contiguous().view(_BITS[tensor.element_size()]).reshape(-1)
+    return tensor.detach().contiguous().view(_BITS[tensor.element_size()]).reshape(-1)
 
 
 def encode(previous: torch.Tensor, new: torch.Tensor) -> TensorDelta | None:
@@ -63,24 +64,47 @@ def compare(previous: torch.Tensor, new: torch.Tensor) -> tuple[TensorDelta | No
     if previous.shape != new.shape or previous.dtype != new.dtype:
         raise ValueError(f"a delta needs the same shape and dtype: {tuple(previous.shape)} {previous.dtype} -> "
                          f"{tuple(new.shape)} {new.dtype}")
-    old_bits, new_bits = _bits(previous), _bits(new)
+    old_bits, new_bits = _bits(previous).numpy(), _bits(new).numpy()
     itemsize, numel = new.element_size(), new.numel()
     if numel >= _SAMPLE_MIN_NUMEL:
         sample = old_bits[::_SAMPLE_STRIDE] != new_bits[::_SAMPLE_STRIDE]
-        estimate = int(sample.sum()) * numel // sample.numel()
+        estimate = numpy.count_nonzero(sample) * numel // sample.size
         if _smallest(estimate, numel, itemsize) > _SAMPLE_REFUSE * numel * itemsize:
             return None, estimate
-    changed = old_bits != new_bits
-    count = int(changed.sum())
+    packed, values = _changes(old_bits, new_bits)
+    count = values.size
     sparse = count * (4 + itemsize) if numel <= MAX_SPARSE_NUMEL else None
-    bitmask = (numel + 7) // 8 + count * itemsize
+    bitmask = packed.size + count * itemsize
     if min(bitmask, sparse or bitmask) >= numel * itemsize:
         return None, count
-    values = new_bits[changed]
     if sparse is not None and sparse <= bitmask:
-        return TensorDelta("sparse", changed.nonzero().reshape(-1).to(torch.int32), values), count
-    packed = torch.from_numpy(numpy.packbits(changed.numpy()))
-    return TensorDelta("bitmask", packed, values), count
+        return TensorDelta("sparse", torch.from_numpy(_positions(packed, numel)), torch.from_numpy(values)), count
+    return TensorDelta("bitmask", torch.from_numpy(packed), torch.from_numpy(values)), count
+
+
+def _changes(old_bits: numpy.ndarray, new_bits: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """The packed mask (numpy.packbits order) of the elements whose bits differ, and their new bits: one pass, _STEP
+    elements at a time, each step's mask reused while it is in the core's cache."""
+    packed = numpy.empty((new_bits.size + 7) // 8, dtype=numpy.uint8)
+    mask = numpy.empty(min(_STEP, new_bits.size), dtype=numpy.bool_)
+    values = [new_bits[:0]]
+    for start in range(0, new_bits.size, _STEP):
+        end = min(start + _STEP, new_bits.size)
+        step = mask[: end - start]
+        numpy.not_equal(old_bits[start:end], new_bits[start:end], out=step)
+        packed[start // 8 : (end + 7) // 8] = numpy.packbits(step)
+        values.append(new_bits[start:end][step])
+    return packed, numpy.concatenate(values)
+
+
+def _positions(packed: numpy.ndarray, numel: int) -> numpy.ndarray:
+    """The int32 flat positions a packed mask of `numel` elements marks, in order (numel <= MAX_SPARSE_NUMEL)."""
+    parts = [numpy.empty(0, dtype=numpy.int32)]
+    for start in range(0, numel, _STEP):
+        end = min(start + _STEP, numel)
+        step = numpy.unpackbits(packed[start // 8 : (end + 7) // 8], count=end - start).view(numpy.bool_)
+        parts.append(numpy.flatnonzero(step).astype(numpy.int32) + numpy.int32(start))
+    return numpy.concatenate(parts)
 
 
 def _smallest(count: int, numel: int, itemsize: int) -> int:
@@ -122,21 +146,36 @@ def apply(target: torch.Tensor, delta: TensorDelta) -> None:
     """Rewrite `target` (holding the delta's base version, contiguous, on CPU) into the delta's new version."""
     if not target.is_contiguous():
         raise ValueError("a delta applies in place to a contiguous tensor")
-    bits = target.view(_BITS[target.element_size()]).view(-1)
+    bits = target.detach().view(_BITS[target.element_size()]).view(-1)
     if delta.values.dtype != bits.dtype:
         raise ValueError(f"a delta of {delta.values.dtype} bit patterns cannot apply to a {target.dtype} tensor")
+    bits, values, positions = bits.numpy(), delta.values.reshape(-1).numpy(), delta.positions.reshape(-1).numpy()
     if delta.encoding == "sparse":
-        positions = delta.positions.long()
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= bits.numel()):
-            raise ValueError(f"a sparse delta's positions must lie in [0, {bits.numel()}); got "
+        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= bits.size):
+            raise ValueError(f"a sparse delta's positions must lie in [0, {bits.size}); got "
                              f"{int(positions.min())}..{int(positions.max())}")
-        bits[positions] = delta.values
+        bits[positions] = values
         return
-    mask = torch.from_numpy(numpy.unpackbits(delta.positions.numpy(), count=bits.numel()).view(numpy.bool_))
-    if int(mask.sum()) != delta.values.numel():
-        raise ValueError(f"a bitmask delta marks {int(mask.sum())} changed elements but carries "
-                         f"{delta.values.numel()} values")
-    bits[mask] = delta.values
+    marked = _marked(positions, bits.size)
+    if marked != values.size:
+        raise ValueError(f"a bitmask delta marks {marked} changed elements but carries {values.size} values")
+    at = 0
+    for start in range(0, bits.size, _STEP):  # a step's mask unpacked while it is in the core's cache
+        end = min(start + _STEP, bits.size)
+        step = numpy.unpackbits(positions[start // 8 : (end + 7) // 8], count=end - start).view(numpy.bool_)
+        count = numpy.count_nonzero(step)
+        bits[start:end][step] = values[at : at + count]
+        at += count
+
+
+def _marked(packed: numpy.ndarray, numel: int) -> int:
+    """How many of a packed mask's first `numel` bits are set (ValueError when it is not a mask of `numel` bits)."""
+    if packed.size != (numel + 7) // 8:
+        raise ValueError(f"a bitmask delta of a {numel}-element tensor needs {(numel + 7) // 8} bytes of mask; got "
+                         f"{packed.size}")
+    padding = (-numel) % 8  # the last byte's low bits, past the tensor's end (packbits leaves them 0)
+    last = int(packed[-1]) & ((1 << padding) - 1) if padding else 0
+    return int(numpy.bitwise_count(packed).sum(dtype=numpy.int64)) - last.bit_count()
 
 
 class Chain:

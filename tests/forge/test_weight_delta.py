@@ -111,14 +111,48 @@ def test_a_tensor_that_nearly_all_changed_is_refused_on_a_sample(monkeypatch):
     """The precheck compares one element in _SAMPLE_STRIDE: nearly everything changed, no full comparison."""
     base = torch.randn(1 << 17).to(torch.bfloat16)
     full_comparisons = []
-    real_ne = torch.Tensor.__ne__
-    monkeypatch.setattr(torch.Tensor, "__ne__", lambda a, b: full_comparisons.append(a.numel()) or real_ne(a, b))
+    real_changes = weight_delta._changes
+    monkeypatch.setattr(weight_delta, "_changes", lambda old, new: full_comparisons.append(new.size) or real_changes(old, new))
     delta, changed = compare(base, base.neg())
     assert delta is None and changed == base.numel()  # estimated from the sample: every sampled element changed
-    assert full_comparisons == [-(-base.numel() // weight_delta._SAMPLE_STRIDE)]
-    full_comparisons.clear()
+    assert full_comparisons == []
     delta, changed = compare(base, _changed(base, 0.02, 6))
-    assert delta is not None and changed == delta.values.numel() and base.numel() in full_comparisons
+    assert delta is not None and changed == delta.values.numel() and full_comparisons == [base.numel()]
+
+
+@pytest.mark.parametrize("numel", [64, 67, 1000, 1003])
+@pytest.mark.parametrize("share", [0.01, 0.3])
+def test_deltas_are_bit_exact_across_the_steps_they_are_made_and_applied_in(monkeypatch, numel, share):
+    """compare and apply walk a tensor _STEP elements at a time: a step of 16 elements here, so that changes fall
+    on every step's edges, and a tensor whose end is mid-step and mid-byte of the mask."""
+    monkeypatch.setattr(weight_delta, "_STEP", 16)
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(torch.bfloat16)
+    new = _changed(base, share, numel + 1)
+    _bits(new)[[0, 15, 16, numel - 1]] += 1  # a step's first and last elements, and the tensor's last
+    delta = encode(base, new)
+    expected = _bits(base) != _bits(new)
+    assert torch.equal(delta.values, _bits(new)[expected])
+    if delta.encoding == "sparse":
+        assert torch.equal(delta.positions, expected.nonzero().reshape(-1).to(torch.int32))
+    target = base.clone()
+    apply(target, delta)
+    assert torch.equal(_bits(target), _bits(new))
+
+
+def test_a_bitmask_of_the_wrong_length_or_count_is_refused_and_its_padding_bits_are_not_changes():
+    base = torch.randn(1003).to(torch.bfloat16)
+    new = _changed(base, 0.3, 7)
+    delta = encode(base, new)
+    assert delta.encoding == "bitmask"
+    with pytest.raises(ValueError, match="1003-element tensor needs 126 bytes of mask; got 125"):
+        apply(base.clone(), TensorDelta("bitmask", delta.positions[:-1], delta.values))
+    with pytest.raises(ValueError, match="marks .* changed elements but carries"):
+        apply(base.clone(), TensorDelta("bitmask", delta.positions, delta.values[:-1]))
+    padded = delta.positions.clone()
+    padded[-1] |= 0b1  # the mask's bit 1007: past the tensor's 1003 elements, not a change
+    target = base.clone()
+    apply(target, TensorDelta("bitmask", padded, delta.values))
+    assert torch.equal(_bits(target), _bits(new))
 
 
 def test_a_chain_is_full_every_n_versions_and_after_a_reset():
