@@ -7,6 +7,7 @@ has a tiny-model special case.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -41,6 +42,34 @@ DEFAULT_MODEL_ARGS: dict[str, Any] = dict(
 )
 
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# The fields a config may set to give the tiny model another shape (`tiny_shape` in apps.sft's config).
+SHAPE_FIELDS = tuple(DEFAULT_MODEL_ARGS)
+
+
+def check_shape(shape: dict[str, Any], field: str = "tiny_shape") -> None:
+    """A shape is some of SHAPE_FIELDS, positive integers (tie_word_embeddings a bool); plain Python, no torch.
+    Whether heads and sizes fit together is checked later against the written config.json."""
+    for key, value in shape.items():
+        if key not in SHAPE_FIELDS:
+            raise ValueError(f"{field}.{key}={value!r}: not a shape field of the tiny model; allowed: "
+                             f"{', '.join(SHAPE_FIELDS)}")
+        if key == "tie_word_embeddings":
+            if not isinstance(value, bool):
+                raise ValueError(f"{field}.{key}={value!r}: must be true or false")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}.{key}={value!r}: must be a positive integer")
+    heads, kv_heads = ({**DEFAULT_MODEL_ARGS, **shape}[k] for k in ("num_attention_heads", "num_key_value_heads"))
+    if heads % kv_heads:  # grouped-query attention shares each key/value head among a whole group
+        raise ValueError(f"{field}: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
+
+
+def checkpoint_dir(shape: dict[str, Any] | None = None) -> str:
+    """The checkpoint's folder name in a `model_cache`: the default shape's, or one per shape (a digest of it), so
+    checkpoints of different shapes never share a folder."""
+    if not shape:
+        return TINY_CHECKPOINT_DIR
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{TINY_CHECKPOINT_DIR}-{digest}"
 
 
 def tiny_config(**model_overrides: Any) -> dict[str, Any]:
@@ -59,11 +88,11 @@ def tiny_config(**model_overrides: Any) -> dict[str, Any]:
     )
 
 
-def write_tiny_config(path: str | Path) -> Path:
+def write_tiny_config(path: str | Path, **model_overrides: Any) -> Path:
     """Write only the tiny checkpoint's config.json to `path` (no weights, no torch)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(tiny_config(), indent=2))
+    (path / "config.json").write_text(json.dumps(tiny_config(**model_overrides), indent=2))
     return path
 
 
@@ -123,8 +152,9 @@ def build_tiny_checkpoint(path: str | Path, *, seed: int = 0, **model_overrides:
     return path
 
 
-def ensure_tiny_checkpoint(path: str | Path) -> Path:
-    """Return `path`, building the default tiny checkpoint there first if it is not there yet.
+def ensure_tiny_checkpoint(path: str | Path, **model_overrides: Any) -> Path:
+    """Return `path`, building the tiny checkpoint (default shape, or `model_overrides`) there first if it is not
+    there yet.
 
     The checkpoint is built in a temporary sibling folder and renamed into place, so concurrent callers
     (several actors starting at once) never see a half-written checkpoint.
@@ -139,7 +169,7 @@ def ensure_tiny_checkpoint(path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.building-"))
     try:
-        build_tiny_checkpoint(staging)
+        build_tiny_checkpoint(staging, **model_overrides)
         os.rename(staging, path)
     except OSError:
         # Another process renamed its finished copy into place first; use that one.

@@ -16,6 +16,7 @@ from actors.trainer_config import TrainerConfig
 from apps.grpo.config import CheckpointConfig, read_hf_config
 from forge.metrics import MetricsConfig
 from rl.tasks.config import TaskConfig
+from rl.tiny_model import check_shape
 
 # The loss SFT trains with (losses/nll.py), by module path until losses/registry.py lists it as "nll".
 NLL_LOSSES = ("losses.nll:nll", "nll")
@@ -109,6 +110,21 @@ class SFTResources:
 
 
 @dataclass
+class PackingSection:
+    """Several examples in one row of the trainer's batch instead of one right-padded row each (docs/sft.md)."""
+
+    enabled: bool = False
+    """Pack: each example attends only to itself (block-causal attention), the loss is the same token mean."""
+    max_length: int | None = None
+    """Tokens per packed row at most (an example longer than that gets a row of its own), <= the model's
+    max_position_embeddings; null: that."""
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length}: must be >= 2 (tokens per packed row)")
+
+
+@dataclass
 class SFTConfig:
     """The whole SFT job."""
 
@@ -119,6 +135,11 @@ class SFTConfig:
     paths."""
     model_cache: str = ".cache/forge"
     """Where the tiny model is built."""
+    tiny_shape: dict[str, Any] = field(default_factory=dict)
+    """`model: tiny` only: the tiny model's shape fields to change (rl/tiny_model.py DEFAULT_MODEL_ARGS: hidden_size,
+    intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+    max_position_embeddings, tie_word_embeddings), e.g. `{hidden_size: 256, num_hidden_layers: 4}`; built once into
+    `model_cache`/tiny-qwen3-<digest of the shape>. Empty: the default ~0.4M-parameter shape."""
     run_dir: str = "runs/sft"
     """metrics.jsonl, summary.json, hf_model/, checkpoints/."""
     seed: int = 0
@@ -131,6 +152,7 @@ class SFTConfig:
     resume: bool = False
     """Resume from the newest checkpoint in `checkpoint.folder` (as `--resume`)."""
     data: DataSection = field(default_factory=DataSection)
+    packing: PackingSection = field(default_factory=PackingSection)
     eval: SFTEvalSection = field(default_factory=SFTEvalSection)
     generator: GeneratorConfig | None = None
     """The generator service that samples the held-out prompts for `eval.accuracy` (null: no accuracy)."""
@@ -147,6 +169,7 @@ class SFTConfig:
         return self.data.source == "task" and self.eval.accuracy and self.generator is not None
 
     def __post_init__(self) -> None:
+        check_shape(self.tiny_shape, "tiny_shape")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: must be >= 1")
         dp = self.resources.trainer_procs
@@ -178,6 +201,10 @@ class SFTConfig:
         """The trainer's layout against the model's config.json, as apps.grpo checks it."""
         model = self.trainer.model_path
         hf_config = read_hf_config(model)
+        positions = hf_config.get("max_position_embeddings")
+        if self.packing.max_length and positions and self.packing.max_length > positions:
+            raise ValueError(f"packing.max_length={self.packing.max_length}: must be <= the model's "
+                             f"max_position_embeddings={positions} ({model})")
         try:
             check_hf_config(self.trainer.family, hf_config)
             check_parallel_layout(hf_config, self.resources.trainer_procs, self.trainer.tensor_parallel_degree)
