@@ -1,19 +1,23 @@
 """A torchtitan model built from a Hugging Face checkpoint: arguments read from its `config.json` (so one code
 path loads a tiny test model and Qwen3-8B), parallelized (FSDP2, TP) over the ranks, and loaded from the
-checkpoint's safetensors or from a torchtitan/DCP checkpoint."""
+checkpoint's safetensors or from a torchtitan/DCP checkpoint; and attention within the documents of packed rows
+(`DocumentMask`, `document_attention`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.distributed.checkpoint as dcp
 import torchtitan.distributed.parallel_dims as titan_parallel_dims
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.nn.attention.flex_attention import BlockMask
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -160,3 +164,58 @@ def build_model(
         # a checkpoint wrapper renames the parameters it wraps, which loading and init_adapters match by name.
         apply_ac(model, job_config.activation_checkpoint)
     return model, model_args, adapter
+
+
+class DocumentMask(BlockMask):
+    """Causal attention within each document of packed rows: query t sees key s iff s <= t and both are tokens of the
+    same document. `allowed` is that as the dense [B, 1, T, T] boolean mask SDPA takes.
+
+    A BlockMask because torchtitan's attention layers hand their `attention_masks` argument to the inner attention
+    only on their flex branch, which takes BlockMasks; as an argument of the forward it reaches every layer and
+    activation checkpointing's recomputation too. Its block structure is one block per row, exact with `mask_mod`,
+    so flex_attention could take it as well."""
+
+    allowed: torch.Tensor
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor) -> DocumentMask:
+        """The mask of rows whose token t belongs to document `document_ids[b, t]` ([B, T], a document's tokens
+        contiguous)."""
+        rows, length = document_ids.shape
+        positions = torch.arange(length, device=document_ids.device)
+        same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+        allowed = (same & (positions.unsqueeze(1) >= positions.unsqueeze(0))).unsqueeze(1)
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return allowed[b, 0, q, kv]
+
+        one_block = dict(device=document_ids.device, dtype=torch.int32)
+        mask = cls.from_kv_blocks(torch.ones(rows, 1, 1, **one_block), torch.zeros(rows, 1, 1, 1, **one_block),
+                                  BLOCK_SIZE=(length, length), mask_mod=mask_mod, seq_lengths=(length, length))
+        mask.allowed = allowed
+        return mask
+
+
+class DocumentAttention(nn.Module):
+    """The inner attention of a layer under `document_attention`: SDPA with the DocumentMask's dense mask (the fused
+    kernels on CUDA, the CPU kernel on CPU; eager flex_attention on CPU is an unfused reference, many times slower)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: DocumentMask,
+                scale: float | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask.allowed, scale=scale)
+
+
+@contextlib.contextmanager
+def document_attention(model: nn.Module) -> Iterator[None]:
+    """For the block, every attention layer of `model` (torchtitan's llama3 and qwen3) attends as the forward's
+    `attention_masks` (a DocumentMask) says, then causally again. Hold it over the backward pass too: activation
+    checkpointing recomputes the forward there."""
+    layers = [m for m in model.modules() if hasattr(m, "use_flex_attn") and hasattr(m, "inner_attention")]
+    saved = [(m.use_flex_attn, m.inner_attention) for m in layers]
+    for layer in layers:
+        layer.use_flex_attn, layer.inner_attention = True, DocumentAttention()
+    try:
+        yield
+    finally:
+        for layer, (flex, inner) in zip(layers, saved):
+            layer.use_flex_attn, layer.inner_attention = flex, inner

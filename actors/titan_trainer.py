@@ -26,7 +26,8 @@ from torchtitan.protocols.train_spec import get_train_spec
 from actors import checkpoint, lora
 from actors.logprobs import check_input_ids, draws_dropout, score_rows, token_entropy, token_logprobs, without_dropout
 from actors.lora_config import LoRAConfig
-from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
+from actors.model_builder import (DocumentMask, build_job_config, build_model, document_attention, parallel_dims,
+                                  resolve_model_path)
 from actors.trainer_config import TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
 from losses.rules import PI_OLD_PARAMS, uses_old_logprobs
@@ -156,25 +157,35 @@ class TitanTrainer:
     # -- forward passes ---------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None, *,
-                 with_entropy: bool, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (differentiable when grad is on) and entropies (no grad) of input_ids[:, 1:]: [b, T-1]."""
+                 with_entropy: bool, temperature: float | None = None,
+                 document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (differentiable when grad is on) and entropies (no grad) of input_ids[:, 1:]: [b, T-1]. With
+        `document_ids` (packed rows) each token attends within its document only, under `_attention`."""
         inputs, targets = input_ids[:, :-1], input_ids[:, 1:]
         # Sequence parallelism splits positions evenly across TP ranks; right padding changes no earlier logit.
-        inputs = F.pad(inputs, (0, -inputs.shape[1] % self.parallel_dims.tp))
+        pad = -inputs.shape[1] % self.parallel_dims.tp
+        inputs = F.pad(inputs, (0, pad))
+        masks = None
+        if document_ids is not None:  # the padding is a document of its own
+            masks = DocumentMask.of(F.pad(document_ids[:, :-1], (0, pad), value=-1).to(inputs.device))
         with self._autocast:
-            logits = self.model(inputs)[:, : targets.shape[1]]
+            logits = self.model(inputs, attention_masks=masks)[:, : targets.shape[1]]
         # Under top-k/top-p the behaviour policy is the truncated distribution: renormalise over the same kept sets.
         temperature = self.config.temperature if temperature is None else temperature
         logprobs = token_logprobs(logits, targets, temperature, kept_token_ids)
         entropy = token_entropy(logits, temperature) if with_entropy else None
         return logprobs, entropy
 
+    def _attention(self, batch: TrainBatch) -> contextlib.AbstractContextManager:
+        """Attention within documents for a packed batch (over its forward and backward passes), else as built."""
+        return document_attention(self.model) if batch.document_ids is not None else contextlib.nullcontext()
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
         """log pi_theta(input_ids[:, 1:]) at the current weights: [B, T-1] float32 on CPU, for the whole batch, at
         `temperature` (None: TrainerConfig.temperature)."""
         check_input_ids(batch.input_ids, self.model_args)
-        return self._score(batch.input_ids.to(self.device), batch.kept_token_ids, temperature)
+        return self._score(batch.input_ids.to(self.device), batch.kept_token_ids, temperature, batch.document_ids)
 
     @torch.no_grad()
     def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
@@ -189,15 +200,22 @@ class TitanTrainer:
 
     @torch.no_grad()
     def _score(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None,
-               temperature: float | None = None) -> torch.Tensor:
+               temperature: float | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """log pi_theta of the whole batch without dropout: [B, T-1] on CPU."""
         kept = None if kept_token_ids is None else kept_token_ids.to(input_ids.device)
+        if document_ids is None:
+            def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+                return self._forward(rows, kept_rows, with_entropy=False, temperature=temperature)[0]
 
-        def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
-            return self._forward(rows, kept_rows, with_entropy=False, temperature=temperature)[0]
+            attention, rows = contextlib.nullcontext(), input_ids
+        else:  # score_rows slices one [B, ...] tensor by rows: the document ids go along as a second channel
+            def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+                return self._forward(rows[:, 0], kept_rows, with_entropy=False, temperature=temperature,
+                                     document_ids=rows[:, 1])[0]
 
-        with without_dropout(self.model):
-            return score_rows(score, input_ids, self.config.micro_batch_size, self.dp, kept)
+            attention, rows = document_attention(self.model), torch.stack([input_ids, document_ids.to(input_ids)], 1)
+        with without_dropout(self.model), attention:
+            return score_rows(score, rows, self.config.micro_batch_size, self.dp, kept)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -220,7 +238,7 @@ class TitanTrainer:
         # sliced with it. With one minibatch and no dropout the training forward itself is pi_old: nothing extra.
         scored = None
         if (self._needs_pi_old and count > 1) or draws_dropout(self.model):
-            scored = self._score(batch.input_ids, batch.kept_token_ids).to(self.device)
+            scored = self._score(batch.input_ids, batch.kept_token_ids, document_ids=batch.document_ids).to(self.device)
         size = rows // count
         # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
         # samples are off-policy and the loss's clip bounds the update (around pi_old with a rollout correction).
@@ -251,44 +269,46 @@ class TitanTrainer:
         TrainerConfig.temperature). Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if
         asked, the token entropies.
         """
-        start, stop = self.dp.rows(batch.num_sequences)
-        size = self.config.micro_batch_size
-        micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
-        # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each micro-batch's
-        # random state is kept so that its recomputation below draws the same dropout masks.
-        keep_graph = len(micro) == 1
-        parts, rng_states = [], []
-        with torch.set_grad_enabled(keep_graph):
-            for mb in micro:
-                rng_states.append(_rng_state(self.device))
-                parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy,
-                                           temperature=temperature))
-        local_logprobs = torch.cat([lp for lp, _ in parts])
-        entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
-        logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
+        with self._attention(batch):  # held over the backward passes, which may recompute the forward
+            start, stop = self.dp.rows(batch.num_sequences)
+            size = self.config.micro_batch_size
+            micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
+            # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each
+            # micro-batch's random state is kept so that its recomputation below draws the same dropout masks.
+            keep_graph = len(micro) == 1
+            parts, rng_states = [], []
+            with torch.set_grad_enabled(keep_graph):
+                for mb in micro:
+                    rng_states.append(_rng_state(self.device))
+                    parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy,
+                                               temperature=temperature, document_ids=mb.document_ids))
+            local_logprobs = torch.cat([lp for lp, _ in parts])
+            entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
+            logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
 
-        if old_is_current:
-            old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids, temperature).to(self.device)
-                            if draws_dropout(self.model) else logprobs.detach())
-        pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
-        out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
-        if not out.loss.requires_grad:
-            name = getattr(loss_fn, "__name__", repr(loss_fn))
-            raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
-        (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
-        # FSDP averages gradients over data-parallel ranks, but each rank's share is already exact: undo it.
-        local_grad = loss_grad[start : start + local_logprobs.shape[0]] * self.dp.degree
-        if keep_graph:
-            local_logprobs.backward(local_grad)
-        else:
-            offset = 0
-            for mb, rng in zip(micro, rng_states):
-                _set_rng_state(self.device, rng)
-                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
-                                               temperature=temperature)
-                mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
-                offset += mb.num_sequences
-        return out, logprobs.detach(), entropy
+            if old_is_current:
+                old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids, temperature,
+                                            batch.document_ids).to(self.device)
+                                if draws_dropout(self.model) else logprobs.detach())
+            pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
+            out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
+            if not out.loss.requires_grad:
+                name = getattr(loss_fn, "__name__", repr(loss_fn))
+                raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
+            (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
+            # FSDP averages gradients over data-parallel ranks, but each rank's share is already exact: undo it.
+            local_grad = loss_grad[start : start + local_logprobs.shape[0]] * self.dp.degree
+            if keep_graph:
+                local_logprobs.backward(local_grad)
+            else:
+                offset = 0
+                for mb, rng in zip(micro, rng_states):
+                    _set_rng_state(self.device, rng)
+                    mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
+                                                   temperature=temperature, document_ids=mb.document_ids)
+                    mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
+                    offset += mb.num_sequences
+            return out, logprobs.detach(), entropy
 
     def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> tuple[dict[str, float],
                                                                                           torch.Tensor]:

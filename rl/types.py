@@ -336,6 +336,9 @@ class TrainBatch:
     # [B, T-1, K] int32: the tokens the sampler kept when it drew target t+1, -1 padded (all -1: full vocabulary);
     # None when no episode was sampled with top-k / top-p.
     kept_token_ids: torch.Tensor | None = None
+    # [B, T] long: packed rows (SFT), several sequences one after another in a row: which of them each token belongs
+    # to. A token attends only to earlier tokens of its own sequence; None: one sequence per row (causal attention).
+    document_ids: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -359,6 +362,7 @@ class TrainBatch:
             rewards=self.rewards[start:stop],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop],
             kept_token_ids=None if self.kept_token_ids is None else self.kept_token_ids[start:stop],
+            document_ids=None if self.document_ids is None else self.document_ids[start:stop],
         )
 
     @classmethod

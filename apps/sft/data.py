@@ -210,16 +210,60 @@ class Epochs:
         self.order = self._order()
 
 
-def train_batch(examples: list[Example], pad_id: int) -> TrainBatch:
-    """Right-padded rows; `response_mask[t]` is whether token t+1 is learned (rl.types' alignment). The fields a
-    policy loss reads and SFT has none of are zeros (behaviour log-probs, advantages, rewards) and -1 (versions)."""
-    length = max(len(e) for e in examples)
-    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(examples), length - 1)
-    for row, example in enumerate(examples):
-        ids[row, : len(example)] = torch.tensor(example.ids)
-        mask[row, : len(example) - 1] = torch.tensor(example.learned[1:], dtype=torch.float32)
-    zeros = torch.zeros(len(examples))
+def train_batch(examples: list[Example], pad_id: int, *, pack_to: int | None = None, minibatches: int = 1,
+                ranks: int = 1) -> TrainBatch:
+    """The trainer's batch of `examples`: one right-padded row each, or with `pack_to` several per row
+    (`pack_rows`). `response_mask[t]` is whether token t+1 is learned (rl.types' alignment); the loss sees the same
+    learned tokens either way, so a token-mean loss is the same. The fields a policy loss reads and SFT has none of
+    are zeros (behaviour log-probs, advantages, rewards) and -1 (versions).
+
+    Packed, the examples are split into `minibatches` successive groups as the trainer splits rows (each its own
+    optimizer step on the same examples as unpacked), each group is packed on its own and filled with empty rows
+    to the same count, a multiple of `ranks` (every data-parallel rank takes an equal share of rows)."""
+    if pack_to is None:
+        return _batch([[e] for e in examples], pad_id, packed=False)
+    if len(examples) % minibatches:
+        raise ValueError(f"{len(examples)} examples: must split evenly into {minibatches} minibatches")
+    size = len(examples) // minibatches
+    groups = [pack_rows(examples[s : s + size], pack_to) for s in range(0, len(examples), size)]
+    count = -(-max(map(len, groups)) // ranks) * ranks
+    return _batch([row for group in groups for row in group + [[]] * (count - len(group))], pad_id, packed=True)
+
+
+def pack_rows(examples: list[Example], length: int) -> list[list[Example]]:
+    """Rows of examples, each row's tokens at most `length` (an example longer than that alone in its row): first
+    fit, longest first. Examples are never split: a split one would lose the context of its second part."""
+    rows: list[list[Example]] = []
+    free: list[int] = []
+    for example in sorted(examples, key=len, reverse=True):
+        row = next((r for r, space in enumerate(free) if len(example) <= space), None)
+        if row is None:
+            rows.append([])
+            free.append(length)
+            row = len(rows) - 1
+        rows[row].append(example)
+        free[row] -= len(example)
+    return rows
+
+
+def _batch(rows: list[list[Example]], pad_id: int, packed: bool) -> TrainBatch:
+    """Each row's examples one after another, right-padded; with `packed`, `document_ids` numbers them in the row
+    (the padding after them one more) so that each attends only to itself."""
+    length = max(2, max(sum(map(len, row)) for row in rows))
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), length - 1)
+    documents = torch.zeros(len(rows), length, dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for document, example in enumerate(row):
+            end = start + len(example)
+            ids[r, start:end] = torch.tensor(example.ids)
+            # Within the example only: its last token predicts the next example's first, which is not learned.
+            mask[r, start : end - 1] = torch.tensor(example.learned[1:], dtype=torch.float32)
+            documents[r, start:end] = document
+            start = end
+        documents[r, start:] = len(row)
+    zeros = torch.zeros(len(rows))
     return TrainBatch(input_ids=ids, response_mask=mask, behaviour_logprobs=torch.zeros_like(mask),
                       policy_versions=torch.full_like(mask, -1, dtype=torch.long), advantages=zeros,
-                      rewards=zeros.clone())
+                      rewards=zeros.clone(), document_ids=documents if packed else None)

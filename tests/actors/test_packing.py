@@ -1,0 +1,115 @@
+"""Packed rows in the trainer (rl.types.TrainBatch.document_ids, actors.model_builder.document_attention): a packed
+batch gives the loss, the gradients and the log-probs of the same examples one per row, and leaves the model as
+built for every other batch."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.model_builder import DocumentAttention
+from actors.titan_trainer import TitanTrainer
+from actors.trainer_config import TrainerConfig
+from apps.sft.data import Example, train_batch
+from losses.nll import nll
+from rl.tiny_model import build_tiny_checkpoint
+
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def examples(count: int, seed: int) -> list[Example]:
+    """Prompts then learned completions, of lengths 3 to 14, so rows pack two to four examples."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prompt, completion = rng.randint(1, 8), rng.randint(2, 6)
+        ids = tuple(rng.randint(3, 98) for _ in range(prompt + completion))
+        out.append(Example(ids, (False,) * prompt + (True,) * completion))
+    return out
+
+
+def trainer(path: Path, family: str, **overrides) -> TitanTrainer:
+    return TitanTrainer(TrainerConfig(model_path=str(path), family=family, loss="losses.nll:nll",
+                                      temperature=1.0, **overrides))
+
+
+def loss_and_gradients(trainer: TitanTrainer, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    trainer.optimizers.zero_grad()
+    out, _, _ = trainer.accumulate_gradients(batch, nll, {})
+    grads = {name: p.grad for name, p in trainer.model.named_parameters()}
+    return out.loss.item(), {n: (g.full_tensor() if isinstance(g, DTensor) else g.clone()) for n, g in grads.items()}
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen3", {}),
+    ("qwen3", {"micro_batch_size": 2}),  # several micro-batches: the forward recomputed micro-batch by micro-batch
+    ("qwen3", {"activation_checkpoint": "full"}),  # the backward pass recomputes each layer's forward
+    ("llama3", {}),
+])
+def test_packed_batch_gives_the_unpacked_loss_and_gradients(family: str, overrides: dict,
+                                                            request: pytest.FixtureRequest) -> None:
+    model = trainer(request.getfixturevalue(family), family, **overrides)
+    batch = examples(12, seed=1)
+    packed = train_batch(batch, PAD, pack_to=32)
+    assert packed.num_sequences < len(batch) and int(packed.document_ids.max()) >= 2  # rows hold several examples
+    loss, grads = loss_and_gradients(model, train_batch(batch, PAD))
+    packed_loss, packed_grads = loss_and_gradients(model, packed)
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    for name in grads:
+        torch.testing.assert_close(packed_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_without_document_masking_the_packed_loss_differs(qwen3: Path) -> None:
+    """What the test above guards against: the same packed rows under plain causal attention see earlier examples."""
+    model = trainer(qwen3, "qwen3")
+    batch = examples(12, seed=1)
+    packed = train_batch(batch, PAD, pack_to=32)
+    packed.document_ids = None
+    assert loss_and_gradients(model, packed)[0] != pytest.approx(loss_and_gradients(model, train_batch(batch, PAD))[0],
+                                                                 rel=1e-3)
+
+
+def test_packed_logprobs_are_the_unpacked_ones_at_every_learned_token(qwen3: Path) -> None:
+    """The held-out loss's scoring: the learned tokens' log-probs, wherever the example sits."""
+    model = trainer(qwen3, "qwen3", micro_batch_size=2)
+    batch = examples(10, seed=2)
+    unpacked, packed = train_batch(batch, PAD), train_batch(batch, PAD, pack_to=24, ranks=2)
+    assert packed.num_sequences % 2 == 0
+    learned = model.logprobs(unpacked)[unpacked.response_mask > 0]
+    packed_learned = model.logprobs(packed)[packed.response_mask > 0]
+    torch.testing.assert_close(packed_learned.sort().values, learned.sort().values, rtol=0, atol=2e-5)
+    assert nll(model.logprobs(packed), packed).loss.item() == pytest.approx(nll(model.logprobs(unpacked),
+                                                                                unpacked).loss.item(), rel=1e-5)
+
+
+def test_the_model_attends_causally_again_after_a_packed_batch(qwen3: Path) -> None:
+    """GRPO's batches (no document ids) run the model exactly as built, before and after packed ones."""
+    model = trainer(qwen3, "qwen3")
+    unpacked = train_batch(examples(6, seed=3), PAD)
+    before = model.logprobs(unpacked)
+    model.train_step(train_batch(examples(6, seed=4), PAD, pack_to=32))  # a step changes the weights: compare after
+    model.logprobs(train_batch(examples(6, seed=4), PAD, pack_to=32))
+    attention = [m for m in model.model.modules() if hasattr(m, "use_flex_attn")]
+    assert attention and not any(m.use_flex_attn or isinstance(m.inner_attention, DocumentAttention)
+                                 for m in attention)
+    assert not torch.equal(model.logprobs(unpacked), before)  # sanity: the packed step trained the model
