@@ -78,8 +78,14 @@ def compare(previous: torch.Tensor, new: torch.Tensor) -> tuple[TensorDelta | No
     if min(bitmask, sparse or bitmask) >= numel * itemsize:
         return None, count
     if sparse is not None and sparse <= bitmask:
-        return TensorDelta("sparse", torch.from_numpy(_positions(packed, numel)), torch.from_numpy(values)), count
-    return TensorDelta("bitmask", torch.from_numpy(packed), torch.from_numpy(values)), count
+        return TensorDelta("sparse", _tensor(_positions(packed, numel)), _tensor(values)), count
+    return TensorDelta("bitmask", _tensor(packed), _tensor(values)), count
+
+
+def _tensor(array: numpy.ndarray) -> torch.Tensor:
+    """A 1-D array as a tensor of stride 1, sharing its memory (numpy may give an empty array stride 0, which torch
+    then cannot view as bytes)."""
+    return torch.from_numpy(array) if array.size else torch.empty(0, dtype=torch.from_numpy(array).dtype)
 
 
 def _changes(old_bits: numpy.ndarray, new_bits: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:

@@ -83,7 +83,7 @@ def test_mismatched_tensors_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("share", [0.01, 0.3])
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.3])  # 0.0: nothing changed, an empty delta
 def test_a_delta_travels_as_one_byte_payload(dtype, share):
     base = torch.randn(3001).to(dtype)
     new = _changed(base, share, 4)
