@@ -4,11 +4,14 @@ built for every other batch."""
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,3 +116,34 @@ def test_the_model_attends_causally_again_after_a_packed_batch(qwen3: Path) -> N
     assert attention and not any(m.use_flex_attn or isinstance(m.inner_attention, DocumentAttention)
                                  for m in attention)
     assert not torch.equal(model.logprobs(unpacked), before)  # sanity: the packed step trained the model
+
+
+def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str) -> None:
+    """One FSDP rank: the loss and full gradients of the same examples packed and unpacked, a micro-batch of one row
+    per pass (recomputed for the backward)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model = TitanTrainer(TrainerConfig(model_path=path, loss="losses.nll:nll", temperature=1.0,
+                                           micro_batch_size=1), rank=rank, world_size=world_size)
+        batch = examples(12, seed=1)
+        result = {"unpacked": loss_and_gradients(model, train_batch(batch, PAD)),
+                  "packed": loss_and_gradients(model, train_batch(batch, PAD, pack_to=32, ranks=world_size))}
+        torch.save(result, Path(out_dir) / f"result{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_two_ranks_packed_give_the_unpacked_loss_and_gradients(qwen3: Path, tmp_path: Path) -> None:
+    from tests.actors.test_trainer import run_ranks  # not at the top: this file also runs as a rank's script
+
+    result = run_ranks(__file__, qwen3, tmp_path)[0]
+    (loss, grads), (packed_loss, packed_grads) = result["unpacked"], result["packed"]
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    for name in grads:
+        torch.testing.assert_close(packed_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+if __name__ == "__main__":  # one rank of the FSDP test, started by run_ranks
+    _fsdp_worker(*map(int, sys.argv[1:4]), *sys.argv[4:])
