@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.distill_vs_grpo import first_step_at, read_run
+from bench.distill_vs_grpo import first_step_at, read_run, seconds_to
 
 
 def fake_run(folder: Path, evals: dict[int, float], steps: int, start: float, end: float) -> Path:
     """summary.json and metrics.jsonl as apps.grpo writes them, with eval/accuracy one row after its step."""
     folder.mkdir()
     (folder / "summary.json").write_text(json.dumps({"steps": steps, "accuracy_start": start, "accuracy_end": end}))
-    rows = [{"step": step, "loss": 0.1} for step in range(1, steps + 1)]
+    rows = [{"step": step, "step_s": 0.5} for step in range(1, steps + 1)]
     rows[0]["eval/accuracy"] = start  # the evaluation at the start, recorded before step 1
     for step, accuracy in evals.items():
         rows[step]["eval/accuracy"] = accuracy  # row step+1
@@ -23,9 +23,10 @@ def fake_run(folder: Path, evals: dict[int, float], steps: int, start: float, en
 
 def test_the_curve_puts_each_evaluation_at_the_step_it_followed(tmp_path):
     run = fake_run(tmp_path / "run", {10: 0.30, 20: 0.55}, steps=30, start=0.15, end=0.70)
-    summary, curve = read_run(run)
+    summary, curve, step_seconds = read_run(run)
     assert summary["steps"] == 30
     assert curve == {0: 0.15, 10: 0.30, 20: 0.55, 30: 0.70}
+    assert seconds_to(step_seconds, 20) == 10.0 and seconds_to(step_seconds, None) is None
 
 
 def test_the_first_step_at_a_target_is_the_first_evaluation_at_or_above_it():
