@@ -86,10 +86,16 @@ class SFTEvalSection:
     """task sources: also greedy accuracy on those prompts, sampled by a generator service (`generator`)."""
     max_tokens: int = 16
     """Tokens generated per held-out prompt (tiny: 4)."""
+    stop_at_accuracy: float | None = None
+    """Stop training at the first evaluation (every `every` steps) whose greedy held-out accuracy reaches this, then
+    export as at the end: a start for GRPO that gets some answers right and leaves it the rest (null: train all
+    `steps`)."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"every={self.every}: must be >= 0 (0: only at the start and the end)")
+        if self.stop_at_accuracy is not None and not 0 < self.stop_at_accuracy <= 1:
+            raise ValueError(f"stop_at_accuracy={self.stop_at_accuracy}: must be in (0, 1], or null")
         for name in ("num_prompts", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -192,6 +198,10 @@ class SFTConfig:
             raise ValueError("eval.accuracy=true: data.task.name='lookup' is multi-turn; its accuracy is played "
                              "against its environment (apps.grpo's eval), not sampled from single prompts; set "
                              "eval.accuracy=false (the held-out loss is still measured)")
+        if self.eval.stop_at_accuracy is not None and not (self.measures_accuracy and self.eval.every):
+            raise ValueError(f"eval.stop_at_accuracy={self.eval.stop_at_accuracy}: needs the held-out accuracy "
+                             f"measured during training: a task source, eval.accuracy=true, a generator and "
+                             f"eval.every > 0 (eval.every={self.eval.every})")
         if self.data.source != "task" and self.eval.accuracy and self.generator is not None:
             raise ValueError(f"eval.accuracy=true: data.source={self.data.source} has no reward to score samples "
                              "with (only task sources do); set eval.accuracy=false or generator=null")

@@ -103,7 +103,11 @@ class SFTJob:
             self.step, self.version = self.step + 1, result.version
             self.logger.log(self.step, [], step_metrics(examples, result.metrics, time.perf_counter() - step_start))
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
-                await self.evaluate(f"step {self.step}")
+                if reached(await self.evaluate(f"step {self.step}"), cfg.eval.stop_at_accuracy):
+                    print(f"step {self.step}: held-out accuracy reached eval.stop_at_accuracy="
+                          f"{cfg.eval.stop_at_accuracy}; training stops", flush=True)
+                    self.summary["stopped_at_accuracy"] = self.step
+                    break
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 await self.save_checkpoint()
         self.summary.update(steps_this_run=self.step - first, train_s=round(time.perf_counter() - started, 1))
@@ -164,6 +168,11 @@ class SFTJob:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         print(f"summary: {json.dumps(self.summary)}", flush=True)
+
+
+def reached(results: dict[str, float], stop_at_accuracy: float | None) -> bool:
+    """Whether an evaluation's greedy accuracy reached `eval.stop_at_accuracy` (never, without one)."""
+    return stop_at_accuracy is not None and results.get("eval/accuracy", 0.0) >= stop_at_accuracy
 
 
 def step_metrics(examples: list[Example], trainer: dict[str, float], step_s: float) -> dict[str, float]:
