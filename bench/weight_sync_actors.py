@@ -80,6 +80,9 @@ class Publisher(ForgeActor):
     @endpoint
     async def mark(self, version: int) -> list[float]:
         """Stamp `version` into every tensor's ends, so readers can prove they hold this version."""
+        return self.stamp(version)
+
+    def stamp(self, version: int) -> list[float]:
         for tensor in self.weights.values():
             flat = tensor.view(-1)
             flat[0], flat[-1] = version, -version

@@ -23,7 +23,17 @@ needs more CPU seconds than the cores give in its time is CPU-bound here.
 seconds after the publish started): when host B's relay started its copy, had received the last byte, and
 advertised the complete copy; when each reader started its fetch and when it returned the verified version.
 Then (a) again with no reader on host B: from the start of the publish until host B's relay advertised its copy
-(the stream on its own, without the readers' CPU).
+(the stream on its own, without the readers' CPU). `host B CPU core-s` is the CPU time of host B's processes alone (its
+relay and both readers) per version.
+
+With `--delta-lrs 0,LR`, each dtype is measured twice: as above (0), then with (a) publishing with delta sync
+(`DeltaSync(enabled=True)`: each version stored as its delta from the previous one where smaller; host B's relay copies
+the deltas, each reader rebuilds the version on its own copy and verifies it). For that row the publisher keeps fp32
+master weights at a trained model's scale (normal, std 0.02) and moves each element by one Adam step of LR between
+versions (the form of Adam's first step, +-LR per element: its largest move), publishing them in the bench's dtype; it
+prints the bytes stored per version and the share of elements that changed.
+
+    .venv/bin/python -m bench.weight_sync --hosts 2 --size-gb 1.0 --dtypes bf16 --repeats 3 --delta-lrs 0,1e-6
 """
 
 from __future__ import annotations
@@ -38,35 +48,74 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 
-from tests.multihost_support import SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
+from tests.multihost_support import SimulatedHost, SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
 
 from bench.weight_sync_actors import DTYPES, Publisher, Reader, delete_torchstore_prefix, state_dict_shapes
 from actors.generator_config import GeneratorConfig
 from forge import provisioner
 from forge.actor import endpoint, mesh_of
 from forge.hosts.config import HostsConfig
-from forge.weight_store import WeightStore
+from forge.weight_store import DeltaSync, WeightStore
 
 RAW_PORT = 26650  # the raw copy's port on host A (inside its namespace: nothing else listens there)
 
 
 class RelayPublisher(Publisher):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stores: dict[str, WeightStore] = {}  # one per namespace: a chain of deltas lives in its store
+        self.master: dict[str, torch.Tensor] = {}  # fp32 master weights, with deltas
+        self.lr, self.generator = 0.0, torch.Generator()
+        self.stored: list[tuple[int, float]] = []  # (bytes stored, share of elements changed) per version published
+
+    @endpoint
+    async def use_deltas(self, lr: float) -> None:
+        """Publish with delta sync from fp32 master weights (normal, std 0.02) that each `mark` moves by +-`lr`
+        (0: the weights as built, published whole)."""
+        self.lr, self.generator, self.stored = lr, torch.Generator().manual_seed(1), []
+        self.master = {n: torch.randn(t.shape, generator=self.generator).mul_(0.02)
+                       for n, t in self.weights.items()} if lr else {}
+        for name, master in self.master.items():
+            self.weights[name].copy_(master)
+
+    @endpoint
+    async def mark(self, version: int) -> list[float]:
+        """One Adam-like step of the master weights (with deltas), then the version stamped into every tensor's ends."""
+        for name, master in self.master.items():
+            master.add_(torch.randn(master.shape, generator=self.generator).sign_().mul_(self.lr))
+            self.weights[name].copy_(master)
+        return self.stamp(version)
+
     @endpoint
     async def publish_relayed(self, namespace: str, version: int) -> None:
-        store = WeightStore(namespace)  # relayed mode: the provisioner set FORGE_WEIGHT_RELAY in this process
-        await store.publish(self.weights, version)
+        # relayed mode: the provisioner set FORGE_WEIGHT_RELAY in this process
+        store = self.stores.setdefault(namespace, WeightStore(namespace, delta=DeltaSync(enabled=bool(self.master))))
+        manifest = await store.publish(self.weights, version)
+        compared = [(e.changed, torch.Size(e.shape).numel()) for e in manifest.entries.values() if e.changed >= 0]
+        self.stored.append((manifest.nbytes, sum(c for c, _ in compared) / max(1, sum(n for _, n in compared))))
         await store.delete_older_than(version)
+
+    @endpoint
+    async def stored_per_version(self) -> list[tuple[int, float]]:
+        """(bytes stored, changed share) of each version published since the last call."""
+        stored, self.stored = self.stored, []
+        return stored
 
 
 class RelayReader(Reader):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stores: dict[str, WeightStore] = {}  # one per namespace: a reader's own copy for deltas lives in its store
+
     @endpoint
     async def fetch_relayed(self, namespace: str, version: int, timeout_s: float = 300.0) -> tuple[float, float]:
         """Wait until this host has `version` (complete, or arriving: its relay is streaming it), checking as often as
         a generator does by default (`weight_poll_s`: each check is 3 torchstore calls, ~3-4 ms of CPU here across
         the processes involved), then read it into the live weights; returns when the fetch started and ended (wall
         clock)."""
-        store = WeightStore(namespace)
+        store = self.stores.setdefault(namespace, WeightStore(namespace))
         deadline = time.monotonic() + timeout_s
         while (await store.latest_version() or -1) < version:
             if time.monotonic() > deadline:
@@ -79,11 +128,15 @@ class RelayReader(Reader):
 
 def cpu_seconds(hosts: SimulatedHosts) -> float:
     """CPU seconds (user + system) used so far by every process on the simulated hosts and by this controller."""
-    total = sum(os.times()[:2])
-    for host in hosts.hosts:
-        for process in host.processes():
-            with contextlib.suppress(psutil.Error):
-                total += sum(process.cpu_times()[:2])
+    return sum(os.times()[:2]) + sum(host_cpu_seconds(host) for host in hosts.hosts)
+
+
+def host_cpu_seconds(host: SimulatedHost) -> float:
+    """CPU seconds (user + system) used so far by the processes on one simulated host."""
+    total = 0.0
+    for process in host.processes():
+        with contextlib.suppress(psutil.Error):
+            total += sum(process.cpu_times()[:2])
     return total
 
 
@@ -97,7 +150,7 @@ async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, n
                      hosts: SimulatedHosts) -> tuple[float, float, dict, float]:
     """(publish-to-ready, publish, stages, CPU core-s) of one version through path (a)."""
     expected = await publisher.mark.call_one(version)
-    cpu = cpu_seconds(hosts)
+    cpu, cpu_b = cpu_seconds(hosts), host_cpu_seconds(hosts.hosts[1])
     start, wall = time.perf_counter(), time.time()
 
     async def publish() -> float:
@@ -106,19 +159,23 @@ async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, n
 
     published, fetches = await asyncio.gather(publish(), readers.fetch_relayed.call(namespace, version))
     seconds, cpu = time.perf_counter() - start, cpu_seconds(hosts) - cpu
+    cpu_b = host_cpu_seconds(hosts.hosts[1]) - cpu_b
     await _check(readers, expected, "relay")
     copy = await _advertised_copy(relay_b, version)  # the readers may finish first
     stages = {f"relay {k}": copy[k] - wall for k in ("started", "received", "advertised")}
     reads = list(fetches.values())
     stages["readers started"] = min(r[0] for r in reads) - wall
     stages["readers done"] = max(r[1] for r in reads) - wall
+    stages["host B CPU core-s"] = cpu_b
     return seconds, published, stages, cpu
 
 
 async def _advertised_copy(relay_b, version: int) -> dict:
-    """Host B's relay's times of its copy of `version`, once it advertised it."""
+    """Host B's relay's times of its copy of `version`, once it advertised it (a version of deltas is copied only once
+    its publish returned: until then the relay's last copy is an older version)."""
     deadline = time.monotonic() + 30
-    while "advertised" not in (copy := (await relay_b.status.call_one())["last_copy"]):
+    while "advertised" not in (copy := (await relay_b.status.call_one())["last_copy"]) \
+            or copy.get("version", -1) < version:
         if time.monotonic() > deadline:
             raise RuntimeError(f"host B's relay never advertised its copy of version {version}: {copy}")
         await asyncio.sleep(0.01)
@@ -219,11 +276,12 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
     publisher = await RelayPublisher.options(procs=1, mesh_name="publisher").as_actor()
     readers = await RelayReader.options(procs=2, mesh_name="readers").as_actor()
     rows, version = [], 0
-    for dtype in args.dtypes:
+    for dtype, delta_lr in [(dtype, lr) for dtype in args.dtypes for lr in args.delta_lrs]:
         shapes = state_dict_shapes(args.size_gb, DTYPES[dtype])
         nbytes = await publisher.build.call_one(shapes, dtype)
         await readers.allocate.call(shapes, dtype, False)  # fetched straight into the live weights: no staging
-        namespace = f"bench-hosts-{dtype}"
+        await publisher.use_deltas.call_one(delta_lr)
+        namespace = f"bench-hosts-{dtype}" + (f"-deltas-{delta_lr:g}" if delta_lr else "")
         # Warm-up: connections, and two versions so that every timed one finds a deleted version's file on each host
         # to write into, as in a job's steady state (writing into fresh shared memory cost ~2 core-s more per GB here).
         for _ in range(2):
@@ -233,6 +291,7 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         for _ in range(args.repeats):
             version += 1
             relay.append(await relay_once(publisher, readers, relay_b, namespace, version, hosts))
+        stored = (await publisher.stored_per_version.call_one())[2:]  # the timed versions, after the warm-up's
         seconds, published, stages, cpu = _median(relay)
         print(f"(a) median of {len(relay)}: {seconds:.3f} s, publish returned at {published:.3f} s, {cpu:.2f} CPU "
               "core-s; stages: " +
@@ -249,7 +308,8 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         await publisher.free.call_one()
         await readers.free.call()
         rows.append({"dtype": dtype, "gb": nbytes / 1e9, "tensors": len(shapes), "relay": _median(relay),
-                     "relay alone": _median(alone), "torchstore": _median(plain), "raw": _median(raw)})
+                     "relay alone": _median(alone), "torchstore": _median(plain), "raw": _median(raw),
+                     "delta lr": delta_lr, "stored": stored})
         print_row(rows[-1])
     return rows
 
@@ -258,6 +318,10 @@ def print_row(row: dict) -> None:
     gb = row["gb"]
     print(f"\n{row['dtype']}: {gb:.3f} GB in {row['tensors']} tensors, publisher on host A, 2 readers on host B; "
           "publish-to-ready, median")
+    if row["delta lr"]:
+        stored = [f"{nbytes / 1e6:.1f} MB stored ({nbytes / (gb * 1e9):.1%}), {share:.2%} changed"
+                  for nbytes, share in row["stored"]]
+        print(f"  (a) with delta sync, one Adam-like step of lr {row['delta lr']:g} between versions: " + ", ".join(stored))
     print(f"  {'path':<58}{'seconds':>9}{'GB/s':>8}{'publish s':>11}{'CPU core-s':>12}")
     for label, key in (("(a) forge: host B's relay, shm readers", "relay"),
                        ("(b) plain torchstore: put once, get per reader", "torchstore"),
