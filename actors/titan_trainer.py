@@ -176,9 +176,9 @@ class TitanTrainer:
         entropy = token_entropy(logits, temperature) if with_entropy else None
         return logprobs, entropy
 
-    def _attention(self, batch: TrainBatch) -> contextlib.AbstractContextManager:
+    def _attention(self, document_ids: torch.Tensor | None) -> contextlib.AbstractContextManager:
         """Attention within documents for a packed batch (over its forward and backward passes), else as built."""
-        return document_attention(self.model) if batch.document_ids is not None else contextlib.nullcontext()
+        return document_attention(self.model) if document_ids is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
@@ -203,18 +203,15 @@ class TitanTrainer:
                temperature: float | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """log pi_theta of the whole batch without dropout: [B, T-1] on CPU."""
         kept = None if kept_token_ids is None else kept_token_ids.to(input_ids.device)
-        if document_ids is None:
-            def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
-                return self._forward(rows, kept_rows, with_entropy=False, temperature=temperature)[0]
+        # score_rows slices one [B, ...] tensor by rows: a packed batch's document ids go along as a second channel.
+        rows = input_ids if document_ids is None else torch.stack([input_ids, document_ids.to(input_ids)], 1)
 
-            attention, rows = contextlib.nullcontext(), input_ids
-        else:  # score_rows slices one [B, ...] tensor by rows: the document ids go along as a second channel
-            def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
-                return self._forward(rows[:, 0], kept_rows, with_entropy=False, temperature=temperature,
-                                     document_ids=rows[:, 1])[0]
+        def score(rows: torch.Tensor, kept_rows: torch.Tensor | None = None) -> torch.Tensor:
+            ids, documents = (rows, None) if document_ids is None else (rows[:, 0], rows[:, 1])
+            return self._forward(ids, kept_rows, with_entropy=False, temperature=temperature,
+                                 document_ids=documents)[0]
 
-            attention, rows = document_attention(self.model), torch.stack([input_ids, document_ids.to(input_ids)], 1)
-        with without_dropout(self.model), attention:
+        with without_dropout(self.model), self._attention(document_ids):
             return score_rows(score, rows, self.config.micro_batch_size, self.dp, kept)
 
     # -- training ---------------------------------------------------------------------------------
@@ -269,7 +266,7 @@ class TitanTrainer:
         TrainerConfig.temperature). Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if
         asked, the token entropies.
         """
-        with self._attention(batch):  # held over the backward passes, which may recompute the forward
+        with self._attention(batch.document_ids):  # held over the backward passes, which may recompute the forward
             start, stop = self.dp.rows(batch.num_sequences)
             size = self.config.micro_batch_size
             micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
