@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     (Path(args.run_dir) / "results.json").write_text(json.dumps(rows, indent=2))
     print_table(rows)
     met = sum(r["met"] for r in rows)
-    print(f"\nverdict: the bar is {'met' if met == len(rows) else 'NOT met'} on {met} of {len(rows)} seeds "
-          f"(the student within {args.margin * 100:g} points of the teacher in fewer steps than GRPO)")
+    print(f"\nverdict: the bar is {'met' if met == len(rows) else 'NOT met'} (met on {met} of {len(rows)} seeds: "
+          f"the student within {args.margin * 100:g} points of the teacher in fewer steps than GRPO)")
     return 0 if met == len(rows) else 1
 
 
