@@ -31,11 +31,14 @@ def _first() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 
-def _step(master: dict[str, torch.Tensor], version: int, *, everything: tuple[str, ...] = ()) -> None:
-    """An fp32 master update that moves few bf16 values (most stay under a rounding boundary), and every value of the
-    tensors in `everything`."""
+def _step(master: dict[str, torch.Tensor], version: int, *, everything: tuple[str, ...] = (),
+          frozen: tuple[str, ...] = ()) -> None:
+    """An fp32 master update that moves few bf16 values (most stay under a rounding boundary), every value of the
+    tensors in `everything`, and none of the tensors in `frozen`."""
     g = torch.Generator().manual_seed(version)
     for name, tensor in master.items():
+        if name in frozen:
+            continue
         scale = 1.0 if name in everything else 3e-4
         tensor.add_(torch.randn(tensor.shape, generator=g) * scale * tensor.abs())
 
@@ -58,7 +61,8 @@ async def test_readers_rebuild_every_version_bit_for_bit_over_chains_of_deltas(t
     master, published, manifests = _first(), {}, {}
     for version in range(10):
         if version:
-            _step(master, version, everything=("norm",) if version == 5 else ())
+            _step(master, version, everything=("norm",) if version == 5 else (),
+                  frozen=("layer.k",) if version == 6 else ())
         published[version] = _published(master)
         manifests[version] = await publisher.publish(master, version, dtype=torch.bfloat16)
         _assert_bit_identical(await every.fetch(version), published[version], f"every, v{version}")
@@ -74,6 +78,8 @@ async def test_readers_rebuild_every_version_bit_for_bit_over_chains_of_deltas(t
     # version 5 changed every value of `norm`: that tensor is stored whole, the others as deltas
     assert manifests[5].entries["norm"].encoding == "full"
     assert {manifests[5].entries[n].encoding for n in NAMES if n != "norm"} <= {"sparse", "bitmask"}
+    # version 6 left `layer.k` as it was: an empty delta
+    assert (manifests[6].entries["layer.k"].changed, manifests[6].entries["layer.k"].nbytes) == (0, 0)
     into = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in published[9].items()}  # fp32 receivers
     got = await every.fetch(9, into=into)
     assert all(got[name] is into[name] and torch.equal(into[name], t.float()) for name, t in published[9].items())
