@@ -2,7 +2,7 @@
 
     python -m apps.sft --config configs/sft_tiny.yaml [key=value ...] [--resume]
 
-    examples (task answers | JSONL / dataset rows, chat or prompt-completion) -> masked, padded TrainBatch
+    examples (task answers | JSONL / dataset rows, chat or prompt-completion) -> masked, padded (or packed) TrainBatch
         -> TrainerActor (TorchTitan, FSDP2 over resources.trainer_procs ranks; loss losses/nll.py) -> next version
 
 Each step trains `batch_size` examples; the trainer publishes each version, which a generator service follows to
@@ -36,7 +36,7 @@ from forge.actor import rank0
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger
 from forge.provisioner import get_provisioner
-from rl.types import SamplingParams
+from rl.types import SamplingParams, TrainBatch
 
 WEIGHTS = "sft"  # the weight store namespace the trainer publishes to and the held-out generator follows
 EVAL_CONCURRENCY = 64  # held-out prompts in flight (the generator batches them)
@@ -53,6 +53,8 @@ class SFTJob:
         if self.data.dropped:
             print(f"data: {self.data.dropped} examples longer than {cfg.data.max_length or positions} tokens left "
                   "out (data.max_length)", flush=True)
+        # packing: rows of up to this many tokens, several examples each (null max_length: the model's context)
+        self.pack_to = (cfg.packing.max_length or positions) if cfg.packing.enabled else None
         self.step = self.version = 0
         self.summary: dict[str, Any] = {}
         # Each step's line and record; an evaluation's results are a record of their own, at the step it followed.
@@ -99,9 +101,11 @@ class SFTJob:
         while self.step < cfg.steps and not self.interrupted:
             step_start = time.perf_counter()
             examples = self.data.train.take(cfg.batch_size)
-            result = rank0(await self.trainer.train_step.call(train_batch(examples, self.pad_id)))
+            batch = self.batch(examples, cfg.trainer.minibatches)
+            result = rank0(await self.trainer.train_step.call(batch))
             self.step, self.version = self.step + 1, result.version
-            self.logger.log(self.step, [], step_metrics(examples, result.metrics, time.perf_counter() - step_start))
+            self.logger.log(self.step, [], step_metrics(examples, batch, result.metrics,
+                                                        time.perf_counter() - step_start))
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
                 if reached(await self.evaluate(f"step {self.step}"), cfg.eval.stop_at_accuracy):
                     print(f"step {self.step}: held-out accuracy reached eval.stop_at_accuracy="
@@ -112,6 +116,11 @@ class SFTJob:
                 await self.save_checkpoint()
         self.summary.update(steps_this_run=self.step - first, train_s=round(time.perf_counter() - started, 1))
 
+    def batch(self, examples: list[Example], minibatches: int = 1) -> TrainBatch:
+        """The trainer's batch: a row per example, or packed (`packing`), rows shared evenly by the ranks."""
+        return train_batch(examples, self.pad_id, pack_to=self.pack_to, minibatches=minibatches,
+                           ranks=self.cfg.resources.trainer_procs)
+
     # --- evaluation -----------------------------------------------------------------------------------------
     async def evaluate(self, label: str) -> dict[str, float]:
         """Held-out loss, and for a task source greedy held-out accuracy (apps.eval's sampling and scoring)."""
@@ -119,7 +128,7 @@ class SFTJob:
         held_out = self.data.held_out[: len(self.data.held_out) // self.cfg.resources.trainer_procs
                                       * self.cfg.resources.trainer_procs]  # an equal share per rank
         if held_out:
-            batch = train_batch(held_out, self.pad_id)
+            batch = self.batch(held_out)
             results["eval/loss"] = rank0(await self.trainer.held_out_loss.call(batch))
         if self.generators is not None:
             results["eval/accuracy"] = await self.accuracy(label)
@@ -175,13 +184,13 @@ def reached(results: dict[str, float], stop_at_accuracy: float | None) -> bool:
     return stop_at_accuracy is not None and results.get("eval/accuracy", 0.0) >= stop_at_accuracy
 
 
-def step_metrics(examples: list[Example], trainer: dict[str, float], step_s: float) -> dict[str, float]:
+def step_metrics(examples: list[Example], batch: TrainBatch, trainer: dict[str, float],
+                 step_s: float) -> dict[str, float]:
     """The step's line: the trainer's loss, grad norm and LR, the learned tokens per second of the whole step, and
-    the share of the batch that is padding (what packing would save)."""
+    the share of the batch's tokens that is padding (what packing saves)."""
     learned = sum(sum(e.learned) for e in examples)
-    longest = max(len(e) for e in examples)
     return {"loss": trainer["loss"], "grad_norm": trainer["grad_norm"], "lr": trainer["lr"],
-            "tokens_per_s": learned / step_s, "pad_fraction": 1 - sum(map(len, examples)) / (longest * len(examples)),
+            "tokens_per_s": learned / step_s, "pad_fraction": 1 - sum(map(len, examples)) / batch.input_ids.numel(),
             "step_s": step_s}
 
 
