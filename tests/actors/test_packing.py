@@ -13,31 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.model_builder import DocumentAttention
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from apps.sft.data import Example, train_batch
 from losses.nll import nll
-from rl.tiny_model import build_tiny_checkpoint
 
 PAD = 0
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def llama3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+CHECKPOINTS = {"qwen3": "checkpoint", "llama3": "llama_checkpoint"}  # tests/actors/conftest.py
 
 
 def examples(count: int, seed: int) -> list[Example]:
@@ -71,7 +55,7 @@ def loss_and_gradients(trainer: TitanTrainer, batch) -> tuple[float, dict[str, t
 ])
 def test_packed_batch_gives_the_unpacked_loss_and_gradients(family: str, overrides: dict,
                                                             request: pytest.FixtureRequest) -> None:
-    model = trainer(request.getfixturevalue(family), family, **overrides)
+    model = trainer(request.getfixturevalue(CHECKPOINTS[family]), family, **overrides)
     batch = examples(12, seed=1)
     packed = train_batch(batch, PAD, pack_to=32)
     assert packed.num_sequences < len(batch) and int(packed.document_ids.max()) >= 2  # rows hold several examples
@@ -82,9 +66,9 @@ def test_packed_batch_gives_the_unpacked_loss_and_gradients(family: str, overrid
         torch.testing.assert_close(packed_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_without_document_masking_the_packed_loss_differs(qwen3: Path) -> None:
+def test_without_document_masking_the_packed_loss_differs(checkpoint: Path) -> None:
     """What the test above guards against: the same packed rows under plain causal attention see earlier examples."""
-    model = trainer(qwen3, "qwen3")
+    model = trainer(checkpoint, "qwen3")
     batch = examples(12, seed=1)
     packed = train_batch(batch, PAD, pack_to=32)
     packed.document_ids = None
@@ -92,9 +76,9 @@ def test_without_document_masking_the_packed_loss_differs(qwen3: Path) -> None:
                                                                  rel=1e-3)
 
 
-def test_packed_logprobs_are_the_unpacked_ones_at_every_learned_token(qwen3: Path) -> None:
+def test_packed_logprobs_are_the_unpacked_ones_at_every_learned_token(checkpoint: Path) -> None:
     """The held-out loss's scoring: the learned tokens' log-probs, wherever the example sits."""
-    model = trainer(qwen3, "qwen3", micro_batch_size=2)
+    model = trainer(checkpoint, "qwen3", micro_batch_size=2)
     batch = examples(10, seed=2)
     unpacked, packed = train_batch(batch, PAD), train_batch(batch, PAD, pack_to=24, ranks=2)
     assert packed.num_sequences % 2 == 0
@@ -105,9 +89,9 @@ def test_packed_logprobs_are_the_unpacked_ones_at_every_learned_token(qwen3: Pat
                                                                                 unpacked).loss.item(), rel=1e-5)
 
 
-def test_the_model_attends_causally_again_after_a_packed_batch(qwen3: Path) -> None:
+def test_the_model_attends_causally_again_after_a_packed_batch(checkpoint: Path) -> None:
     """GRPO's batches (no document ids) run the model exactly as built, before and after packed ones."""
-    model = trainer(qwen3, "qwen3")
+    model = trainer(checkpoint, "qwen3")
     unpacked = train_batch(examples(6, seed=3), PAD)
     before = model.logprobs(unpacked)
     model.train_step(train_batch(examples(6, seed=4), PAD, pack_to=32))  # a step changes the weights: compare after
@@ -135,10 +119,10 @@ def _fsdp_worker(rank: int, world_size: int, port: int, path: str, out_dir: str)
         dist.destroy_process_group()
 
 
-def test_fsdp_two_ranks_packed_give_the_unpacked_loss_and_gradients(qwen3: Path, tmp_path: Path) -> None:
+def test_fsdp_two_ranks_packed_give_the_unpacked_loss_and_gradients(checkpoint: Path, tmp_path: Path) -> None:
     from tests.actors.test_trainer import run_ranks  # not at the top: this file also runs as a rank's script
 
-    result = run_ranks(__file__, qwen3, tmp_path)[0]
+    result = run_ranks(__file__, checkpoint, tmp_path)[0]
     (loss, grads), (packed_loss, packed_grads) = result["unpacked"], result["packed"]
     assert packed_loss == pytest.approx(loss, rel=1e-5)
     for name in grads:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.checkpoint import CHECKSUMS_FILE, is_model_key
 from actors.logprobs import token_entropy
@@ -27,11 +27,6 @@ from rl.tiny_model import build_tiny_checkpoint
 from rl.types import TrainBatch
 
 PROMPT_LEN = 4
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +79,6 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 # ---------------------------------------------------------------------------------------------------
 # Log-probs: the torchtitan model reproduces transformers through the state-dict adapter
-
-
-@pytest.fixture(scope="module")
-def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.mark.parametrize("family, fixture", [("qwen3", "checkpoint"), ("qwen3", "tied_checkpoint"),
