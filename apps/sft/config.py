@@ -18,7 +18,8 @@ from forge.metrics import MetricsConfig
 from rl.tasks.config import TaskConfig
 from rl.tiny_model import check_shape
 
-# The loss SFT trains with (losses/nll.py), by module path until losses/registry.py lists it as "nll".
+# The loss SFT trains with (losses/nll.py), by module path: losses/registry.py lists the policy losses, each taking
+# the rollout corrections, and a GRPO job must not pick the supervised objective by name.
 NLL_LOSSES = ("losses.nll:nll", "nll")
 # Task sources whose problems have no reference answer to learn from: their environments give rewards only.
 NO_ANSWERS = ("openenv", "environment")
