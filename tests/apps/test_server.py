@@ -206,10 +206,11 @@ def test_no_generator_replica_left_is_503_for_sampling_and_for_a_weight_sync(tmp
 
 
 def test_every_status_code_the_server_answers_is_in_its_openapi_schema(tmp_path):
-    # The codes raised in apps/server (ServiceError(...), the error handlers, field_error's default) and FastAPI's
-    # own 422: each /api/v1 operation of the served schema documents every one (a client generated from it knows them).
+    # The codes raised in apps/server and apps/http (ServiceError(...), the error handlers, field_error's default) and
+    # FastAPI's own 422: each /api/v1 operation of the served schema documents every one (a client generated from it
+    # knows them).
     answered = {422}
-    for source in (ROOT / "apps/server").glob("*.py"):
+    for source in [*(ROOT / "apps/server").glob("*.py"), *(ROOT / "apps/http").glob("*.py")]:
         text = source.read_text()
         answered |= {int(code) for code in re.findall(r"(?:ServiceError|respond)\((\d{3})\b", text)}
         answered |= {int(code) for code in re.findall(r"\bstatus: int = (\d{3})\b", text)}
