@@ -1,5 +1,5 @@
 """Loading an app's config: forge.config's loader and checks, with `model: tiny` resolved to the tiny checkpoint
-the CPU configs train (rl/tiny_model.py), built on first use."""
+the CPU configs train (rl/tiny_model.py, of the config's `tiny_shape` where its schema has one), built on first use."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from forge.config import load_config, validate
-from rl.tiny_model import TINY_CHECKPOINT_DIR, TINY_MODEL, ensure_tiny_checkpoint, is_built, write_tiny_config
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from forge.config import ConfigError, load_config, validate
+from rl.tiny_model import TINY_MODEL, check_shape, checkpoint_dir, ensure_tiny_checkpoint, is_built, write_tiny_config
 
 T = TypeVar("T")
 
@@ -19,11 +23,30 @@ def load_app_config(path: str | Path | None, overrides: Sequence[str], schema: t
     (its path fills `${model}`). A first run checks the job against the tiny model's config.json before
     building the checkpoint, so a config error costs no torch import even then."""
     cfg = load_config(path, overrides)
+    shape = tiny_shape(cfg)
     if cfg.get("model", TINY_MODEL) != TINY_MODEL:
+        if shape:
+            raise ConfigError(f"tiny_shape={shape}: shapes the tiny model only (model: tiny), not model="
+                              f"{cfg.get('model')!r}; remove tiny_shape or set model=tiny")
         return validate(cfg, schema)
-    tiny = Path(cfg.get("model_cache", ".cache/forge")) / TINY_CHECKPOINT_DIR
+    tiny = Path(cfg.get("model_cache", ".cache/forge")) / checkpoint_dir(shape)
     if not is_built(tiny):
         with tempfile.TemporaryDirectory() as config_only:
-            validate(load_config(path, [*overrides, f"model={write_tiny_config(config_only)}"]), schema)
-        ensure_tiny_checkpoint(tiny)
+            validate(load_config(path, [*overrides, f"model={write_tiny_config(config_only, **shape)}"]), schema)
+        ensure_tiny_checkpoint(tiny, **shape)
     return validate(load_config(path, [*overrides, f"model={tiny}"]), schema)
+
+
+def tiny_shape(cfg: DictConfig) -> dict[str, Any]:
+    """The config's `tiny_shape` (the tiny model's shape fields to change), checked; {} when it has none. One that
+    is not a mapping is left to the schema, which refuses it naming the key (and a schema without the key refuses
+    it before anything is built)."""
+    shape = cfg.get("tiny_shape")
+    if not isinstance(shape, DictConfig) or not shape:
+        return {}
+    shape = OmegaConf.to_container(shape)
+    try:
+        check_shape(shape, "tiny_shape")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return shape
