@@ -6,8 +6,9 @@ manifests and cross-host transport on top).
 A segment is a 64-byte header and every tensor's bytes, 64-byte aligned, at the offsets `layout` gives. The
 header holds three int64s: the version once complete (written last; -1 while being written, -2 once abandoned),
 how many tensor bytes from the start are in place ("ready": each piece counts once written and checksummed), and
-the version being written. The writer pwrites the tensors one piece at a time into `<name>.tmp` and renames it
-when complete. Readers preadv straight into their tensors: large state dicts in 32 MB pieces on up to 8 threads
+the version being written. The writer copies the tensors one piece at a time into `<name>.tmp`, through a mapping
+of the file that it keeps for the next version written into the same file (a deleted version's, reused), and renames
+it when complete. Readers preadv straight into their tensors: large state dicts in 32 MB pieces on up to 8 threads
 (1 GB: 0.27 s on one thread, 0.15 s on two). A reader may start while the segment is still being written (a
 version streamed to another host, forge/weight_relay.py; read on one thread then): each piece is read once "ready"
 covers it, and the version is returned only once its segment is complete and every piece matches the publisher's
@@ -26,6 +27,7 @@ reading threads. A sum of an int64 view is as fast as xxh3 but misses bytes move
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
 import struct
@@ -249,6 +251,7 @@ def gathered_on_host(tensor: torch.Tensor, dtype: torch.dtype | None,
 def create_segment(path: Path, size: int, version: int, spare: Path | None) -> SegmentWriter:
     """A writer for `version`'s segment at `path`, once the shared-memory folder has room for `size` bytes of
     tensors (a `spare` file, a deleted version's, is rewritten in place and counts as room)."""
+    _drop_unlinked_mappings()  # the memory of a file deleted since the last publish is free for the check below
     reusable = spare.stat().st_blocks * 512 if spare is not None and spare.exists() else 0
     needed, free = HEADER + size, shm_free_bytes()
     if needed > free + reusable:
@@ -269,14 +272,21 @@ class SegmentWriter:
     file at once (and later writes are skipped, so the other ranks' gathers still complete); `commit` then raises
     its error.
 
-    Reusing a deleted version's file (`spare`) skips the page faults and zeroing of fresh shared memory, the
-    slow part of writing a new file. One thread writes: writes to one tmpfs file serialize on its inode lock.
+    Reusing a deleted version's file (`spare`) skips allocating and zeroing fresh shared memory, the slow part of
+    writing a new file; and the file's pages are all in place, so the bytes are copied in through a mapping of it
+    (`_Mapping`: kept by this process for the next version it writes into the same file), where no copy can meet a
+    missing page (which on a full /dev/shm is SIGBUS, not an error). A new file, or one that grew, is written with
+    pwrite (a full /dev/shm: ENOSPC); mapping it first would zero every page before the copy (fallocate leaves
+    them unwritten: 1 GB took 0.56 s so, pwrite 0.27 s).
     """
 
     def __init__(self, path: Path, size: int, version: int, spare: Path | None) -> None:
         self.path, self.tmp, self.version, self.size = path, path.with_name(path.name + ".tmp"), version, size
         self.error: OSError | None = None
         self.ready = 0  # tensor bytes from the start in place (the header's copy)
+        self._mappable = False  # whether the file has all its pages: copied in through a mapping then
+        self._target: memoryview | None = None  # the file's bytes, mapped on the first copy
+        self._mapping_lock = threading.Lock()
         if spare is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.replace(spare, self.tmp)
@@ -287,16 +297,21 @@ class SegmentWriter:
             os.pwrite(self.fd, struct.pack("<q", WRITING), _COMMITTED)
             os.pwrite(self.fd, struct.pack("<q", 0), _READY)
             os.pwrite(self.fd, struct.pack("<q", version), _WRITING)
-            os.ftruncate(self.fd, HEADER + max(size, 1))
+            os.ftruncate(self.fd, self._length)
+            self._mappable = os.fstat(self.fd).st_blocks * 512 >= self._length  # on tmpfs, exactly so
         except BaseException:
             self.abort()
             raise
 
+    @property
+    def _length(self) -> int:
+        return HEADER + max(self.size, 1)
+
     def write(self, tensor: torch.Tensor, offset: int) -> None:
-        """pwrite a contiguous CPU tensor's bytes at `offset` (from `layout`), then mark them ready when everything
+        """Copy a contiguous CPU tensor's bytes in at `offset` (from `layout`), then mark them ready when everything
         before them is in place (tensors written in layout order: `ready` never covers a gap)."""
         data = _bytes_of(tensor)
-        self._pwrite(data, offset)
+        self._copy(data, offset)
         self._mark_written(offset, len(data))
 
     def _mark_written(self, offset: int, nbytes: int) -> None:
@@ -305,7 +320,7 @@ class SegmentWriter:
 
     def write_checksummed(self, tensor: torch.Tensor, offset: int, algorithm: str) -> tuple[int, ...]:
         """`write` one _CHUNK piece at a time, each hashed _HASH_STEP bytes at a time right before those bytes are
-        written (while they are in this core's cache: the bytes are read from memory once, not twice), so it is
+        copied (while they are in this core's cache: the bytes are read from memory once, not twice), so it is
         ready to stream once written; returns the pieces' checksums."""
         pieces = tensor.detach().reshape(-1).view(torch.uint8).split(_CHUNK)
         sums = []
@@ -315,10 +330,19 @@ class SegmentWriter:
             for at in range(0, len(data), _HASH_STEP):
                 step = data[at : at + _HASH_STEP]
                 hasher.update(step)
-                self._pwrite(step, start + at)
+                self._copy(step, start + at)
             sums.append(hasher.digest())
             self._mark_written(start, len(data))
         return tuple(sums)
+
+    def _copy(self, data: memoryview, offset: int) -> None:
+        """Copy `data` in at tensor offset `offset`, through the mapping where the file has all its pages, else with
+        pwrite. The GIL's release in the next mark's pwrite orders copied bytes before the mark, as a pwrite's did."""
+        target = self._mapped() if self._mappable else None
+        if target is not None:
+            target[HEADER + offset : HEADER + offset + len(data)] = data
+        else:
+            self._pwrite(data, offset)
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
         """pwrite all of `data` at tensor offset `offset`; a failure marks the segment abandoned (see `write`)."""
@@ -331,6 +355,18 @@ class SegmentWriter:
         except OSError as e:  # ENOSPC: /dev/shm filled up after the check
             self.error = e
             self.abort()
+
+    def _mapped(self) -> memoryview | None:
+        """The file's bytes in this process's mapping of it; None where it cannot be mapped (pwrite then) or once
+        abandoned. Several threads may copy."""
+        if self._target is None and self.fd is not None and self._mappable:
+            with self._mapping_lock:
+                if self._target is None and self.fd is not None and self._mappable:
+                    try:
+                        self._target = _mapping_of(self.fd, self._length).view
+                    except OSError:  # ENOMEM (too many mappings): the pwrite works as well, more slowly
+                        self._mappable = False
+        return self._target
 
     def shrink(self, size: int) -> None:
         """The segment holds `size` bytes of tensors, fewer than reserved (a version of deltas): the file ends there."""
@@ -351,7 +387,7 @@ class SegmentWriter:
         os.pwrite(self.fd, struct.pack("<q", self.size), _READY)
         os.pwrite(self.fd, struct.pack("<q", self.version), _COMMITTED)
         os.close(self.fd)
-        self.fd = None
+        self.fd, self._target = None, None  # the mapping stays, for the next version written into this file
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
@@ -360,7 +396,59 @@ class SegmentWriter:
                 os.pwrite(self.fd, struct.pack("<q", ABANDONED), _COMMITTED)
             os.close(self.fd)
             self.fd = None
-        self.tmp.unlink(missing_ok=True)
+        self._target = None
+        unlink_segment(self.tmp)
+
+
+class _Mapping:
+    """A writable shared mapping of a segment file, all its pages mapped at once (MAP_POPULATE), kept by the process
+    that wrote a version into the file for the next version it writes into the same file (a deleted version's, reused
+    as the spare). 1 GB of bf16 written with its checksums, two files alternating, on this loaded 2-core host: 0.21 s
+    through kept mappings, 0.31-0.37 s with pwrite; mapping a file again costs ~0.05 s per GB (MAP_POPULATE builds
+    its page tables), faulting it in page by page ~0.4 s."""
+
+    def __init__(self, fd: int, length: int) -> None:
+        self.fd = os.dup(fd)  # which file it maps, and whether that file is still linked
+        self.map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.view = memoryview(self.map)
+
+    def close(self) -> None:
+        """Forget the file: its memory goes back once no writer copies through it (when the last reference goes)."""
+        os.close(self.fd)
+
+
+_MAPPINGS: dict[tuple[int, int], _Mapping] = {}  # this process's, by the file's (device, inode): renames keep them
+_MAPPINGS_LOCK = threading.Lock()
+
+
+def _mapping_of(fd: int, length: int) -> _Mapping:
+    """This process's mapping of the first `length` bytes of the file open as `fd`: kept from a version written into
+    the file before, or new."""
+    stat = os.fstat(fd)
+    key = (stat.st_dev, stat.st_ino)
+    with _MAPPINGS_LOCK:
+        mapping = _MAPPINGS.get(key)
+        if mapping is not None and len(mapping.map) != length:
+            _MAPPINGS.pop(key).close()
+            mapping = None
+        if mapping is None:
+            mapping = _MAPPINGS[key] = _Mapping(fd, length)
+        return mapping
+
+
+def _drop_unlinked_mappings() -> None:
+    """Forget the mappings of files that were deleted (by any process): a mapping would hold their memory."""
+    with _MAPPINGS_LOCK:
+        for key, mapping in list(_MAPPINGS.items()):
+            if os.fstat(mapping.fd).st_nlink == 0:
+                _MAPPINGS.pop(key).close()
+
+
+def unlink_segment(path: Path) -> None:
+    """Delete a segment's file; its memory is free once this returns (this process's mapping of it goes too; another
+    publisher process's goes on its next publish)."""
+    path.unlink(missing_ok=True)
+    _drop_unlinked_mappings()
 
 
 # --- reading -----------------------------------------------------------------------------------------------
@@ -595,7 +683,7 @@ def remove_job_segments(job: str | None = None) -> list[Path]:
     job = job or job_id()
     removed = []
     for path in SHM_DIR.glob(f"forge-{job}-*"):
-        path.unlink(missing_ok=True)
+        unlink_segment(path)
         removed.append(path)
     return removed
 

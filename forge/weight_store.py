@@ -486,7 +486,7 @@ class WeightStore:
         if manifest.segment is not None and manifest.host == self.host:
             segment = SHM_DIR / manifest.segment
             if self._spare_path().exists():
-                segment.unlink(missing_ok=True)
+                shm_weights.unlink_segment(segment)  # and this process's mapping of it (it published it)
             else:  # kept (under another name) for the next publish to write into
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(segment, self._spare_path())

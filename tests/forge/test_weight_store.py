@@ -84,6 +84,8 @@ async def test_too_little_shared_memory_is_refused_before_writing_anything(store
 
 
 async def test_a_failed_write_leaves_no_segment_and_publishes_nothing(store, monkeypatch):
+    own = WeightStore("test-full")  # and no spare file: a new one is written with pwrite (a reused one is copied into
+    await own.publish(_state_dict(61), version=61)  # through a mapping, all its pages there before the first byte)
     real_pwrite, data_writes = os.pwrite, []
 
     def pwrite_until_full(fd: int, data, offset: int) -> int:
@@ -94,11 +96,12 @@ async def test_a_failed_write_leaves_no_segment_and_publishes_nothing(store, mon
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(shm_weights.os, "pwrite", pwrite_until_full)
-    latest = await store.latest_version()
     with pytest.raises(SharedMemoryError, match=r"No space left on device.*partial segment was removed"):
-        await store.publish(_state_dict(62), version=62)
-    assert len(data_writes) == 2 and _files_of(62) == []
-    assert 62 not in await store.versions() and await store.latest_version() == latest
+        await own.publish(_state_dict(62), version=62)
+    assert len(data_writes) == 2 and list(SHM_DIR.glob(f"forge-{job_id()}-test-full-v62*")) == []
+    assert 62 not in await own.versions() and await own.latest_version() == 61
+    monkeypatch.undo()
+    await own.delete(61)
 
 
 @pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])  # with the xxhash package, and without it
