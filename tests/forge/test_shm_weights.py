@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from forge import shm_weights
-from forge.shm_weights import (CHECKSUM, HEADER, SHM_DIR, Manifest, WeightChecksumError, create_segment, job_id,
-                               layout, read_segment, unlink_segment)
+from forge.shm_weights import (CHECKSUM, HEADER, SHM_DIR, Manifest, WeightChecksumError, checksums, create_segment,
+                               job_id, layout, read_segment, unlink_segment)
 from tests.support import flip_byte
 
 SHAPES = {"embed": (64, 48), "norm": (48,), "odd": (1001,), "proj": (96, 48)}  # tensors of odd sizes, several pieces
@@ -33,13 +33,20 @@ class Publisher:
         self.published: dict[int, tuple[Manifest, dict[str, torch.Tensor]]] = {}
         self.writers: dict[int, shm_weights.SegmentWriter] = {}
 
-    def publish(self, version: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> Manifest:
+    def publish(self, version: int, shapes: dict[str, tuple[int, ...]] = SHAPES, hashed_while_written: bool = True
+                ) -> Manifest:
+        """`hashed_while_written`: as the publisher writes (write_checksummed); else as a relay copies a tensor it
+        received (write), the checksums taken apart."""
         generator = torch.Generator().manual_seed(version)
         weights = {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in shapes.items()}
         entries, size = layout(weights, None)
         writer = create_segment(SHM_DIR / f"{self.prefix}-v{version}", size, version, self.spare)
         for name, tensor in weights.items():
-            sums = writer.write_checksummed(tensor, entries[name].offset, CHECKSUM)
+            if hashed_while_written:
+                sums = writer.write_checksummed(tensor, entries[name].offset, CHECKSUM)
+            else:
+                writer.write(tensor, entries[name].offset)
+                sums = checksums(tensor, CHECKSUM)
             entries[name] = dataclasses.replace(entries[name], checksums=sums)
         writer.commit()
         self.writers[version] = writer
@@ -92,6 +99,17 @@ def test_versions_written_into_reused_files_through_kept_mappings_stay_exact_and
     # the two files that alternate, each mapped once and kept (by inode: the names change at every publish)
     mapped = [m for m in shm_weights._MAPPINGS.values() if publisher.prefix in os.readlink(f"/proc/self/fd/{m.fd}")]
     assert len(mapped) == 2
+
+
+def test_whole_tensors_copied_into_a_reused_mapped_file_are_exact(publisher, small_pieces):
+    """`write` (a relay's copy of a tensor it received) goes through the mapping in steps, the last one short."""
+    for version in range(4):
+        publisher.publish(version, hashed_while_written=False)
+        publisher.assert_exact(version)
+        if version:
+            publisher.assert_exact(version - 1)
+            publisher.delete(version - 1)
+    assert publisher.writers[2]._mappable and publisher.writers[3]._mappable
 
 
 def test_a_corrupted_byte_in_a_reused_mapped_segment_fails_the_read_naming_the_tensor_and_the_version(
