@@ -78,6 +78,7 @@ from forge.shm_weights import (
     create_segment,
     job_id,
     open_segment_file,
+    unlink_segment,
     piece_ends,
 )
 from forge.weight_store import RELAY_NAMESPACES_KEY, WeightStore, WeightVersionError, get_if_exists
@@ -599,7 +600,7 @@ class WeightRelay(EndpointActor):
             await ts.delete(store.host_manifest_key(self.host, version))
             spare = store._spare_path()
             if spare.exists():
-                (SHM_DIR / segment).unlink(missing_ok=True)
+                unlink_segment(SHM_DIR / segment)  # and this process's mapping of it, if it wrote the copy through one
             else:  # kept (under another name) for the next copy to write into, as the publisher does
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(SHM_DIR / segment, spare)

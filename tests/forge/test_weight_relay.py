@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +104,12 @@ def _until(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def _descriptors_of(path) -> int:
+    """How many of this process's open file descriptors point at `path`."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path))
 
 
 def _ready_bytes(path) -> int:
@@ -220,6 +227,8 @@ def test_a_full_shared_memory_on_host_b_fails_the_copy_naming_the_version_and_it
     relay = Relay(server, publisher.announced, "full-b")
     reader = Reader(relay.copy)
     try:
+        # The reader holds the copy open before the relay fails (else it finds the copy already removed: "deleted").
+        _until(lambda: _descriptors_of(relay.writer.tmp) >= 2)  # the relay's writer's and the reader's
         relay.start()
         publisher.write(list(weights))
         publisher.commit()
