@@ -91,7 +91,7 @@ def generate(model, tokenizer, prompts: list[str], temperature: float | None):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": 1.0} if temperature else \
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
         {"do_sample": False}
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, pad_token_id=pad,
