@@ -8,7 +8,8 @@ in docs/sft.md: a cross-check that what apps.grpo does to that SFT export is GRP
 Each step samples `--group-size` completions for `--prompts` training prompts (transformers' generate), scores them
 with the task's reward (or 1 for the exact word only, `--reward exact`), takes group-relative advantages
 (`losses.advantages.group_advantages`) and one AdamW step on the on-policy policy-gradient loss (per-sequence token
-mean, as apps.grpo's). Every `--eval-every` steps it prints the held-out greedy mean reward and exact accuracy.
+mean, as apps.grpo's). Every `--eval-every` steps it prints the held-out mean reward and exact accuracy, greedy
+and sampled at the training temperature.
 `--train-on unseen` trains on words SFT never saw (half of a larger held-out draw) and evaluates on the other half.
 """
 
@@ -57,7 +58,7 @@ def main() -> None:
         held_out = unseen[1::2][: args.held_out]
         sample = lambda: [rng.choice(unseen[::2]) for _ in range(args.prompts)]  # noqa: E731
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    print(f"eval 0: {evaluate(model, tokenizer, task, held_out)}", flush=True)
+    print(f"eval 0: {evaluate(model, tokenizer, task, held_out, args.temperature)}", flush=True)
     for step in range(1, args.steps + 1):
         start = time.monotonic()
         problems = sample()
@@ -81,7 +82,7 @@ def main() -> None:
         print(f"step {step}: sampled reward {rewards.mean():.3f}, exact {(rewards == 1).float().mean():.3f}, "
               f"{time.monotonic() - start:.1f} s", flush=True)
         if step % args.eval_every == 0:
-            print(f"eval {step}: {evaluate(model, tokenizer, task, held_out)}", flush=True)
+            print(f"eval {step}: {evaluate(model, tokenizer, task, held_out, args.temperature)}", flush=True)
 
 
 def generate(model, tokenizer, prompts: list[str], temperature: float | None):
@@ -109,17 +110,33 @@ def decode(tokenizer, completions: torch.Tensor) -> tuple[list[str], torch.Tenso
     return texts, mask
 
 
-def evaluate(model, tokenizer, task: ReasoningGymTask, problems: list) -> str:
+def evaluate(model, tokenizer, task: ReasoningGymTask, problems: list, temperature: float) -> str:
+    """The held-out mean reward and exact share, greedy and sampled at the training temperature (4 samples each)."""
     model.eval()
+    greedy, sampled = held_out_rewards(model, tokenizer, task, problems, None), []
+    for _ in range(4):
+        sampled += held_out_rewards(model, tokenizer, task, problems, temperature)
+    model.train()
+    return (f"held-out greedy mean reward {mean(greedy):.3f}, exact {exact_share(greedy):.1%}; sampled at "
+            f"{temperature} {mean(sampled):.3f}, exact {exact_share(sampled):.1%} ({len(greedy)} prompts)")
+
+
+def held_out_rewards(model, tokenizer, task: ReasoningGymTask, problems: list, temperature: float | None
+                     ) -> list[float]:
     rewards = []
     for i in range(0, len(problems), 64):
         batch = problems[i : i + 64]
-        texts, _ = decode(tokenizer, generate(model, tokenizer, [p.prompt for p in batch], None)[2])
+        texts, _ = decode(tokenizer, generate(model, tokenizer, [p.prompt for p in batch], temperature)[2])
         rewards += [task.reward(text, p.answer) for text, p in zip(texts, batch)]
-    model.train()
-    exact = sum(r == 1.0 for r in rewards) / len(rewards)
-    return f"held-out greedy mean reward {sum(rewards) / len(rewards):.3f}, exact {exact:.1%} ({len(rewards)} prompts)"
+    return rewards
 
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def exact_share(rewards: list[float]) -> float:
+    return sum(r == 1.0 for r in rewards) / len(rewards)
 
 if __name__ == "__main__":
     main()
