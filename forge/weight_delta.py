@@ -15,12 +15,21 @@ payload (`to_bytes` / `from_bytes`: the values, then the positions, 8-byte align
 Before comparing every element, `encode` compares a strided sample (one element in _SAMPLE_STRIDE): where nearly
 every element changed (a tiny model at lr 3e-4: 94-99%) it refuses the delta after ~1% of the work, so a publisher
 whose deltas do not pay falls back to full tensors at almost no cost.
+
+A tensor of at least _THREAD_MIN_NUMEL elements is compared, rebuilt and scattered in parts of whole steps on a pool
+of threads, one per core this process may run on (numpy releases the GIL in these array operations); each part
+writes only its own elements and bytes of the mask, and the parts' results are joined in order, so the bytes are the
+same as on one thread. Smaller tensors stay on the calling thread, where a hand-off would cost more than it saves.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy
 import torch
@@ -33,6 +42,12 @@ _SAMPLE_STRIDE = 97  # the precheck's sample: one element in this many (a prime:
 _SAMPLE_MIN_NUMEL = 1 << 16  # smaller tensors are compared whole at once
 _SAMPLE_REFUSE = 0.95  # refuse without the full comparison when the sample's estimate exceeds this share of the tensor
 _STEP = 1 << 20  # elements compared or rebuilt at a time (a multiple of 8: whole bytes of the packed mask)
+_THREAD_MIN_NUMEL = 1 << 21  # smaller tensors stay on the calling thread (docs/benchmarks.md: measured)
+_PARTS_PER_THREAD = 4  # a tensor's parts per pool thread: a thread slowed by other work takes fewer of them
+
+_T = TypeVar("_T")
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # the process that made it, and the pool
+_pool_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -90,27 +105,37 @@ def _tensor(array: numpy.ndarray) -> torch.Tensor:
 
 def _changes(old_bits: numpy.ndarray, new_bits: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
     """The packed mask (numpy.packbits order) of the elements whose bits differ, and their new bits: one pass, _STEP
-    elements at a time, each step's mask reused while it is in the core's cache."""
+    elements at a time, each step's mask reused while it is in the core's cache; parts of whole steps in parallel."""
     packed = numpy.empty((new_bits.size + 7) // 8, dtype=numpy.uint8)
-    mask = numpy.empty(min(_STEP, new_bits.size), dtype=numpy.bool_)
-    values = [new_bits[:0]]
-    for start in range(0, new_bits.size, _STEP):
-        end = min(start + _STEP, new_bits.size)
-        step = mask[: end - start]
-        numpy.not_equal(old_bits[start:end], new_bits[start:end], out=step)
-        packed[start // 8 : (end + 7) // 8] = numpy.packbits(step)
-        values.append(new_bits[start:end][step])
-    return packed, numpy.concatenate(values)
+
+    def part(start: int, end: int) -> list[numpy.ndarray]:
+        mask = numpy.empty(min(_STEP, end - start), dtype=numpy.bool_)  # each part its own
+        values = []
+        for first in range(start, end, _STEP):
+            last = min(first + _STEP, end)
+            step = mask[: last - first]
+            numpy.not_equal(old_bits[first:last], new_bits[first:last], out=step)
+            packed[first // 8 : (last + 7) // 8] = numpy.packbits(step)
+            values.append(new_bits[first:last][step])
+        return values
+
+    parts = _in_parallel(part, _parts(new_bits.size))
+    return packed, numpy.concatenate([new_bits[:0], *(values for in_part in parts for values in in_part)])
 
 
 def _positions(packed: numpy.ndarray, numel: int) -> numpy.ndarray:
     """The int32 flat positions a packed mask of `numel` elements marks, in order (numel <= MAX_SPARSE_NUMEL)."""
-    parts = [numpy.empty(0, dtype=numpy.int32)]
-    for start in range(0, numel, _STEP):
-        end = min(start + _STEP, numel)
-        step = numpy.unpackbits(packed[start // 8 : (end + 7) // 8], count=end - start).view(numpy.bool_)
-        parts.append(numpy.flatnonzero(step).astype(numpy.int32) + numpy.int32(start))
-    return numpy.concatenate(parts)
+
+    def part(start: int, end: int) -> list[numpy.ndarray]:
+        positions = []
+        for first in range(start, end, _STEP):
+            last = min(first + _STEP, end)
+            step = numpy.unpackbits(packed[first // 8 : (last + 7) // 8], count=last - first).view(numpy.bool_)
+            positions.append(numpy.flatnonzero(step).astype(numpy.int32) + numpy.int32(first))
+        return positions
+
+    parts = _in_parallel(part, _parts(numel))
+    return numpy.concatenate([numpy.empty(0, dtype=numpy.int32), *(p for in_part in parts for p in in_part)])
 
 
 def _smallest(count: int, numel: int, itemsize: int) -> int:
@@ -149,7 +174,8 @@ def from_bytes(encoding: str, payload: torch.Tensor, count: int, dtype: torch.dt
 
 
 def apply(target: torch.Tensor, delta: TensorDelta) -> None:
-    """Rewrite `target` (holding the delta's base version, contiguous, on CPU) into the delta's new version."""
+    """Rewrite `target` (holding the delta's base version, contiguous, on CPU) into the delta's new version. A delta
+    that does not fit the tensor raises ValueError before anything is written."""
     if not target.is_contiguous():
         raise ValueError("a delta applies in place to a contiguous tensor")
     bits = target.detach().view(_BITS[target.element_size()]).view(-1)
@@ -157,31 +183,92 @@ def apply(target: torch.Tensor, delta: TensorDelta) -> None:
         raise ValueError(f"a delta of {delta.values.dtype} bit patterns cannot apply to a {target.dtype} tensor")
     bits, values, positions = bits.numpy(), delta.values.reshape(-1).numpy(), delta.positions.reshape(-1).numpy()
     if delta.encoding == "sparse":
-        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= bits.size):
-            raise ValueError(f"a sparse delta's positions must lie in [0, {bits.size}); got "
-                             f"{int(positions.min())}..{int(positions.max())}")
-        bits[positions] = values
+        _apply_sparse(bits, values, positions)
+    else:
+        _apply_bitmask(bits, values, positions)
+
+
+def _apply_sparse(bits: numpy.ndarray, values: numpy.ndarray, positions: numpy.ndarray) -> None:
+    if positions.size != values.size:
+        raise ValueError(f"a sparse delta needs one position per value; got {positions.size} positions for "
+                         f"{values.size} values")
+    if not positions.size:
         return
-    marked = _marked(positions, bits.size)
-    if marked != values.size:
-        raise ValueError(f"a bitmask delta marks {marked} changed elements but carries {values.size} values")
-    at = 0
-    for start in range(0, bits.size, _STEP):  # a step's mask unpacked while it is in the core's cache
-        end = min(start + _STEP, bits.size)
-        step = numpy.unpackbits(positions[start // 8 : (end + 7) // 8], count=end - start).view(numpy.bool_)
-        count = numpy.count_nonzero(step)
-        bits[start:end][step] = values[at : at + count]
-        at += count
+    parts = _parts(positions.size)  # a valid delta's positions are distinct: the parts write disjoint elements
+    bounds = _in_parallel(lambda start, end: (int(positions[start:end].min()), int(positions[start:end].max())), parts)
+    low, high = min(low for low, _ in bounds), max(high for _, high in bounds)
+    if low < 0 or high >= bits.size:
+        raise ValueError(f"a sparse delta's positions must lie in [0, {bits.size}); got {low}..{high}")
+
+    def part(start: int, end: int) -> None:
+        bits[positions[start:end]] = values[start:end]
+
+    _in_parallel(part, parts)
 
 
-def _marked(packed: numpy.ndarray, numel: int) -> int:
-    """How many of a packed mask's first `numel` bits are set (ValueError when it is not a mask of `numel` bits)."""
-    if packed.size != (numel + 7) // 8:
-        raise ValueError(f"a bitmask delta of a {numel}-element tensor needs {(numel + 7) // 8} bytes of mask; got "
-                         f"{packed.size}")
-    padding = (-numel) % 8  # the last byte's low bits, past the tensor's end (packbits leaves them 0)
-    last = int(packed[-1]) & ((1 << padding) - 1) if padding else 0
-    return int(numpy.bitwise_count(packed).sum(dtype=numpy.int64)) - last.bit_count()
+def _apply_bitmask(bits: numpy.ndarray, values: numpy.ndarray, packed: numpy.ndarray) -> None:
+    if packed.size != (bits.size + 7) // 8:
+        raise ValueError(f"a bitmask delta of a {bits.size}-element tensor needs {(bits.size + 7) // 8} bytes of "
+                         f"mask; got {packed.size}")
+    parts = _parts(bits.size)
+    counts = _in_parallel(lambda start, end: _marked(packed, start, end), parts)
+    if sum(counts) != values.size:
+        raise ValueError(f"a bitmask delta marks {sum(counts)} changed elements but carries {values.size} values")
+    firsts = dict(zip((start for start, _ in parts), numpy.cumsum([0, *counts[:-1]]).tolist()))
+
+    def part(start: int, end: int) -> None:
+        at = firsts[start]  # the part's first value: the marks before it
+        for first in range(start, end, _STEP):  # a step's mask unpacked while it is in the core's cache
+            last = min(first + _STEP, end)
+            step = numpy.unpackbits(packed[first // 8 : (last + 7) // 8], count=last - first).view(numpy.bool_)
+            count = numpy.count_nonzero(step)
+            bits[first:last][step] = values[at : at + count]
+            at += count
+
+    _in_parallel(part, parts)
+
+
+def _marked(packed: numpy.ndarray, start: int, end: int) -> int:
+    """How many of a packed mask's bits for elements start..end are set (start a multiple of 8; the bits of the last
+    byte past `end`, padding at the tensor's end, do not count)."""
+    whole = end // 8
+    count = int(numpy.bitwise_count(packed[start // 8 : whole]).sum(dtype=numpy.int64))
+    if end % 8:  # packbits order: element 8k is the byte's highest bit
+        count += (int(packed[whole]) >> (8 - end % 8)).bit_count()
+    return count
+
+
+def _workers() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def _parts(numel: int) -> list[tuple[int, int]]:
+    """[0, numel) in contiguous parts of whole steps (so that each part's mask is whole bytes): one part below
+    _THREAD_MIN_NUMEL or on one core, else up to _PARTS_PER_THREAD per core."""
+    steps, workers = -(-numel // _STEP), _workers()
+    count = max(1, min(steps, workers * _PARTS_PER_THREAD)) if numel >= _THREAD_MIN_NUMEL and workers > 1 else 1
+    bounds = [steps * i // count * _STEP for i in range(count)] + [numel]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _in_parallel(work: Callable[[int, int], _T], parts: Sequence[tuple[int, int]]) -> list[_T]:
+    """`work(start, end)` of each part, in the parts' order: on the calling thread when there is one part, else on
+    the pool (every part done, or failed, before it returns: none still writes after an error)."""
+    if len(parts) == 1:
+        return [work(*parts[0])]
+    futures = [_executor().submit(work, start, end) for start, end in parts]
+    wait(futures)
+    return [future.result() for future in futures]
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The process's pool, one thread per core; made anew in a forked child (the parent's threads are not there)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="weight-delta"))
+        return _pool[1]
 
 
 class Chain:

@@ -1,5 +1,9 @@
 """Deltas between published versions: bit-exact, the smaller encoding, refused when not smaller."""
 
+import multiprocessing
+import os
+
+import numpy
 import pytest
 import torch
 from hypothesis import given, settings
@@ -177,3 +181,88 @@ def test_a_chain_is_full_every_n_versions_and_after_a_reset():
     assert chain.encode("w", tensor) == (None, -1)  # nothing to compare with after a failed publish
     with pytest.raises(ValueError, match="full_every=0: must be an int >= 1"):
         Chain(full_every=0)
+
+
+_SPLIT_NUMEL = 4 * weight_delta._STEP - 5  # 4 steps, the last one short and ending mid-byte of the mask
+
+
+def _across_steps(share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor of several steps and its next version: `share` of it changed, and every element at a step's edge."""
+    base = torch.randn(_SPLIT_NUMEL, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    new = _changed(base, share, 9)
+    edges = [0, _SPLIT_NUMEL - 1] + [k * weight_delta._STEP + d for k in (1, 2, 3) for d in (-1, 0, 1)]
+    _bits(new)[edges] = _bits(base)[edges] + 1
+    return base, new
+
+
+@pytest.mark.parametrize("workers,parts_per_thread,parts", [(2, 1, 2), (3, 1, 3), (2, 4, 4)])
+@pytest.mark.parametrize("share", [0.01, 0.3])  # sparse, bitmask
+def test_the_threaded_encode_and_apply_give_the_bytes_of_one_thread(monkeypatch, workers, parts_per_thread, parts,
+                                                                     share):
+    """Parts of whole steps on the pool (3 parts of 4 steps: uneven ones) give the same delta, byte for byte, as the
+    whole tensor on the calling thread, and it applies to the same bits on either."""
+    base, new = _across_steps(share)
+    monkeypatch.setattr(weight_delta, "_workers", lambda: 1)
+    one = encode(base, new)
+    one_applied = base.clone()
+    apply(one_applied, one)
+    monkeypatch.setattr(weight_delta, "_workers", lambda: workers)
+    monkeypatch.setattr(weight_delta, "_PARTS_PER_THREAD", parts_per_thread)
+    assert len(weight_delta._parts(_SPLIT_NUMEL)) == parts
+    threaded = encode(base, new)
+    assert threaded.encoding == one.encoding == ("sparse" if share < 0.03 else "bitmask")
+    assert torch.equal(threaded.positions, one.positions) and torch.equal(threaded.values, one.values)
+    assert torch.equal(to_bytes(threaded), to_bytes(one))
+    expected = _bits(base) != _bits(new)  # and both are the changes, not the same mistake twice
+    assert torch.equal(threaded.values, _bits(new)[expected])
+    threaded_applied = base.clone()
+    apply(threaded_applied, threaded)
+    assert torch.equal(_bits(threaded_applied), _bits(one_applied))
+    assert torch.equal(_bits(threaded_applied), _bits(new))
+
+
+def test_a_threaded_apply_refuses_a_delta_that_does_not_fit_before_writing(monkeypatch):
+    monkeypatch.setattr(weight_delta, "_workers", lambda: 2)
+    base, new = _across_steps(0.3)
+    delta = encode(base, new)
+    target = base.clone()
+    with pytest.raises(ValueError, match="marks .* changed elements but carries"):
+        apply(target, TensorDelta("bitmask", delta.positions, delta.values[:-1]))
+    base, new = _across_steps(0.01)
+    delta = encode(base, new)
+    wild = TensorDelta("sparse", delta.positions.clone(), delta.values)
+    wild.positions[-1] = _SPLIT_NUMEL  # one past the end, in the last part
+    with pytest.raises(ValueError, match=rf"positions must lie in \[0, {_SPLIT_NUMEL}\)"):
+        apply(target, wild)
+    with pytest.raises(ValueError, match="one position per value"):
+        apply(target, TensorDelta("sparse", delta.positions, delta.values[:-1]))
+    assert torch.equal(_bits(target), _bits(base))  # nothing written
+
+
+def test_small_tensors_stay_on_the_calling_thread(monkeypatch):
+    monkeypatch.setattr(weight_delta, "_workers", lambda: 16)
+    below = weight_delta._THREAD_MIN_NUMEL - 1
+    assert weight_delta._parts(below) == [(0, below)]
+    assert len(weight_delta._parts(weight_delta._THREAD_MIN_NUMEL)) > 1
+    monkeypatch.setattr(weight_delta, "_workers", lambda: 1)
+    assert weight_delta._parts(_SPLIT_NUMEL) == [(0, _SPLIT_NUMEL)]  # one core: no pool
+
+
+def _encode_in_child(base: torch.Tensor, new: torch.Tensor, values: numpy.ndarray, positions: numpy.ndarray) -> None:
+    delta = encode(base, new)  # compared with numpy: torch's own OpenMP threads are not usable in a forked child either
+    same = numpy.array_equal(delta.values.numpy(), values) and numpy.array_equal(delta.positions.numpy(), positions)
+    os._exit(0 if same else 1)
+
+
+def test_a_forked_child_gets_its_own_pool(monkeypatch):
+    """The parent's pool threads are not in a forked child: a child using the parent's pool would wait forever."""
+    monkeypatch.setattr(weight_delta, "_workers", lambda: 2)
+    base, new = _across_steps(0.3)
+    delta = encode(base, new)  # the parent's pool now exists
+    child = multiprocessing.get_context("fork").Process(
+        target=_encode_in_child, args=(base, new, delta.values.numpy(), delta.positions.numpy()))
+    child.start()
+    child.join(60)
+    if child.exitcode is None:  # waiting on threads it does not have
+        child.kill()
+    assert child.exitcode == 0
