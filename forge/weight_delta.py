@@ -16,10 +16,11 @@ Before comparing every element, `encode` compares a strided sample (one element 
 every element changed (a tiny model at lr 3e-4: 94-99%) it refuses the delta after ~1% of the work, so a publisher
 whose deltas do not pay falls back to full tensors at almost no cost.
 
-A tensor of at least _THREAD_MIN_NUMEL elements is compared, rebuilt and scattered in parts of whole steps on a pool
-of threads, one per core this process may run on (numpy releases the GIL in these array operations); each part
-writes only its own elements and bytes of the mask, and the parts' results are joined in order, so the bytes are the
-same as on one thread. Smaller tensors stay on the calling thread, where a hand-off would cost more than it saves.
+A tensor of more than one step is compared, rebuilt and scattered in parts of whole steps on a pool of threads, one
+per core this process may run on (numpy releases the GIL in these array operations); each part writes only its own
+elements and bytes of the mask, and the parts' results are joined in order, so the bytes are the same as on one
+thread. A tensor of one step or less stays on the calling thread (docs/benchmarks.md: a tensor of 1.5 steps already
+took 5.6 ms on 2 threads against 8.1 ms on one).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ _SAMPLE_STRIDE = 97  # the precheck's sample: one element in this many (a prime:
 _SAMPLE_MIN_NUMEL = 1 << 16  # smaller tensors are compared whole at once
 _SAMPLE_REFUSE = 0.95  # refuse without the full comparison when the sample's estimate exceeds this share of the tensor
 _STEP = 1 << 20  # elements compared or rebuilt at a time (a multiple of 8: whole bytes of the packed mask)
-_THREAD_MIN_NUMEL = 1 << 21  # smaller tensors stay on the calling thread (docs/benchmarks.md: measured)
 _PARTS_PER_THREAD = 4  # a tensor's parts per pool thread: a thread slowed by other work takes fewer of them
 
 _T = TypeVar("_T")
@@ -244,10 +244,10 @@ def _workers() -> int:
 
 
 def _parts(numel: int) -> list[tuple[int, int]]:
-    """[0, numel) in contiguous parts of whole steps (so that each part's mask is whole bytes): one part below
-    _THREAD_MIN_NUMEL or on one core, else up to _PARTS_PER_THREAD per core."""
+    """[0, numel) in contiguous parts of whole steps (so that each part's mask is whole bytes): up to
+    _PARTS_PER_THREAD per core, one part (the calling thread) for a tensor of one step or on one core."""
     steps, workers = -(-numel // _STEP), _workers()
-    count = max(1, min(steps, workers * _PARTS_PER_THREAD)) if numel >= _THREAD_MIN_NUMEL and workers > 1 else 1
+    count = max(1, min(steps, workers * _PARTS_PER_THREAD)) if workers > 1 else 1
     bounds = [steps * i // count * _STEP for i in range(count)] + [numel]
     return list(zip(bounds, bounds[1:]))
 

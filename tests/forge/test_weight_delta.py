@@ -239,11 +239,11 @@ def test_a_threaded_apply_refuses_a_delta_that_does_not_fit_before_writing(monke
     assert torch.equal(_bits(target), _bits(base))  # nothing written
 
 
-def test_small_tensors_stay_on_the_calling_thread(monkeypatch):
+def test_a_tensor_of_one_step_stays_on_the_calling_thread(monkeypatch):
     monkeypatch.setattr(weight_delta, "_workers", lambda: 16)
-    below = weight_delta._THREAD_MIN_NUMEL - 1
-    assert weight_delta._parts(below) == [(0, below)]
-    assert len(weight_delta._parts(weight_delta._THREAD_MIN_NUMEL)) > 1
+    step = weight_delta._STEP
+    assert weight_delta._parts(step) == [(0, step)]
+    assert weight_delta._parts(step + 1) == [(0, step), (step, step + 1)]
     monkeypatch.setattr(weight_delta, "_workers", lambda: 1)
     assert weight_delta._parts(_SPLIT_NUMEL) == [(0, _SPLIT_NUMEL)]  # one core: no pool
 
