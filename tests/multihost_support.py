@@ -352,7 +352,8 @@ class HostProbe(ForgeActor):
     @endpoint
     async def publish(self, namespace: str, version: int, numel: int, fail_after_s: float | None = None) -> None:
         """Publish a 2-tensor state dict whose values say its version, and delete every older version. With
-        `fail_after_s`, writing the second tensor fails that long after the first was written (/dev/shm full)."""
+        `fail_after_s`, writing the second tensor into a new file fails that long after the first was written (/dev/shm
+        full)."""
         import errno
 
         import torch
@@ -371,6 +372,9 @@ class HostProbe(ForgeActor):
             return real_pwrite(fd, data, offset)
 
         if fail_after_s is not None:
+            # Only a new file's pwrite meets a full /dev/shm: a reused spare (all its pages there) is copied into
+            # through a mapping. Without the spare, this version is written into a new file.
+            store._spare_path().unlink(missing_ok=True)
             os.pwrite = pwrite_failing_at_the_second_tensor
         try:
             await store.publish({"w": torch.full((numel,), float(version)), "b": torch.arange(7.0) + version}, version)
