@@ -453,6 +453,16 @@ def unlink_segment(path: Path) -> None:
     _drop_unlinked_mappings()
 
 
+def retire_segment(path: Path, spare: Path) -> None:
+    """A deleted version's segment becomes the `spare` the next publish writes into (no fresh shared memory to
+    allocate and zero), or is deleted when a spare is already kept: one spare per store, never more."""
+    if spare.exists():
+        unlink_segment(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(path, spare)
+
+
 # --- reading -----------------------------------------------------------------------------------------------
 def read_segment(path: Path, manifest: Manifest, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The version's tensors read from its complete segment at `path` straight into fresh tensors, or `into`'s

@@ -78,7 +78,7 @@ from forge.shm_weights import (
     create_segment,
     job_id,
     open_segment_file,
-    unlink_segment,
+    retire_segment,
     piece_ends,
 )
 from forge.weight_store import RELAY_NAMESPACES_KEY, WeightStore, WeightVersionError, get_if_exists
@@ -598,9 +598,4 @@ class WeightRelay(EndpointActor):
             segment = copies.pop(version)
             self.server.own.discard(segment)
             await ts.delete(store.host_manifest_key(self.host, version))
-            spare = store._spare_path()
-            if spare.exists():
-                unlink_segment(SHM_DIR / segment)  # and this process's mapping of it, if it wrote the copy through one
-            else:  # kept (under another name) for the next copy to write into, as the publisher does
-                with contextlib.suppress(FileNotFoundError):
-                    os.replace(SHM_DIR / segment, spare)
+            retire_segment(SHM_DIR / segment, store._spare_path())  # the next copy writes into it, as a publish does

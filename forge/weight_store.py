@@ -484,12 +484,7 @@ class WeightStore:
         manifest = await self.manifest(version)
         await ts.delete(self._manifest_key(version))
         if manifest.segment is not None and manifest.host == self.host:
-            segment = SHM_DIR / manifest.segment
-            if self._spare_path().exists():
-                shm_weights.unlink_segment(segment)  # and this process's mapping of it (it published it)
-            else:  # kept (under another name) for the next publish to write into
-                with contextlib.suppress(FileNotFoundError):
-                    os.replace(segment, self._spare_path())
+            shm_weights.retire_segment(SHM_DIR / manifest.segment, self._spare_path())
         if manifest.in_torchstore:
             for key in await _keys_with_prefix(self.tensors_key(version) + "/"):
                 await ts.delete(key)
