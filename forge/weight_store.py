@@ -3,7 +3,7 @@
     store = WeightStore()
     await store.publish(hf_state_dict, version=3, dtype=torch.bfloat16)   # trainer: every rank, if sharded
     v = await store.latest_version()                  # generator: is there something newer?
-    weights = await store.fetch(v)                    # {hf_name: tensor}; or fetch(v, into=existing)
+    weights = await store.fetch(v)                    # {hf_name: tensor}, views of shared memory; or into=existing
     await store.delete(1)
 
 Keys and metadata live in torchstore (its controller is reachable from every process of the job). Publishing
@@ -12,9 +12,12 @@ streams: one tensor at a time is cast to the readers' dtype (on its own rank, be
 paths:
 - "shm" (one host; forge/shm_weights.py, which needs no Monarch): the publisher writes every tensor once into
   one shared-memory segment in /dev/shm, after checking that /dev/shm has room for all of it; a version whose
-  write fails leaves nothing behind. Readers on the host read it straight into their own tensors (preadv); no
-  per-tensor RPC at all. The file of a deleted version is kept as a spare and rewritten by the next publish:
-  fresh shared-memory pages cost more to fault in than the copy itself.
+  write fails leaves nothing behind. A reader on the host that passes its own tensors (`fetch(v, into=...)`)
+  reads the version straight into them (preadv); one that does not (the Generator) gets views of the segment,
+  hashed in place and never copied (shm_weights.map_segment): one copy of the weights per host, however many
+  readers. No per-tensor RPC at all. The file of a deleted version is kept as a spare and rewritten by the next
+  publish (fresh shared-memory pages cost more to fault in than the copy itself), unless a reader still holds
+  views of it (its lease): then it is deleted, and its memory goes back when the last view does.
 - "torchstore" (across hosts): one torchstore key per tensor (`put` / `get`), which uses RDMA where Monarch
   has it.
 With transport="auto" a version goes through shared memory, and readers on another host fall back to
@@ -89,6 +92,7 @@ from forge.shm_weights import (  # noqa: F401 (SHM_DIR, the errors, Manifest and
     job_id,
     job_segments_bytes,
     layout,
+    map_segment,
     read_segment,
     remove_dead_jobs_segments,
     remove_job_segments,
@@ -329,7 +333,8 @@ class WeightStore:
 
     async def fetch(self, version: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Version `version` as {name: tensor}: copied into `into`'s tensors when given (names and shapes must
-        match), else fresh tensors. Every tensor is checked against the checksums taken when it was published:
+        match); else views of its segment where this host holds it whole (`map_segment`), fresh tensors otherwise
+        (deltas, torchstore, a version still arriving). Every tensor is checked against the checksums taken when it was published:
         WeightChecksumError (naming the tensor and the version) rather than weights that differ from them. A version
         published as deltas is rebuilt on this process's own copy of an earlier one (`_fetch_rebuilt`)."""
         manifest, arriving = await self._locate(version)
@@ -355,7 +360,12 @@ class WeightStore:
             published = await self._published_manifest(version)
             return published, await asyncio.to_thread(read.verified, published)
         if manifest.segment is not None and manifest.host == self.host:
+            # A caller with no tensors of its own gets views of the segment (its lease keeps the file from being
+            # rewritten); its own copy is only needed to apply deltas to, or to read into `into`'s tensors.
+            mapped = into is None and all(entry.encoding == "full" for entry in manifest.entries.values())
             try:
+                if mapped:
+                    return manifest, await asyncio.to_thread(map_segment, SHM_DIR / manifest.segment, manifest)
                 return manifest, await asyncio.to_thread(read_segment, SHM_DIR / manifest.segment, manifest, into)
             except FileNotFoundError:
                 raise WeightVersionError(

@@ -2,6 +2,7 @@
 of them stay exact and verified, and a deleted file's mapping does not outlive it. No Monarch, no torchstore."""
 
 import dataclasses
+import fcntl
 import os
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 from forge import shm_weights
-from forge.shm_weights import (CHECKSUM, HEADER, SHM_DIR, Manifest, WeightChecksumError, checksums, create_segment,
-                               job_id, layout, read_segment, unlink_segment)
+from forge.shm_weights import (CHECKSUM, HEADER, SHM_DIR, WRITING, Manifest, WeightChecksumError, WeightVersionError,
+                               checksums, create_segment, job_id, layout, map_segment, read_segment, retire_segment,
+                               segment_state, unlink_segment)
 from tests.support import flip_byte
 
 SHAPES = {"embed": (64, 48), "norm": (48,), "odd": (1001,), "proj": (96, 48)}  # tensors of odd sizes, several pieces
@@ -55,12 +57,8 @@ class Publisher:
         return manifest
 
     def delete(self, version: int) -> None:
-        """WeightStore.delete: the file becomes the spare, or is removed when there is one."""
-        path = SHM_DIR / self.published.pop(version)[0].segment
-        if self.spare.exists():
-            unlink_segment(path)
-        else:
-            os.replace(path, self.spare)
+        """WeightStore.delete: the file becomes the spare, or is removed when there is one or a reader leases it."""
+        retire_segment(SHM_DIR / self.published.pop(version)[0].segment, self.spare)
 
     def assert_exact(self, version: int) -> None:
         manifest, weights = self.published[version]
@@ -160,3 +158,57 @@ def test_a_deleted_segment_is_no_longer_mapped_by_its_writer(publisher):
     assert len(deleted_files_mapped()) == 1
     publisher.publish(4)  # until its next publish
     assert deleted_files_mapped() == []
+
+
+# --- readers that take views of a segment (map_segment) ---------------------------------------------------------
+def test_a_mapped_version_is_exact_and_its_lease_keeps_its_file_from_being_rewritten(publisher, small_pieces):
+    publisher.publish(0)
+    manifest, weights = publisher.published[0]
+    views = map_segment(SHM_DIR / manifest.segment, manifest)
+    assert all(torch.equal(views[name], tensor) for name, tensor in weights.items())
+    publisher.publish(1)
+    publisher.delete(0)  # leased: deleted, not made the spare
+    assert not publisher.spare.exists() and deleted_files_mapped() == [f"{SHM_DIR / manifest.segment} (deleted)"]
+    for version in range(2, 6):  # versions written into the files of unleased ones, around the leased one's pages
+        publisher.publish(version)
+        publisher.delete(version - 1)
+    assert publisher.spare.exists()
+    assert all(torch.equal(views[name], tensor) for name, tensor in weights.items())
+    del views  # the reader drops the version: the lease and the memory go with its last view
+    assert deleted_files_mapped() == []
+
+
+def test_a_write_to_a_mapped_tensor_stays_in_the_reader_s_own_copy_of_the_page(publisher, small_pieces):
+    manifest = publisher.publish(0)
+    views = map_segment(SHM_DIR / manifest.segment, manifest)
+    views["proj"].fill_(3.0)
+    publisher.assert_exact(0)  # the file still holds what was published
+    assert torch.equal(map_segment(SHM_DIR / manifest.segment, manifest)["norm"], publisher.published[0][1]["norm"])
+
+
+def test_a_corrupted_byte_fails_the_mapped_read_naming_the_tensor_and_the_version(publisher, small_pieces):
+    manifest = publisher.publish(0)
+    flip_byte(SHM_DIR / manifest.segment, HEADER + manifest.entries["odd"].offset + 1500)
+    with pytest.raises(WeightChecksumError, match=r"policy version 0: tensor 'odd' .*bytes 1000\.\.2000 of 2002.*"
+                                                  r"corrupted tensors: \['odd'\]"):
+        map_segment(SHM_DIR / manifest.segment, manifest)
+
+
+def test_a_segment_being_retired_or_retired_is_refused_by_a_mapping_reader(publisher):
+    manifest = publisher.publish(0)
+    path = SHM_DIR / manifest.segment
+    retiring = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(retiring, fcntl.LOCK_EX)  # retire_segment's hold while it makes the file the spare
+        with pytest.raises(WeightVersionError, match="policy version 0 was deleted while being fetched"):
+            map_segment(path, manifest)
+    finally:
+        os.close(retiring)
+    opened_before = os.open(path, os.O_RDONLY)  # a reader that opened the file just before it was retired
+    try:
+        publisher.delete(0)
+        assert publisher.spare.exists() and segment_state(opened_before)[1] == WRITING  # no longer version 0's
+    finally:
+        os.close(opened_before)
+    with pytest.raises(WeightVersionError, match="policy version 0 was deleted while being fetched"):
+        map_segment(path, manifest)

@@ -38,6 +38,21 @@ async def test_fetch_into_existing_tensors(store):
     assert torch.equal(into["lm_head.weight"], torch.full((32, 16), -1.0))
 
 
+async def test_a_version_a_reader_holds_stays_exact_while_the_store_deletes_it_and_publishes_on(store):
+    # fetch() with no tensors of the caller's hands out views of the segment, as the Generator takes them: the file
+    # is leased while they live, so deleting the version never makes it the spare a later publish writes into.
+    store = WeightStore("test-lease")  # a namespace of its own: no spare yet, so version 60's file would be it
+    await store.publish(_state_dict(60), version=60)
+    held = await store.fetch(60)
+    for version in (61, 62, 63):
+        await store.publish(_state_dict(version), version=version)
+        await store.delete(version - 1)
+    for name, tensor in _state_dict(60).items():
+        assert torch.equal(held[name], tensor), name
+    assert torch.equal((await store.fetch(63))["lm_head.weight"], _state_dict(63)["lm_head.weight"])
+    await store.delete(63)
+
+
 async def test_chunked_threaded_io_round_trips_every_byte(store, monkeypatch):
     """Large state dicts go through pwrite/preadv in chunks on a thread pool; force that path on a small dict
     with odd sizes, chunk edges inside tensors, and a bf16 tensor read into an fp32 receiver."""
