@@ -55,6 +55,7 @@ SHM_DIR = Path(os.environ.get("FORGE_SHM_DIR", "/dev/shm"))
 HEADER = 64  # the segment starts with its state (see the module's docstring)
 _COMMITTED, _READY, _WRITING = 0, 8, 16  # header offsets: version once complete, ready bytes, version being written
 WRITING, ABANDONED = -1, -2  # the header's "complete" field until the segment is complete, or after a failed write
+RETIRED = -3  # the header's "version being written" once the file is a deleted version's, kept as the spare
 ARRIVAL_STALL_S = 60.0  # a reader of a segment still being written gives up when no byte arrived for this long
 _ALIGN = 64
 _CHUNK = 32 << 20  # bytes per checksum, and per task of the reading threads: they share big tensors evenly
@@ -259,7 +260,8 @@ def create_segment(path: Path, size: int, version: int, spare: Path | None) -> S
     if needed > free + reusable:
         raise SharedMemoryError(
             f"publishing policy version {version} needs {needed} bytes in {SHM_DIR}, but {free} are free ({reusable} "
-            "more reusable from a deleted version); nothing was written. Free shared memory, keep fewer versions, or "
+            "more reusable from a deleted version); nothing was written. Deleted versions whose weights a generator "
+            "still holds count as used until it lets go of them. Free shared memory, keep fewer versions, or "
             "publish in a smaller dtype")
     try:
         return SegmentWriter(path, size, version, spare if spare is not None and spare.exists() else None)
@@ -473,7 +475,9 @@ def retire_segment(path: Path, spare: Path) -> None:
         except BlockingIOError:
             unlink_segment(path)
             return
-        # No longer a complete version: a reader that takes its lease after this one is released refuses the file.
+        # No longer a version: a reader that takes its lease after this one is released refuses the file, and one
+        # still reading it (a stream, an arriving read) stops at once rather than waiting for a writer.
+        os.pwrite(fd, struct.pack("<q", RETIRED), _WRITING)
         os.pwrite(fd, struct.pack("<q", WRITING), _COMMITTED)
         os.replace(path, spare)
     finally:
@@ -495,17 +499,21 @@ def map_segment(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
     are the ones the publisher wrote, shared by every reader on the host; a write to a tensor lands in a private
     copy of its page, never in the file), every piece hashed in place and checked against its published checksum.
     While any of the tensors lives, the mapping holds a shared lock on the file (its lease): `retire_segment` never
-    rewrites a leased file. Versions of full tensors only (a delta is applied to a reader's own copy).
-    WeightVersionError when the segment was deleted or is being reused, WeightChecksumError naming every tensor
-    whose bytes differ."""
+    rewrites a leased file, it deletes it, and the file's memory stays in /dev/shm until the last view goes.
+    Versions of full tensors only (a delta is applied to a reader's own copy). WeightVersionError when the segment
+    was deleted or is being reused, WeightChecksumError naming every tensor whose bytes differ."""
     version = manifest.version
+    deltas = [name for name, entry in manifest.entries.items() if entry.encoding != "full"]
+    if deltas:
+        raise ValueError(f"policy version {version}: tensors {deltas[:3]} are stored as deltas; map_segment maps "
+                         "versions of full tensors only")
     fd = open_segment_file(path, version, arriving=False)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:  # retire_segment holds it for the moment it takes to make it the spare
             raise WeightVersionError(f"policy version {version} was deleted while being fetched ({path.name})") from None
-        writing, complete, _ = segment_state(fd)
+        writing, complete, _ = segment_state(fd)  # after the lock: a file retired before it says so
         length = HEADER + max(manifest.segment_size, 1)
         if (writing, complete) != (version, version) or os.fstat(fd).st_size < length:
             raise WeightVersionError(f"policy version {version} was deleted while being fetched ({path.name})")
@@ -515,25 +523,11 @@ def map_segment(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
         segment = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    view, digest = memoryview(segment), hash_function(manifest.checksum)
-    found: dict[tuple[str, int], int] = {}
-
-    def check(piece: tuple[str, int], data: memoryview) -> None:
-        found[piece] = digest(data)
-
-    pieces = []
-    for name, entry in manifest.entries.items():
-        if entry.encoding != "full":
-            raise ValueError(f"policy version {version}: tensor {name!r} is stored as a delta; map_segment maps "
-                             "versions of full tensors only")
-        start = HEADER + entry.offset
-        pieces += [((name, i), piece) for i, piece in enumerate(_chunks(view[start : start + entry.nbytes]))]
-    _run_io(check, pieces, manifest.nbytes)
-    _raise_on_mismatch(manifest, [(name, index, got, sums[index] if index < len(sums) else None)
-                                  for (name, index), got in found.items()
-                                  for sums in [manifest.entries[name].checksums]
-                                  if index >= len(sums) or got != sums[index]])
-    view.release()
+    try:
+        _check_in_place(segment, manifest)
+    except BaseException:
+        segment.close()  # the lease goes now, not with the exception's traceback
+        raise
     tensors = {}
     for name, entry in manifest.entries.items():
         dtype = getattr(torch, entry.dtype)
@@ -543,6 +537,28 @@ def map_segment(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
         raw = torch.frombuffer(segment, dtype=torch.uint8, count=entry.nbytes, offset=HEADER + entry.offset)
         tensors[name] = raw.view(dtype).view(entry.shape)
     return tensors
+
+
+def _check_in_place(segment: mmap.mmap, manifest: Manifest) -> None:
+    """Hash every piece of the mapped segment's tensors and compare with the published checksums: WeightChecksumError
+    naming every tensor whose bytes differ. Holds no view of the mapping once it returns or raises."""
+    digest, found = hash_function(manifest.checksum), {}
+
+    def check(piece: tuple[str, int], data: memoryview) -> None:
+        found[piece] = digest(data)
+
+    with memoryview(segment) as view:
+        pieces = [((name, i), piece) for name, entry in manifest.entries.items()
+                  for i, piece in enumerate(_chunks(view[HEADER + entry.offset : HEADER + entry.offset + entry.nbytes]))]
+        try:
+            _run_io(check, pieces, manifest.nbytes)
+        finally:
+            for _, piece in pieces:
+                piece.release()
+    _raise_on_mismatch(manifest, [(name, index, got, sums[index] if index < len(sums) else None)
+                                  for (name, index), got in found.items()
+                                  for sums in [manifest.entries[name].checksums]
+                                  if index >= len(sums) or got != sums[index]])
 
 
 class SegmentRead:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from forge import shm_weights
-from forge.shm_weights import (CHECKSUM, HEADER, SHM_DIR, WRITING, Manifest, WeightChecksumError, WeightVersionError,
+from forge.shm_weights import (CHECKSUM, HEADER, RETIRED, SHM_DIR, WRITING, Manifest, WeightChecksumError, WeightVersionError,
                                checksums, create_segment, job_id, layout, map_segment, read_segment, retire_segment,
                                segment_state, unlink_segment)
 from tests.support import flip_byte
@@ -183,7 +183,7 @@ def test_a_write_to_a_mapped_tensor_stays_in_the_reader_s_own_copy_of_the_page(p
     views = map_segment(SHM_DIR / manifest.segment, manifest)
     views["proj"].fill_(3.0)
     publisher.assert_exact(0)  # the file still holds what was published
-    assert torch.equal(map_segment(SHM_DIR / manifest.segment, manifest)["norm"], publisher.published[0][1]["norm"])
+    assert torch.equal(map_segment(SHM_DIR / manifest.segment, manifest)["proj"], publisher.published[0][1]["proj"])
 
 
 def test_a_corrupted_byte_fails_the_mapped_read_naming_the_tensor_and_the_version(publisher, small_pieces):
@@ -194,7 +194,7 @@ def test_a_corrupted_byte_fails_the_mapped_read_naming_the_tensor_and_the_versio
         map_segment(SHM_DIR / manifest.segment, manifest)
 
 
-def test_a_segment_being_retired_or_retired_is_refused_by_a_mapping_reader(publisher):
+def test_a_segment_being_retired_or_retired_is_refused_by_a_mapping_reader(publisher, monkeypatch):
     manifest = publisher.publish(0)
     path = SHM_DIR / manifest.segment
     retiring = os.open(path, os.O_RDWR)
@@ -207,8 +207,10 @@ def test_a_segment_being_retired_or_retired_is_refused_by_a_mapping_reader(publi
     opened_before = os.open(path, os.O_RDONLY)  # a reader that opened the file just before it was retired
     try:
         publisher.delete(0)
-        assert publisher.spare.exists() and segment_state(opened_before)[1] == WRITING  # no longer version 0's
+        assert publisher.spare.exists() and segment_state(opened_before)[:2] == (RETIRED, WRITING)
+        # ... and takes its lease only now: the header tells it the file is no longer version 0's
+        monkeypatch.setattr(shm_weights, "open_segment_file", lambda *_, **__: os.dup(opened_before))
+        with pytest.raises(WeightVersionError, match=r"policy version 0 was deleted while being fetched \(forge-"):
+            map_segment(path, manifest)
     finally:
         os.close(opened_before)
-    with pytest.raises(WeightVersionError, match="policy version 0 was deleted while being fetched"):
-        map_segment(path, manifest)

@@ -44,11 +44,17 @@ async def test_a_version_a_reader_holds_stays_exact_while_the_store_deletes_it_a
     store = WeightStore("test-lease")  # a namespace of its own: no spare yet, so version 60's file would be it
     await store.publish(_state_dict(60), version=60)
     held = await store.fetch(60)
+    segment = SHM_DIR / (await store.manifest(60)).segment
+    mapped = lambda: [line for line in open("/proc/self/maps") if str(segment) in line]  # noqa: E731
+    assert mapped()  # views of the segment, not a copy
     for version in (61, 62, 63):
         await store.publish(_state_dict(version), version=version)
         await store.delete(version - 1)
     for name, tensor in _state_dict(60).items():
         assert torch.equal(held[name], tensor), name
+    assert mapped() and not segment.exists()  # deleted, its pages alive while held
+    del held
+    assert not mapped()  # the memory goes with the last view
     assert torch.equal((await store.fetch(63))["lm_head.weight"], _state_dict(63)["lm_head.weight"])
     await store.delete(63)
 
