@@ -138,6 +138,14 @@ class Reader(ForgeActor):
             await asyncio.to_thread(self._swap, swap)
 
     @endpoint
+    async def fetch_forge_views(self, namespace: str, version: int) -> None:
+        """Make `version` the live weights as forge's Generator does: views of its segment (no copy), swapped in
+        by pointer; the previous version's views are dropped, and with them their lease on its file."""
+        fetched = await WeightStore(namespace, transport="shm").fetch(version)
+        with self.lock:
+            self.live = fetched
+
+    @endpoint
     async def fetch_torchstore(self, key: str, swap: str | None) -> None:
         if swap is None:
             await ts.get_state_dict(key, user_state_dict=self.live)
