@@ -53,37 +53,34 @@ def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
     assert not processes_with_mark(str(run_dir))
 
 
-def test_the_reference_model_scores_the_tokens_the_trainer_trains(tmp_path):
-    # Episodes reach the reference model packed and its log-probs come back flat, one per completion token. At step
-    # 1 (one optimizer step, on policy) the policy is the reference, so their KL is 0 only if every log-prob landed on
-    # its own token.
-    run_dir = tmp_path / "run"
-    _run_grpo(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "trainer.minibatches=1", "reference.enabled=true",
-              "trainer.loss_params.kl_coef=0.1", "eval.at_start=false", "eval.at_end=false")
-    kl = [r["kl"] for r in _metrics(run_dir)]
-    assert len(kl) == 3 and abs(kl[0]) < 1e-4, kl
-
-
-def test_grpo_with_the_vllm_engine_trains_on_versioned_tokens_and_stops_every_process(tmp_path):
+def test_grpo_with_the_vllm_engine_and_delta_sync_trains_on_versioned_tokens_and_stops_every_process(tmp_path):
     run_dir = tmp_path / "vllm"
     result = _run_grpo(run_dir, "steps=3", "generator.engine=vllm", "generator.engine_args.enforce_eager=true",
                        "generator.engine_args.max_model_len=64", "eval.at_start=false", "checkpoint.final=false",
-                       env=marked_environment(str(run_dir)))
+                       "trainer.publish_deltas.enabled=true", env=marked_environment(str(run_dir)))
     assert "=== GRPO run summary ===" in result.stdout
     rows = _metrics(run_dir)
     assert [int(r["policy_version"]) for r in rows] == [1, 2, 3]
+    # Versions after the first full one carry deltas; the replica rebuilds each on its own copy and verifies it
+    # against the publisher's checksums before vLLM loads it (a mismatch would fail the fetch, and the job).
+    assert sum(r.get("weights/published_delta", 0) for r in rows) >= 1, rows
     assert sum(r.get("generator/weight_swaps", 0) for r in rows) >= 1  # vLLM swapped in the trainer's weights
     assert all(r["train/version_lag"] <= 1 for r in rows)  # every token's version is within the age bound
     assert not processes_with_mark(str(run_dir))  # vLLM's engine-core process included
 
 
-def test_synchronous_mode_trains_strictly_on_policy_and_generates_only_what_it_trains(tmp_path):
+def test_synchronous_mode_trains_strictly_on_policy_and_the_reference_model_scores_its_tokens(tmp_path):
     run_dir = tmp_path / "sync"
     # Room for 4 batches' groups at once: only the replay buffer's reservations keep rollouts to the next batch.
     _run_grpo(run_dir, "steps=3", "replay_buffer.max_policy_age=0", "rollout.concurrency=8", "eval.at_start=false",
-              "eval.at_end=false", "checkpoint.final=false", "checkpoint.interval=0")
+              "eval.at_end=false", "checkpoint.final=false", "checkpoint.interval=0",
+              "trainer.minibatches=1", "reference.enabled=true", "trainer.loss_params.kl_coef=0.1")
     rows = _metrics(run_dir)
     assert len(rows) == 3 and all(r["train/version_lag"] == 0 for r in rows)
+    # Episodes reach the reference model packed and its log-probs come back flat, one per completion token. At step
+    # 1 (one optimizer step, on policy) the policy is the reference, so their KL is 0 only if every log-prob landed on
+    # its own token.
+    assert abs(rows[0]["kl"]) < 1e-4, [r["kl"] for r in rows]
     assert all(r["buffer/dropped_too_old"] == 0 for r in rows)
     e = json.loads((run_dir / "summary.json").read_text())["episodes"]
     # Nothing generated for a version that is stale on arrival, nothing generated past the last step.
