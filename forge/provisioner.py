@@ -415,6 +415,8 @@ async def spawn_actor(cls: type[EndpointActor], mesh: ProvisionedMesh, args: tup
             if cls.has_teardown():
                 mesh.actors.append(actor)  # only actors with background work get a teardown call
             await actor.setup.call()
+        # A shutdown that began during the set-up stops this mesh once the set-up is done: no handle to hand out.
+        provisioner.refuse_if_closing(f"spawning {cls.__name__} on mesh {mesh.name!r}")
     except BaseException:
         await provisioner.stop_proc_mesh(mesh)
         raise

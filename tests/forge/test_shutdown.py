@@ -35,6 +35,7 @@ class Echo(ForgeActor):
         await asyncio.sleep(3600)
 
 class SlowStart(Echo):
+    @endpoint
     async def setup(self):
         await asyncio.sleep(float(os.environ.get("SLOW_START_S", "8")))
 
