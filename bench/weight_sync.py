@@ -180,7 +180,6 @@ async def run(args: argparse.Namespace) -> list[dict]:
             stalls["torchstore/copy"] = await bench.stall("torchstore", "copy", args.decode_size, args.gpu_wait_ms / 1e3)
         await bench.forge_once(views=True)  # warm-up: the readers' first mapping
         views = median_split([await bench.forge_once(views=True) for _ in range(args.repeats)])
-        await readers.free.call()  # drops the readers' views of the newest version: its file can go
         await bench.delete_kept()
         await publisher.free.call_one()
         await readers.free.call()

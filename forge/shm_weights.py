@@ -10,9 +10,9 @@ the version being written. The writer copies the tensors one piece at a time int
 of the file that it keeps for the next version written into the same file (a deleted version's, reused), and renames
 it when complete. Readers preadv straight into their tensors: large state dicts in 32 MB pieces on up to 8 threads
 (1 GB: 0.27 s on one thread, 0.15 s on two); or take views of a private mapping of the segment (`map_segment`, no
-copy), which lease the file while they live: a leased file is deleted, never rewritten as the spare. A reader may start while the segment is still being written (a
-version streamed to another host, forge/weight_relay.py; read on one thread then): each piece is read once "ready"
-covers it, and the version is returned only once its segment is complete and every piece matches the publisher's
+copy), which lease the file while they live: a leased file is deleted, never rewritten as the spare. A reader may
+start while the segment is still being written (a version streamed to another host, forge/weight_relay.py; read on
+one thread then): each piece is read once "ready" covers it, and the version is returned only once its segment is complete and every piece matches the publisher's
 checksum, so no caller ever gets half a version.
 
 Checksums: a hash of each 32 MB piece of a tensor's bytes, computed once when it is published and checked by
@@ -555,10 +555,7 @@ def _check_in_place(segment: mmap.mmap, manifest: Manifest) -> None:
         finally:
             for _, piece in pieces:
                 piece.release()
-    _raise_on_mismatch(manifest, [(name, index, got, sums[index] if index < len(sums) else None)
-                                  for (name, index), got in found.items()
-                                  for sums in [manifest.entries[name].checksums]
-                                  if index >= len(sums) or got != sums[index]])
+    _raise_on_mismatch(manifest, _mismatches(found, {n: e.checksums for n, e in manifest.entries.items()}))
 
 
 class SegmentRead:
@@ -615,10 +612,7 @@ class SegmentRead:
             if other is None or (other.offset, other.nbytes, other.dtype) != (entry.offset, entry.nbytes, entry.dtype):
                 raise WeightVersionError(f"policy version {published.version}: tensor {name!r} was published at "
                                          "another place or size than the segment that was read holds it")
-        mismatches = [(name, index, found, sums[index] if index < len(sums) else None)
-                      for (name, index), found in self.found.items()
-                      for sums in [published.entries[name].checksums]
-                      if index >= len(sums) or found != sums[index]]
+        mismatches = _mismatches(self.found, {n: e.checksums for n, e in published.entries.items()})
         _raise_on_mismatch(published, mismatches)
         with torch.no_grad():
             for name, buffer in self.staged.items():
@@ -657,10 +651,8 @@ def copy_verified(sources: dict[str, torch.Tensor], manifest: Manifest,
 
     pieces = [((name, i), view) for name, tensor in sources.items() for i, view in enumerate(_chunks(_bytes_of(tensor)))]
     _run_io(copy, pieces, manifest.tensor_nbytes)
-    _raise_on_mismatch(manifest, [(name, index, got, sums[index] if index < len(sums) else None)
-                                  for (name, index), got in found.items()
-                                  for sums in [manifest.entries[name].rebuilt_checksums]
-                                  if index >= len(sums) or got != sums[index]], rebuilt=True)
+    _raise_on_mismatch(manifest, _mismatches(found, {n: e.rebuilt_checksums for n, e in manifest.entries.items()}),
+                       rebuilt=True)
     with torch.no_grad():
         for name, target in staged.items():
             if target is None:
@@ -730,6 +722,14 @@ class SegmentProgress:
             if self.complete:
                 self._poll()  # once more: still this version's complete file after every read
         self._wait(lambda: self.complete)
+
+
+def _mismatches(found: dict[tuple[str, int], int], published: dict[str, tuple[int, ...]]
+                ) -> list[tuple[str, int, int, int | None]]:
+    """(name, piece, found, published or None) of every piece whose hash differs from, or is missing in, `published`."""
+    return [(name, index, got, sums[index] if index < len(sums) else None)
+            for (name, index), got in found.items() for sums in [published[name]]
+            if index >= len(sums) or got != sums[index]]
 
 
 def _raise_on_mismatch(manifest: Manifest, mismatches: list[tuple[str, int, int, int | None]], *,
