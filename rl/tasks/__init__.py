@@ -35,7 +35,7 @@ def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
         from rl.tasks.reasoning_gym import ReasoningGymTask
 
         return ReasoningGymTask(config.name, options=config.options, seed=seed, size=config.size,
-                                held_out=config.held_out, tokenizer=tokenizer,
+                                held_out=config.held_out, partial_credit=config.partial_credit, tokenizer=tokenizer,
                                 chat_template_kwargs=config.chat_template_kwargs)
     from rl.tasks.gsm8k import GSM8KTask  # needs `datasets`
 

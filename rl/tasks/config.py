@@ -51,6 +51,9 @@ class TaskConfig:
     """gsm8k and reasoning_gym ask in the model's chat template when its tokenizer has one (stopping at its
     end-of-turn token), and multi-turn tasks do with `environment.chat_template`; these reach the template (Qwen3
     configs: `enable_thinking: false`)."""
+    partial_credit: bool = True
+    """reasoning_gym: reward the dataset's score as it is, partial credit included (false: 1 for a score of 1, else 0,
+    so a run is rewarded only for what an exact-accuracy evaluation counts)."""
     reward: str | None = None
     """`package.module:function` taking (completion_text, answer) -> float; null: the task's exact-match reward. A
     reward that raises, hangs past `reward_timeout_s` or returns NaN scores 0, is counted in `reward/failures`, and
@@ -75,6 +78,9 @@ class TaskConfig:
         for name in ("size", "num_digits", "held_out"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not self.partial_credit and (self.source != "reasoning_gym" or self.reward is not None):
+            raise ValueError(f"partial_credit=false: only a reasoning_gym task's own scorer gives partial credit (this "
+                             f"task: source={self.source!r}, reward={self.reward!r}); remove it")
         environment_class = self.source in ("openenv", "environment")
         if self.reward is not None and (environment_class or (self.source, self.name) == ("forge", "lookup")):
             raise ValueError(f"reward={self.reward!r}: a {self.source}/{self.name} task is multi-turn; its environment "

@@ -59,7 +59,7 @@ def check_dataset(name: str, options: dict[str, Any], *, size: int, prefix: str 
 
 class ReasoningGymTask:
     def __init__(self, name: str, *, options: dict[str, Any] | None = None, seed: int = 0, size: int = 10_000,
-                 held_out: int = 500, tokenizer: Any = None,
+                 held_out: int = 500, partial_credit: bool = True, tokenizer: Any = None,
                  chat_template_kwargs: dict[str, Any] | None = None) -> None:
         import reasoning_gym
 
@@ -84,6 +84,7 @@ class ReasoningGymTask:
             raise ValueError(f"task.name={name!r}: every held-out problem also occurs in training; the task "
                              f"has too few distinct problems with task.options={options!r}")
         self.seed = seed
+        self.partial_credit = partial_credit
 
     def _problem(self, split: str, index: int, entry: dict[str, Any], prompts: PromptFormat) -> Problem:
         key = f"{split}/{index}"
@@ -97,6 +98,8 @@ class ReasoningGymTask:
         return list(self._held_out)
 
     def reward(self, completion_text: str, answer: str) -> float:
-        """The dataset's own score (0..1) of the completion's tagged answer; `answer` is the entry's key."""
+        """The dataset's own score (0..1) of the completion's tagged answer, or 1/0 for a score of 1 or less without
+        `partial_credit`; `answer` is the entry's key."""
         split = answer.partition("/")[0]
-        return float(self._datasets[split].score_answer(tagged_answer(completion_text), self._entries[answer]))
+        score = float(self._datasets[split].score_answer(tagged_answer(completion_text), self._entries[answer]))
+        return score if self.partial_credit else float(score == 1.0)

@@ -33,6 +33,18 @@ def test_the_reward_is_the_datasets_own_score(task):
     assert entry["question"] in problem.prompt and problem.prompt.endswith("inside <answer></answer>.")
 
 
+def test_without_partial_credit_only_a_full_score_is_rewarded():
+    options = {"min_word_len": 5, "max_word_len": 5}
+    partial, exact = (ReasoningGymTask("spell_backward", options=options, seed=0, size=20, held_out=5,
+                                       partial_credit=credit) for credit in (True, False))
+    problem = exact.held_out()[0]
+    word = exact._entries[problem.answer]["answer"]
+    one_letter_off = f"<answer>{word[:-1]}{'a' if word[-1] != 'a' else 'b'}</answer>"
+    assert 0 < partial.reward(one_letter_off, problem.answer) < 1  # the dataset's scorer gives partial credit
+    assert exact.reward(one_letter_off, problem.answer) == 0.0
+    assert exact.reward(f"<answer>{word}</answer>", problem.answer) == 1.0
+
+
 def test_tagged_answer_takes_the_last_tag_or_the_whole_text():
     assert tagged_answer("<answer>1</answer> no, <answer> 2 </answer>") == "2"
     assert tagged_answer(" 7\n") == "7"
@@ -43,9 +55,9 @@ def test_a_task_is_chosen_by_name_from_the_config(tmp_path):
 
     model = str(ensure_tiny_checkpoint(tmp_path / "tiny"))
     config = TaskConfig(source="reasoning_gym", name="basic_arithmetic", size=50, held_out=10,
-                        options={"min_terms": 2, "max_terms": 3})
+                        options={"min_terms": 2, "max_terms": 3}, partial_credit=False)
     task = make_task(config, seed=0, model=model)
-    assert isinstance(task, ReasoningGymTask) and len(task.held_out()) == 10
+    assert isinstance(task, ReasoningGymTask) and len(task.held_out()) == 10 and not task.partial_credit
 
 
 @pytest.mark.parametrize("name, options, message", [
@@ -66,6 +78,9 @@ def test_bad_names_and_options_are_refused_naming_the_field(name, options, messa
     ({"name": "basic_arithmetic"}, "name='basic_arithmetic': must be one of 'arithmetic', 'gsm8k'"),
     ({"options": {"a": 1}}, "only reasoning_gym tasks take options"),
     ({"source": "reasoning_gym", "name": "basic_arithmetic", "size": 0}, "size=0: must be >= 1"),
+    ({"name": "gsm8k", "partial_credit": False}, "partial_credit=false: only a reasoning_gym task's own scorer"),
+    ({"source": "reasoning_gym", "name": "basic_arithmetic", "partial_credit": False, "reward": "math:isclose"},
+     r"partial_credit=false: .*reward='math:isclose'"),
 ])
 def test_task_config_checks(fields, message):
     with pytest.raises(ValueError, match=message):
