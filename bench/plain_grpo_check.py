@@ -3,7 +3,7 @@ in docs/sft.md: a cross-check that what apps.grpo does to that SFT export is GRP
 
     python -m bench.plain_grpo_check --model runs/sft_reasoning_gym/seed0/hf_model [--lr 1e-4] [--temperature 1.0]
         [--steps 40] [--prompts 16] [--group-size 8] [--eval-every 20] [--train-on train|unseen] [--reward task|exact]
-        [--size 20000] [--held-out 200]
+        [--credit sequence|letters|positions] [--size 20000] [--held-out 200]
 
 Each step samples `--group-size` completions for `--prompts` training prompts (transformers' generate), scores them
 with the task's reward (or 1 for the exact word only, `--reward exact`), takes group-relative advantages
@@ -11,6 +11,8 @@ with the task's reward (or 1 for the exact word only, `--reward exact`), takes g
 mean, as apps.grpo's). Every `--eval-every` steps it prints the held-out mean reward and exact accuracy, greedy
 and sampled at the training temperature.
 `--train-on unseen` trains on words SFT never saw (half of a larger held-out draw) and evaluates on the other half.
+`--credit` gives each token its own advantage instead of its sequence's (`process_advantages`): one step per letter of
+the word, rewarded 1 when the completion has the right letter there, then the exact word at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--train-on", choices=["train", "unseen"], default="train")
     parser.add_argument("--reward", choices=["task", "exact"], default="task")
+    parser.add_argument("--credit", choices=["sequence", "letters", "positions"], default="sequence",
+                        help="sequence: the sequence's advantage on every token (GRPO's outcome supervision); letters: "
+                             "GRPO's process supervision over letter steps; positions: each letter against the "
+                             "group's same letter, plus the exact word's advantage on every token")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=int, default=20000, help="training problems (the configs' task.size)")
     parser.add_argument("--held-out", type=int, default=200, help="held-out problems (the configs' task.held_out)")
@@ -73,8 +79,13 @@ def main() -> None:
         logits = model(input_ids=ids, attention_mask=torch.cat([prompt_mask, completion_mask.long()], 1)).logits
         logprobs = torch.log_softmax(logits[:, prompt_ids.shape[1] - 1 : -1] / args.temperature, -1)
         logprobs = logprobs.gather(-1, completions.unsqueeze(-1)).squeeze(-1)
-        per_sequence = (logprobs * completion_mask).sum(1) / completion_mask.sum(1).clamp(min=1)
-        loss = -(advantages * per_sequence).mean()
+        lengths = completion_mask.sum(1).clamp(min=1)
+        if args.credit == "sequence":
+            loss = -(advantages * ((logprobs * completion_mask).sum(1) / lengths)).mean()
+        else:  # each token its own advantage
+            words = [task.reference_answer(problems[i // args.group_size].answer) for i in range(len(prompts))]
+            token_advantages = process_advantages(texts, words, args.group_size, logprobs.shape[1], args.credit)
+            loss = -((token_advantages * logprobs * completion_mask).sum(1) / lengths).mean()
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -83,6 +94,46 @@ def main() -> None:
               f"{time.monotonic() - start:.1f} s", flush=True)
         if step % args.eval_every == 0:
             print(f"eval {step}: {evaluate(model, tokenizer, task, held_out, args.temperature)}", flush=True)
+
+
+def letter_steps(text: str, word: str) -> list[tuple[int, float]]:
+    """(the character, so the token, of the char-level tokenizer where the step ends; its reward) for each letter of
+    `word` (1 when the completion's tagged answer has that letter there; a missing letter ends at the EOS, index
+    len(text)), then the exact word, ending at the EOS."""
+    start = text.find("<answer>")
+    answer = "" if start < 0 else text[start + len("<answer>"):].partition("</answer>")[0].lower()
+    steps = [(start + len("<answer>") + k if k < len(answer) else len(text), float(answer[k : k + 1] == letter))
+             for k, letter in enumerate(word.lower())]
+    return steps + [(len(text), float(answer.strip() == word.lower()))]
+
+
+def process_advantages(texts: list[str], words: list[str], group_size: int, width: int, credit: str) -> torch.Tensor:
+    """[len(texts), width] per-token advantages of groups of `group_size` consecutive completions.
+
+    letters: GRPO's process supervision (arXiv:2402.03300, 4.1.3): every step reward of the group normalized by the
+    mean and std of all of them, r~ = (r - mean) / std; token t's advantage is the sum of r~ over the steps ending at
+    or after t. positions: the letter at position k against the group's letters at k, (r_k - mean_k) / std_k, on its
+    own token, plus the exact word's group-normalized reward on every token up to the EOS."""
+    advantages = torch.zeros(len(texts), width)
+    for first in range(0, len(texts), group_size):
+        group = [letter_steps(texts[i], words[i]) for i in range(first, first + group_size)]
+        if credit == "letters":
+            rewards = torch.tensor([r for steps in group for _, r in steps])
+            if rewards.std() > 0:
+                for row, steps in enumerate(group, first):
+                    for end, r in steps:
+                        advantages[row, : min(end, width - 1) + 1] += (r - rewards.mean()) / rewards.std()
+            continue
+        for k in range(len(group[0])):
+            rewards = torch.tensor([steps[k][1] for steps in group])
+            if rewards.std() == 0:
+                continue
+            outcome = k == len(group[0]) - 1
+            for row, steps in enumerate(group, first):
+                end = min(steps[k][0], width - 1)
+                tokens = slice(0, end + 1) if outcome else slice(end, end + 1)
+                advantages[row, tokens] += (steps[k][1] - rewards.mean()) / rewards.std()
+    return advantages
 
 
 def generate(model, tokenizer, prompts: list[str], temperature: float | None):

@@ -19,7 +19,7 @@ def reference_completion(task: Any, problem: Any) -> str:
     from rl.tasks.reasoning_gym import ReasoningGymTask
 
     if isinstance(task, ReasoningGymTask):
-        return f"<answer>{task._entries[problem.answer]['answer']}</answer>"  # rl/tasks keeps the entries by key
+        return f"<answer>{task.reference_answer(problem.answer)}</answer>"
     return problem.answer
 
 

@@ -97,6 +97,10 @@ class ReasoningGymTask:
     def held_out(self) -> list[Problem]:
         return list(self._held_out)
 
+    def reference_answer(self, answer: str) -> str:
+        """The dataset's reference answer of the problem whose `answer` (its entry's key) this is."""
+        return str(self._entries[answer]["answer"])
+
     def reward(self, completion_text: str, answer: str) -> float:
         """The dataset's own score (0..1) of the completion's tagged answer, or 1/0 for a score of 1 or less without
         `partial_credit`; `answer` is the entry's key."""

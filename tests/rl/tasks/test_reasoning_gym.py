@@ -26,6 +26,7 @@ def test_training_and_held_out_problems_never_overlap(task):
 def test_the_reward_is_the_datasets_own_score(task):
     problem = task.held_out()[0]
     entry = task._entries[problem.answer]
+    assert task.reference_answer(problem.answer) == entry["answer"]
     right, wrong = f"<answer>{entry['answer']}</answer>", f"<answer>{int(entry['answer']) + 1}</answer>"
     assert task.reward(right, problem.answer) == 1.0
     assert task.reward(wrong, problem.answer) < 1.0
@@ -38,7 +39,7 @@ def test_without_partial_credit_only_a_full_score_is_rewarded():
     partial, exact = (ReasoningGymTask("spell_backward", options=options, seed=0, size=20, held_out=5,
                                        partial_credit=credit) for credit in (True, False))
     problem = exact.held_out()[0]
-    word = exact._entries[problem.answer]["answer"]
+    word = exact.reference_answer(problem.answer)
     one_letter_off = f"<answer>{word[:-1]}{'a' if word[-1] != 'a' else 'b'}</answer>"
     assert 0 < partial.reward(one_letter_off, problem.answer) < 1  # the dataset's scorer gives partial credit
     assert exact.reward(one_letter_off, problem.answer) == 0.0
