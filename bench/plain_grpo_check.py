@@ -117,22 +117,20 @@ def process_advantages(texts: list[str], words: list[str], group_size: int, widt
     advantages = torch.zeros(len(texts), width)
     for first in range(0, len(texts), group_size):
         group = [letter_steps(texts[i], words[i]) for i in range(first, first + group_size)]
-        if credit == "letters":
+        if credit == "letters":  # one group: every step of every completion
             rewards = torch.tensor([r for steps in group for _, r in steps])
-            if rewards.std() > 0:
-                for row, steps in enumerate(group, first):
-                    for end, r in steps:
-                        advantages[row, : min(end, width - 1) + 1] += (r - rewards.mean()) / rewards.std()
+            normalized = iter(group_advantages(rewards, torch.zeros(len(rewards), dtype=torch.long))[0].tolist())
+            for row, steps in enumerate(group, first):
+                for end, _ in steps:
+                    advantages[row, : min(end, width - 1) + 1] += next(normalized)
             continue
-        for k in range(len(group[0])):
+        for k in range(len(group[0])):  # one group per step k: the group's k-th letters (the last: the word)
             rewards = torch.tensor([steps[k][1] for steps in group])
-            if rewards.std() == 0:
-                continue
+            normalized = group_advantages(rewards, torch.zeros(group_size, dtype=torch.long))[0]
             outcome = k == len(group[0]) - 1
             for row, steps in enumerate(group, first):
                 end = min(steps[k][0], width - 1)
-                tokens = slice(0, end + 1) if outcome else slice(end, end + 1)
-                advantages[row, tokens] += (steps[k][1] - rewards.mean()) / rewards.std()
+                advantages[row, slice(0, end + 1) if outcome else slice(end, end + 1)] += normalized[row - first]
     return advantages
 
 
