@@ -13,22 +13,24 @@
   `main` and prints `FATAL: actor mesh 'NAME' failed` with Monarch's or the process watcher's cause. Exit code 1.
 - An exception out of `main` prints `FATAL: the job failed` with its traceback. Exit code 1.
 - SIGINT or SIGTERM asks the job to stop: `on_stop(signal_name)` is called when given (the app finishes what it is
-  doing and returns: a training job may save a checkpoint first), otherwise `main` is cancelled. A second
-  signal kills the job's processes and exits at once. Exit code 128 + the signal's number.
+  doing and returns: a training job may save a checkpoint first), otherwise `main` is cancelled. A `main` asked
+  to stop has `stop_grace_s` to return (a training job's step and checkpoint may take minutes), then it is
+  cancelled. A second signal kills the job's processes and exits at once. Exit code 128 + the signal's number.
 - Otherwise the exit code is what `main` returned (None: 0).
 - Then, whatever happened, once `main` has finished (a cancelled `main`'s own `finally` clean-up runs first,
   bounded), `forge.provisioner.shutdown()` stops every actor, mesh and weight-store segment the
   job made, bounded in time; what it did not stop is killed (`kill_job_processes`).
-- From the moment the job starts ending (a signal, a failure, `main` returning) the process exits within
-  `exit_deadline_s`: a Monarch call to a dead process never answers, and a job must not hang on one.
+- From the moment the job starts ending (`main` returning or cancelled: by a failure, a signal without
+  `on_stop`, or the end of the stop's grace) the process exits within `exit_deadline_s`: a Monarch call to a
+  dead process never answers, and a job must not hang on one.
 - Signals are taken in Python's own handler, not through the event loop, and the deadline and a second signal's
   exit are kept by a thread: a job whose event loop is blocked (code that blocks it by mistake) still ends within
-  the deadline of its first signal, and at once on its second.
+  `stop_grace_s` + `exit_deadline_s` of its first signal, and at once on its second.
 
 A graceful stop, as `apps.grpo` does it (the job finishes its step and checkpoints before `main` returns):
 
     job = MyJob(cfg)                                  # job.run() checks job.stopping between steps
-    sys.exit(run_job(job.run, on_stop=job.request_stop))
+    sys.exit(run_job(job.run, on_stop=job.request_stop, stop_grace_s=cfg.checkpoint.stop_grace_s))
 
 A server stops the same way: `on_stop` tells it to stop serving, and its own clean-up (closing sessions) runs in
 `main`'s `finally`, before the actors are stopped:
@@ -52,36 +54,41 @@ import traceback
 from collections.abc import Awaitable, Callable
 from types import ModuleType
 
-EXIT_DEADLINE_S = 25.0  # every way out (a signal, a fatal failure, the end) leaves the process within this
+EXIT_DEADLINE_S = 25.0  # once `main` has ended or been cancelled, the process leaves within this
+STOP_GRACE_S = 25.0  # a `main` asked to stop by a signal returns within this, or it is cancelled
 FAILED = 1
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def run_job(main: Callable[[], Awaitable[int | None]], *, on_stop: Callable[[str], None] | None = None,
-            exit_deadline_s: float = EXIT_DEADLINE_S) -> int:
+            stop_grace_s: float = STOP_GRACE_S, exit_deadline_s: float = EXIT_DEADLINE_S) -> int:
     """Run `main()` with signal handling, the fatal-actor watchdog and the final clean-up; return the exit code.
 
     `main` is called inside the new event loop (pass the coroutine function, not a coroutine). `on_stop` is
-    called with the signal's name ("SIGINT", "SIGTERM") on the first signal; without it the first signal
-    cancels `main`. Must be called from the main thread (signal handlers).
+    called with the signal's name ("SIGINT", "SIGTERM") on the first signal, and `main` then has `stop_grace_s` to
+    return before it is cancelled; without `on_stop` the first signal cancels `main`. Must be called from the main
+    thread (signal handlers).
     """
-    if exit_deadline_s <= 0:
-        raise ValueError(f"exit_deadline_s={exit_deadline_s}: must be > 0")
-    return asyncio.run(_Lifecycle(on_stop, exit_deadline_s).run(main))
+    for name, value in (("stop_grace_s", stop_grace_s), ("exit_deadline_s", exit_deadline_s)):
+        if value <= 0:
+            raise ValueError(f"{name}={value}: must be > 0")
+    return asyncio.run(_Lifecycle(on_stop, stop_grace_s, exit_deadline_s).run(main))
 
 
 class _Lifecycle:
-    def __init__(self, on_stop: Callable[[str], None] | None, exit_deadline_s: float) -> None:
+    def __init__(self, on_stop: Callable[[str], None] | None, stop_grace_s: float, exit_deadline_s: float) -> None:
         self.on_stop = on_stop
-        self.exit_deadline_s = exit_deadline_s
+        self.stop_grace_s, self.exit_deadline_s = stop_grace_s, exit_deadline_s
         self.code = FAILED  # what the process exits with if it must exit before `main` has an outcome
         self.signal: signal.Signals | None = None
         self.ending = False  # `main` has an outcome: clean-up is running
         self.main: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._provisioner: ModuleType | None = None
-        # The exit-deadline thread waits for `_armed` (the job is ending), then `exit_deadline_s` or `_at_once`.
-        self._armed, self._at_once = threading.Event(), threading.Event()
+        # The deadline thread wakes at `_signalled` (a signal, or the job is ending); a graceful stop's `main` then
+        # has `stop_grace_s` until `_ending` (it returned, or was cancelled); then `exit_deadline_s` or `_at_once`.
+        # Events are only ever set: the signal handler may interrupt any code of the main thread.
+        self._signalled, self._ending, self._at_once = threading.Event(), threading.Event(), threading.Event()
         self._deadline = threading.Thread(target=self._keep_deadline, daemon=True, name="exit-deadline")
 
     async def run(self, main: Callable[[], Awaitable[int | None]]) -> int:
@@ -102,7 +109,7 @@ class _Lifecycle:
             finally:
                 watchdog.cancel()
                 self.ending = True
-                self._start_deadline()
+                self._start_exit_deadline()
                 await self._clean_up()
         finally:
             for sig, handler in previous.items():
@@ -139,11 +146,14 @@ class _Lifecycle:
             self.code = 128 + sig.value
             _write_stderr(f"\n{sig.name} again: killing the job's processes and exiting now\n")
             self._at_once.set()
-            self._armed.set()
+            self._start_exit_deadline()
             return
         self.signal, self.code = sig, 128 + sig.value
         _write_stderr(f"\n{sig.name}: stopping the job (send it again to exit at once)\n")
-        self._start_deadline()
+        if self.on_stop is None:  # `main` is cancelled: the exit deadline runs from now
+            self._start_exit_deadline()
+        else:
+            self._signalled.set()
         self._loop.call_soon_threadsafe(self._stop_main, sig)
 
     def _stop_main(self, sig: signal.Signals) -> None:
@@ -154,7 +164,11 @@ class _Lifecycle:
             self.on_stop(sig.name)
         except Exception:
             print("on_stop failed; cancelling the job:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
-            self.main.cancel()
+            self._cancel_main()
+
+    def _cancel_main(self) -> None:
+        self.main.cancel()
+        self._start_exit_deadline()
 
     async def _clean_up(self) -> None:
         """Let a cancelled `main` run its own clean-up (its `finally` blocks: an HTTP server closing its sessions),
@@ -167,12 +181,21 @@ class _Lifecycle:
             print(f"shutdown incomplete ({type(e).__name__}: {e}); killing what is left", file=sys.stderr, flush=True)
             self._provisioner.kill_job_processes()
 
-    def _start_deadline(self) -> None:
+    def _start_exit_deadline(self) -> None:
         """The process ends `exit_deadline_s` from now, whatever the event loop is doing."""
-        self._armed.set()
+        self._ending.set()
+        self._signalled.set()
 
     def _keep_deadline(self) -> None:
-        self._armed.wait()
+        self._signalled.wait()
+        if not self._ending.wait(self.stop_grace_s):  # a graceful stop that outlasted its grace
+            _write_stderr(f"the job did not stop within {self.stop_grace_s:g}s of {self.signal.name} (its stop "
+                          "grace): cancelling it\n")
+            try:
+                self._loop.call_soon_threadsafe(self._cancel_main)
+            except RuntimeError:  # the loop closed just now: `main` has ended
+                pass
+            self._ending.set()  # the exit deadline runs from now, also while the event loop is blocked
         if not self._at_once.wait(self.exit_deadline_s):
             print(f"the job did not end within {self.exit_deadline_s:g}s: killing its processes", file=sys.stderr,
                   flush=True)

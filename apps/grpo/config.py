@@ -132,8 +132,13 @@ class CheckpointConfig:
     """Where checkpoints go."""
     keep: int = 2
     """Newest job checkpoints kept on disk."""
+    stop_grace_s: float = 600.0
+    """On SIGINT/SIGTERM the job finishes its step and writes the `final` checkpoint within this many seconds; past
+    it the step is cancelled and no checkpoint is written (raise it for steps or checkpoints that take longer)."""
 
     def __post_init__(self) -> None:
+        if self.stop_grace_s <= 0:
+            raise ValueError(f"stop_grace_s={self.stop_grace_s}: must be > 0 (seconds)")
         if self.interval < 0:
             raise ValueError(f"interval={self.interval}: must be >= 0 (0: only the final checkpoint)")
         if self.keep < 1:

@@ -184,4 +184,5 @@ class GRPOJob:
 def run(cfg: GRPOConfig, resume: bool) -> int:
     """Run the job under forge.lifecycle: a first SIGINT/SIGTERM finishes the step and checkpoints."""
     job = GRPOJob(cfg)
-    return run_job(lambda: job.run(resume), on_stop=job.request_stop)
+    return run_job(lambda: job.run(resume), on_stop=job.request_stop,
+                   stop_grace_s=cfg.checkpoint.stop_grace_s)

@@ -201,4 +201,5 @@ def run(cfg: SFTConfig, resume: bool) -> int:
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    return run_job(lambda: job.run(resume), on_stop=job.request_stop)
+    return run_job(lambda: job.run(resume), on_stop=job.request_stop,
+                   stop_grace_s=cfg.checkpoint.stop_grace_s)

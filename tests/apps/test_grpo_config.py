@@ -331,6 +331,7 @@ BAD = [
     ("steps=many", r"steps='many': expected int, got str"),
     ("+no_such_section.key=1", r"no_such_section=\{'key': 1\}: unknown key\. Allowed keys: generator, trainer, "),
     ("checkpoint.keep=0", r"checkpoint\.keep=0: must be >= 1"),
+    ("checkpoint.stop_grace_s=0", r"checkpoint\.stop_grace_s=0(\.0)?: must be > 0 \(seconds\)"),
     ("generator.max_batch_size=0", r"generator\.max_batch_size=0: must be >= 1"),
     ("task.source=openenv task.name=tests.rl.environments.openenv_guess:GuessEnvironment",
      r"warm_start\.enabled=true: task\.source='openenv' has no correct episodes to warm start from"),

@@ -20,7 +20,7 @@ APP = textwrap.dedent('''
     from forge import provisioner
     from forge.lifecycle import run_job
 
-    mode, deadline = sys.argv[1], float(sys.argv[2])
+    mode, grace, deadline = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
     stop_reasons = []
 
     def ready(*details):
@@ -60,6 +60,13 @@ APP = textwrap.dedent('''
                 await asyncio.sleep(0.05)
             print("stopped gracefully after", stop_reasons, flush=True)
             return None
+        if mode == "slow_graceful":  # its step and checkpoint outlast the exit deadline, within the stop's grace
+            ready()
+            while not stop_reasons:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(3 * deadline)
+            print("stopped gracefully after", stop_reasons, flush=True)
+            return None
         if mode in ("cancelled", "ignores_stop"):
             ready()
             try:
@@ -81,17 +88,18 @@ APP = textwrap.dedent('''
             return None
 
     on_stop = None if mode == "cancelled" else stop_reasons.append
-    code = run_job(main, on_stop=on_stop, exit_deadline_s=deadline)
+    code = run_job(main, on_stop=on_stop, stop_grace_s=grace, exit_deadline_s=deadline)
     print("run_job returned", code, flush=True)
     sys.exit(code)
 ''')
 
 
 class App(WatchedProcess):
-    def __init__(self, tmp_path: Path, mode: str, deadline_s: float = 60) -> None:
+    def __init__(self, tmp_path: Path, mode: str, deadline_s: float = 60, grace_s: float = 60) -> None:
         script = tmp_path / "app.py"
         script.write_text(APP)
-        super().__init__([sys.executable, str(script), mode, str(deadline_s)], tmp_path / f"{mode}.log", ROOT)
+        super().__init__([sys.executable, str(script), mode, str(grace_s), str(deadline_s)], tmp_path / f"{mode}.log",
+                         ROOT)
 
     def wait_ready(self, timeout: float = 300) -> list[str]:
         """The words printed after "ready" (e.g. pids)."""
@@ -127,6 +135,30 @@ def test_a_signal_asks_main_to_stop_and_the_exit_code_names_it(tmp_path, sig):
     assert f"stopped gracefully after ['{sig.name}']" in app.output()
 
 
+def test_a_graceful_stop_may_outlast_the_exit_deadline_within_its_grace(tmp_path):
+    # A training step and its checkpoint can take minutes: the exit deadline must not cut a graceful stop short.
+    app = App(tmp_path, "slow_graceful", deadline_s=2, grace_s=60)
+    app.wait_ready()
+    app.proc.send_signal(signal.SIGINT)
+    assert app.finish(timeout=60) == 130, app.output()
+    out = app.output()
+    assert "stopped gracefully after ['SIGINT']" in out and "run_job returned 130" in out, out
+    assert "did not" not in out, out
+
+
+def test_a_stop_that_outlasts_its_grace_is_cancelled(tmp_path):
+    app = App(tmp_path, "ignores_stop", deadline_s=60, grace_s=2)
+    app.wait_ready()
+    app.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert app.finish(timeout=60) == 143, app.output()
+    assert time.monotonic() - sent < 30  # the grace, then main's clean-up: not the 60 s exit deadline
+    out = app.output()
+    assert "the job did not stop within 2s of SIGTERM (its stop grace): cancelling it" in out, out
+    assert "main cancelled" in out and "run_job returned 143" in out, out
+    assert "did not end within" not in out, out
+
+
 def test_without_on_stop_a_signal_cancels_main(tmp_path):
     app = App(tmp_path, "cancelled")
     app.wait_ready()
@@ -140,7 +172,7 @@ def test_without_on_stop_a_signal_cancels_main(tmp_path):
     ("blocks_its_loop", signal.SIGTERM, signal.SIGINT),  # the event loop itself is blocked
 ])
 def test_a_second_signal_exits_at_once(tmp_path, mode, first, second):
-    app = App(tmp_path, mode, deadline_s=120)
+    app = App(tmp_path, mode, deadline_s=120, grace_s=120)
     app.wait_ready()
     app.proc.send_signal(first)
     time.sleep(1)
@@ -152,15 +184,16 @@ def test_a_second_signal_exits_at_once(tmp_path, mode, first, second):
     assert "run_job returned" not in out  # it did not wait for main
 
 
-def test_a_signal_ends_a_job_whose_event_loop_is_blocked_within_the_deadline(tmp_path):
-    app = App(tmp_path, "blocks_its_loop", deadline_s=3)
+def test_a_signal_ends_a_job_whose_event_loop_is_blocked_within_grace_and_deadline(tmp_path):
+    app = App(tmp_path, "blocks_its_loop", deadline_s=3, grace_s=2)
     app.wait_ready()
     app.proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     assert app.finish(timeout=30) == 128 + signal.SIGTERM.value, app.output()
     assert time.monotonic() - sent < 20
     out = app.output()
-    assert "SIGTERM: stopping the job" in out and "the job did not end within 3s: killing its processes" in out, out
+    assert "SIGTERM: stopping the job" in out and "did not stop within 2s of SIGTERM" in out, out
+    assert "the job did not end within 3s: killing its processes" in out, out
 
 
 def test_the_deadline_ends_a_clean_up_that_blocks(tmp_path):
