@@ -2,7 +2,8 @@
 state (`job_state.pkl`: step, policy version, RNG, episode counters, the replay buffer's contents).
 
 A checkpoint is written into `step_NNNNNN.partial/` and renamed when complete, so it is whole or absent; the
-newest `keep` are kept. `--resume` loads the newest complete one and names the others if it is corrupt.
+newest `keep` are kept. `--resume` reads the newest complete one's job state before the job starts its actors, then
+loads its trainer checkpoint, and names the others if either is corrupt.
 """
 
 from __future__ import annotations
@@ -39,24 +40,33 @@ class JobCheckpoints:
         print(f"checkpoint: {target}", flush=True)
         return target
 
-    async def load_latest(self, trainer: Any) -> tuple[Path, dict[str, Any]]:
-        """Load the newest complete checkpoint into `trainer`; return its path and the job state saved with it."""
+    def newest(self) -> tuple[Path, dict[str, Any]]:
+        """The newest complete checkpoint and the job state saved with it, read before any actor starts, so a
+        `--resume` with no checkpoint or a damaged job state fails at once rather than after the job's start-up."""
         done = [p for p in self._all() if (p / "job_state.pkl").exists()]
         if not done:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.folder} (checkpoint.folder)")
         path = done[-1]
         try:
-            job_state = pickle.loads((path / "job_state.pkl").read_bytes())
+            return path, pickle.loads((path / "job_state.pkl").read_bytes())
+        except Exception as e:
+            raise self._corrupt(path, e) from None
+
+    async def load_trainer(self, path: Path, trainer: Any) -> None:
+        """Load checkpoint `path` (from `newest`) into `trainer`, naming a mismatch of settings or a damaged file."""
+        try:
             await trainer.load_checkpoint.call(str(path / "trainer"))
         except Exception as e:
             if _is_mismatch(e):  # intact, saved under other settings: an earlier checkpoint would be refused too
                 raise RuntimeError(f"--resume: checkpoint {path} was saved under other settings: "
                                    f"{_first_line(e)}") from None
-            older = [p.name for p in self._all() if p != path]
-            raise RuntimeError(f"--resume: checkpoint {path} is corrupt or incomplete ({type(e).__name__}: "
-                               f"{_first_line(e)}); move it aside to resume from an earlier one "
-                               f"({', '.join(older) or 'none left'})") from None
-        return path, job_state
+            raise self._corrupt(path, e) from None
+
+    def _corrupt(self, path: Path, error: Exception) -> RuntimeError:
+        older = [p.name for p in self._all() if p != path]
+        return RuntimeError(f"--resume: checkpoint {path} is corrupt or incomplete ({type(error).__name__}: "
+                            f"{_first_line(error)}); move it aside to resume from an earlier one "
+                            f"({', '.join(older) or 'none left'})")
 
     def _all(self) -> list[Path]:
         """Every checkpoint folder (complete or not, `.partial` ones excluded), oldest first."""

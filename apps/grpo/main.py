@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,6 +60,7 @@ class GRPOJob:
 
     async def run(self, resume: bool) -> None:
         cfg, wall_start = self.cfg, time.perf_counter()
+        resumed = self.checkpoints().newest() if resume else None  # before the start-up it would otherwise waste
         model_path, self.summary.warm_start_accuracy = await asyncio.to_thread(warm_started_model, cfg, self.task)
         teacher_path, self.summary.teacher_warm_start_accuracy = await asyncio.to_thread(teacher_model, cfg, self.task)
         self.summary.teacher = teacher_path
@@ -70,8 +72,8 @@ class GRPOJob:
         r = cfg.rollout
         self.buffer = ReplayBufferClient(self.actors.buffer, pad_id=self.actors.pad_id, group_size=r.group_size,
                                          max_groups_in_flight=r.concurrency)
-        if resume:
-            await self.restore()
+        if resumed:
+            await self.restore(*resumed)
         self.version = rank0(await self.actors.trainer.publish_weights.call())
         await self.actors.generators.update_weights.fanout(self.version)
         if cfg.eval.at_start and not self.interrupted:
@@ -157,8 +159,8 @@ class GRPOJob:
                  "counters": asdict(self.selector.counters), "buffer": await self.actors.buffer.state_dict.call_one()}
         return await self.checkpoints().save(self.step, self.actors.trainer, state)
 
-    async def restore(self) -> None:
-        path, state = await self.checkpoints().load_latest(self.actors.trainer)
+    async def restore(self, path: Path, state: dict[str, Any]) -> None:
+        await self.checkpoints().load_trainer(path, self.actors.trainer)
         await self.actors.buffer.load_state_dict.call_one(state["buffer"])
         self.step = state["step"]
         self.rng.setstate(state["rng"])

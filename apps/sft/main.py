@@ -68,9 +68,10 @@ class SFTJob:
 
     async def run(self, resume: bool) -> None:
         cfg, started = self.cfg, time.perf_counter()
+        resumed = self.checkpoints().newest() if resume else None  # before the start-up it would otherwise waste
         await self.start_actors()
-        if resume:
-            await self.restore()
+        if resumed:
+            await self.restore(*resumed)
         self.version = rank0(await self.trainer.publish_weights.call())  # what the held-out generator samples
         if cfg.eval.at_start and not self.interrupted:
             self.summary["start"] = await self.evaluate("start")
@@ -158,8 +159,8 @@ class SFTJob:
         state = {"step": self.step, "version": self.version, "data": self.data.train.state_dict()}
         return await self.checkpoints().save(self.step, self.trainer, state)
 
-    async def restore(self) -> None:
-        path, state = await self.checkpoints().load_latest(self.trainer)
+    async def restore(self, path: Path, state: dict[str, Any]) -> None:
+        await self.checkpoints().load_trainer(path, self.trainer)
         self.step, self.version = state["step"], state["version"]
         self.data.train.load_state_dict(state["data"])
         print(f"resumed from {path}: step {self.step}", flush=True)

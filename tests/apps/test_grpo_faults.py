@@ -116,6 +116,7 @@ def test_trainer_death_stops_the_job_within_30s_naming_it_and_resume_continues(t
                              text=True, timeout=600)
     assert refused.returncode != 0
     assert f"checkpoint {newest} is corrupt or incomplete" in refused.stderr and previous.name in refused.stderr
+    assert "provisioned mesh" not in refused.stdout  # refused before the job started any process
     newest.rename(newest.with_name(newest.name + ".corrupt"))
     checkpointed = int(previous.name.split("_")[1])
     resumed = subprocess.run(_command(job.run_dir, f"steps={checkpointed + 2}", "--resume"), cwd=ROOT,

@@ -57,8 +57,9 @@ async def test_save_keeps_the_newest_and_resume_loads_the_latest(tmp_path):
         saved = await checkpoints.save(step, trainer, {"step": step})
         assert saved == tmp_path / "ckpt" / f"step_{step:06d}"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000004", "step_000006"]
-    path, state = await checkpoints.load_latest(trainer)
+    path, state = checkpoints.newest()
     assert path.name == "step_000006" and state == {"step": 6}
+    await checkpoints.load_trainer(path, trainer)
     assert trainer.loaded == [str(tmp_path / "ckpt" / "step_000006.partial" / "trainer")]  # written, then renamed
 
 
@@ -68,11 +69,11 @@ async def test_a_save_that_fails_leaves_the_previous_checkpoint_the_latest(tmp_p
     with pytest.raises(EndpointError, match="raised OSError: disk full"):
         await checkpoints.save(2, FolderTrainer(fail_saves=True), {"step": 2})
     assert not checkpoints.path(2).exists()
-    path, state = await checkpoints.load_latest(FolderTrainer())
+    path, state = checkpoints.newest()
     assert path == checkpoints.path(1) and state["step"] == 1
 
 
-async def test_a_corrupt_newest_checkpoint_is_refused_naming_the_older_ones(tmp_path):
+async def test_a_corrupt_newest_job_state_is_refused_before_any_trainer_naming_the_older_ones(tmp_path):
     checkpoints = JobCheckpoints(tmp_path, keep=3)
     for step in (1, 2):
         await checkpoints.save(step, FolderTrainer(), {"step": step})
@@ -80,7 +81,7 @@ async def test_a_corrupt_newest_checkpoint_is_refused_naming_the_older_ones(tmp_
     state.write_bytes(state.read_bytes()[:10])
     with pytest.raises(RuntimeError, match=re.escape(f"checkpoint {checkpoints.path(2)} is corrupt or incomplete")
                        + r".*\(step_000001\)"):
-        await checkpoints.load_latest(FolderTrainer())
+        checkpoints.newest()  # no trainer yet: `--resume` reads this before the job starts its actors
 
 
 class LoRATrainer:
@@ -99,8 +100,9 @@ async def test_a_resume_under_other_settings_says_so_and_only_corruption_is_call
     checkpoints = JobCheckpoints(tmp_path / "ckpt", keep=2)
     for step in (1, 2):
         await checkpoints.save(step, LoRATrainer(model), {"step": step})
+    path, _ = checkpoints.newest()
     with pytest.raises(RuntimeError) as refused:
-        await checkpoints.load_latest(LoRATrainer(model, alpha=16.0))
+        await checkpoints.load_trainer(path, LoRATrainer(model, alpha=16.0))
     assert str(refused.value) == (
         f"--resume: checkpoint {checkpoints.path(2)} was saved under other settings: TrainerActor.load_checkpoint "
         "raised CheckpointMismatch: trainer.lora differs from the settings the checkpoint's adapters were trained "
@@ -111,13 +113,13 @@ async def test_a_resume_under_other_settings_says_so_and_only_corruption_is_call
     with pytest.raises(RuntimeError, match=re.escape(f"checkpoint {checkpoints.path(2)} is corrupt or incomplete")
                        + r" \(EndpointError: TrainerActor.load_checkpoint raised RuntimeError: load_checkpoint: .* is "
                        r"corrupt: .*\); move it aside to resume from an earlier one \(step_000001\)$") as corrupt:
-        await checkpoints.load_latest(LoRATrainer(model))
+        await checkpoints.load_trainer(path, LoRATrainer(model))
     assert "remote traceback" not in str(corrupt.value)
 
 
-async def test_resume_without_a_checkpoint_names_the_folder(tmp_path):
+def test_resume_without_a_checkpoint_names_the_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(f"no checkpoint in {tmp_path / 'none'} (checkpoint.folder)")):
-        await JobCheckpoints(tmp_path / "none", keep=1).load_latest(FolderTrainer())
+        JobCheckpoints(tmp_path / "none", keep=1).newest()
 
 
 def test_keep_must_be_positive(tmp_path):
