@@ -12,7 +12,14 @@ from pathlib import Path
 FAMILIES = ("qwen3", "llama3")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # 'org/name': a model that is no local folder
+
+
+def is_hf_checkpoint(path: object) -> bool:
+    """A local folder with config.json, or (where no such path exists here) a hub id 'org/name'."""
+    if not isinstance(path, str) or not path:
+        return False
+    return Path(path, "config.json").is_file() if Path(path).exists() else bool(HUB_ID.match(path))
 
 
 def is_int(value: object) -> bool:
@@ -48,10 +55,7 @@ class ModelConfig:
     `rollout.temperature`."""
 
     def __post_init__(self) -> None:
-        path = self.model_path
-        is_local = isinstance(path, str) and Path(path).exists()
-        has_config = Path(path, "config.json").is_file() if is_local else bool(_HUB_ID.match(str(path)))
-        require_field(self, "model_path", isinstance(path, str) and has_config,
+        require_field(self, "model_path", is_hf_checkpoint(self.model_path),
                       "a Hugging Face checkpoint folder with config.json, or a hub id 'org/name'")
         require_field(self, "family", self.family in FAMILIES, f"one of {', '.join(FAMILIES)}")
         init = self.init_checkpoint

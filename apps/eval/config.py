@@ -14,11 +14,11 @@ from omegaconf import MISSING
 
 from actors.engines.vllm_args import check_engine_args
 from actors.generator_config import GeneratorConfig
+from actors.model_config import is_hf_checkpoint
 from apps.eval.sources import ModelVersion, checkpoint_version, model_label, run_checkpoints
 from forge.metrics import MetricsConfig
-from rl.tasks.config import TaskConfig
+from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 
-MULTI_TURN_SOURCES = ("openenv", "environment")
 
 
 @dataclass
@@ -143,6 +143,9 @@ class EvalJobConfig:
         if len(sources) > 1:
             raise ValueError(f"{', '.join(sources)}: set at most one of checkpoint, run_dir and endpoint (none: "
                              "evaluate `model`)")
+        if not is_hf_checkpoint(self.model):  # `tiny` is resolved to its built folder before this
+            raise ValueError(f"model={self.model!r}: must be 'tiny', a Hugging Face checkpoint folder with config.json, "
+                             "or a hub id 'org/name'")
         if self.generator.model not in ("", self.model):
             raise ValueError(f"generator.model={self.generator.model!r}: the generator serves `model`; set model "
                              "instead, or leave generator.model out")
@@ -156,7 +159,7 @@ class EvalJobConfig:
         if not self.tasks:
             raise ValueError("tasks=[]: name at least one task")
         for i, task in enumerate(self.tasks):
-            if task.source in MULTI_TURN_SOURCES or (task.source, task.name) == ("forge", "lookup"):
+            if task.source in ENVIRONMENT_SOURCES or (task.source, task.name) == ("forge", "lookup"):
                 raise ValueError(f"tasks[{i}]: source={task.source!r}, name={task.name!r} is a multi-turn task; "
                                  "apps.eval evaluates single-turn tasks (arithmetic, gsm8k, reasoning_gym); a "
                                  "multi-turn task's held-out accuracy is apps.grpo's eval section")

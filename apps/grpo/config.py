@@ -11,13 +11,13 @@ Each actor's section is that actor's own config dataclass; `model` fills the mod
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.engines.vllm_args import check_engine_args, lora_engine_args
 from actors.generator_config import GeneratorConfig
 from actors.lora_config import check_lora_for_model
+from actors.model_config import HUB_ID
 from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.replay_buffer_config import ReplayBufferConfig
 from actors.trainer_config import TrainerConfig
@@ -27,10 +27,9 @@ from forge.hosts.config import HostsConfig
 from losses.registry import REGISTERED_LOSSES
 from losses.rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
-from rl.tasks.config import TaskConfig
+from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 from apps.warm_start.config import WarmStartConfig
 
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # 'org/name': a model that is no local folder (as ModelConfig reads one)
 
 
 @dataclass
@@ -156,7 +155,6 @@ class ReferenceSection:
 
 
 TEACHER_WARM_START = "warm_start"  # `teacher.model`: the task's warm start, trained on (apps/grpo/rollouts.py)
-WARM_START_TASKS = (("forge", "arithmetic"), ("forge", "lookup"))  # the tasks a warm start trains on the answers of
 
 
 @dataclass
@@ -168,7 +166,7 @@ class TeacherSection:
     model: str | None = None
     """null: no teacher. An HF checkpoint folder or hub id with the student's tokenizer (e.g. a GRPO run's
     `hf_model`), or `warm_start`: the task's supervised warm start trained on to `warm_start_accuracy`, built and
-    cached in `model_cache` like the student's (forge's arithmetic and lookup tasks)."""
+    cached in `model_cache` like the student's (any task with answers: not openenv or environment ones)."""
     warm_start_accuracy: float = 0.8
     """`model: warm_start`: the greedy accuracy (on the warm start's own eval prompts) its training stops at."""
     chunk_rows: int = 4
@@ -265,10 +263,10 @@ class GRPOConfig:
             _check_vllm_engine_args(self.generator)
             if self.trainer.lora is not None:  # every version is a LoRA request: what vLLM cannot serve, refused now
                 lora_engine_args(self.trainer.lora.rank, self.trainer.lora.target_modules)
-        if self.task.source in ("openenv", "environment") and self.warm_start.enabled:
-            raise ValueError(f"warm_start.enabled=true: task.source={self.task.source!r} has no correct episodes to "
-                             "warm start from (its environment gives rewards, not answers); set "
-                             "warm_start.enabled=false")
+        if self.task.source in ENVIRONMENT_SOURCES and self.warm_start.enabled:
+            raise ValueError(f"warm_start.enabled=true: task.source={self.task.source!r} task.name={self.task.name!r} "
+                             "has no correct episodes to warm start from (its environment gives rewards, not "
+                             "answers); set warm_start.enabled=false")
         lookup = (self.task.source, self.task.name) == ("forge", "lookup")
         if self.environment.chat_template and self.warm_start.enabled and lookup:
             raise ValueError("environment.chat_template=true: the multi-turn warm start trains and evaluates the "
@@ -364,11 +362,10 @@ def check_teacher(cfg: GRPOConfig) -> None:
                          "reference model's place in the batch (TrainBatch.ref_logprobs); set reference.enabled=false")
     if teacher == TEACHER_WARM_START:
         task = (cfg.task.source, cfg.task.name)
-        if task not in WARM_START_TASKS:
-            tasks = ", ".join("/".join(t) for t in WARM_START_TASKS)
-            raise ValueError(f"teacher.model={teacher!r}: task.source={task[0]!r} task.name={task[1]!r} has no warm "
-                             f"start to train a teacher with (only {tasks}); set teacher.model to a checkpoint with "
-                             "the student's tokenizer")
+        if cfg.task.source in ENVIRONMENT_SOURCES:
+            raise ValueError(f"teacher.model={teacher!r}: task.source={task[0]!r} task.name={task[1]!r} has no "
+                             "correct episodes to warm start a teacher from (its environment gives rewards, not "
+                             "answers); set teacher.model to a checkpoint with the student's tokenizer")
         if cfg.environment.chat_template and task == ("forge", "lookup"):
             raise ValueError(f"teacher.model={teacher!r} with environment.chat_template=true: the multi-turn warm "
                              "start trains plain-text transcripts, not episodes in the chat template; set "

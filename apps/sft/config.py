@@ -15,14 +15,13 @@ from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.trainer_config import TrainerConfig
 from apps.grpo.config import CheckpointConfig, read_hf_config
 from forge.metrics import MetricsConfig
-from rl.tasks.config import TaskConfig
+from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 from rl.tiny_model import check_shape
 
 # The loss SFT trains with (losses/nll.py), by module path: losses/registry.py lists the policy losses, each taking
 # the rollout corrections, and a GRPO job must not pick the supervised objective by name.
 NLL_LOSSES = ("losses.nll:nll", "nll")
 # Task sources whose problems have no reference answer to learn from: their environments give rewards only.
-NO_ANSWERS = ("openenv", "environment")
 
 
 @dataclass
@@ -56,7 +55,7 @@ class DataSection:
             if self.path is not None:
                 raise ValueError(f"path={self.path!r}: source=task reads the task section; set source to jsonl or "
                                  "datasets to read a file")
-            if self.task.source in NO_ANSWERS:
+            if self.task.source in ENVIRONMENT_SOURCES:
                 raise ValueError(f"task.source={self.task.source!r}: its environment gives rewards, not reference "
                                  f"answers, so there is nothing to fine-tune on; SFT takes a task with answers "
                                  f"(forge arithmetic or gsm8k, reasoning_gym)")

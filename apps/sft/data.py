@@ -159,12 +159,17 @@ def read_jsonl(path: str | Path, field: str) -> list[tuple[str, Any]]:
 def read_dataset(path: str, config: str | None, split: str, field: str) -> list[tuple[str, Any]]:
     """A `datasets` dataset's rows: a local data file (.jsonl, .json, .parquet, .csv), a folder or a hub id."""
     from datasets import load_dataset
+    from datasets.exceptions import DatasetsError
 
-    if Path(path).is_file():
-        builder = Path(path).suffix.lstrip(".").replace("jsonl", "json")
-        dataset = load_dataset(builder, data_files=path, split="train")
-    else:
-        dataset = load_dataset(path, config, split=split)
+    try:
+        if Path(path).is_file():
+            builder = Path(path).suffix.lstrip(".").replace("jsonl", "json")
+            dataset = load_dataset(builder, data_files=path, split="train")
+        else:
+            dataset = load_dataset(path, config, split=split)
+    except (OSError, ValueError, DatasetsError) as e:  # no such file or dataset, no hub, a bad split or config
+        raise ValueError(f"{field}={path!r}: `datasets` cannot load it (a local data file or folder, or a hub id; "
+                         f"{type(e).__name__}: {e})") from None
     return [(f"{field}={path!r} row {i}", row) for i, row in enumerate(dataset)]
 
 

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from rl.tasks.environment import check_options, resolve_environment
 
 FORGE_TASKS = ("arithmetic", "gsm8k", "lookup")
+# Multi-turn sources whose environment gives rewards, not reference answers: nothing to fine-tune or warm start on.
+ENVIRONMENT_SOURCES = ("openenv", "environment")
 
 
 @dataclass

@@ -334,9 +334,9 @@ BAD = [
     ("checkpoint.stop_grace_s=0", r"checkpoint\.stop_grace_s=0(\.0)?: must be > 0 \(seconds\)"),
     ("generator.max_batch_size=0", r"generator\.max_batch_size=0: must be >= 1"),
     ("task.source=openenv task.name=tests.rl.environments.openenv_guess:GuessEnvironment",
-     r"warm_start\.enabled=true: task\.source='openenv' has no correct episodes to warm start from"),
+     r"warm_start\.enabled=true: task\.source='openenv' task\.name='tests\.rl\.environments\.openenv_guess:GuessEnvironment' has no correct episodes to warm start from"),
     ("task.source=environment task.name=tests.rl.tasks.environment_classes:Good",
-     r"warm_start\.enabled=true: task\.source='environment' has no correct episodes to warm start from"),
+     r"warm_start\.enabled=true: task\.source='environment' task\.name='tests\.rl\.tasks\.environment_classes:Good' has no correct episodes to warm start from"),
 ]
 
 

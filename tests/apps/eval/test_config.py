@@ -26,6 +26,8 @@ def refused(*overrides: str) -> str:
     (["tasks=[{name: lookup}]"], "tasks[0]: source='forge', name='lookup' is a multi-turn task"),
     (["tasks=[{name: nope}]"], "tasks[0].name='nope': must be one of 'arithmetic', 'gsm8k', 'lookup'"),
     (["tasks=[]"], "tasks=[]: name at least one task"),
+    (["model=/nonexistent/model"], "model='/nonexistent/model': must be 'tiny', a Hugging Face checkpoint folder with "
+                                   "config.json, or a hub id 'org/name'"),
     (["run_dir=/nonexistent/run"], "run_dir='/nonexistent/run': no such folder"),
     (["checkpoint=/nonexistent/step_000010"], "checkpoint='/nonexistent/step_000010': no such folder"),
     (["+endpoint.base_url=ftp://host"], "endpoint.base_url='ftp://host': must be an http:// or https:// URL"),

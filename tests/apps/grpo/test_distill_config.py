@@ -43,14 +43,20 @@ def test_the_distill_config_has_a_warm_start_teacher_and_the_distill_loss():
     assert cfg.teacher.warm_start_accuracy > cfg.warm_start.target_accuracy  # a stronger teacher than the student
 
 
+@pytest.mark.parametrize("task", [["task.name=gsm8k"], ["task.source=reasoning_gym", "task.name=spell_backward"]])
+def test_a_warm_start_teacher_is_accepted_for_every_task_with_answers(task):
+    assert load(*task).teacher.model == "warm_start"  # the student's warm start takes these tasks: so does the teacher
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["teacher.model=null"], r"^trainer\.loss='distill': needs a teacher to distill from; set teacher\.model"),
     (["trainer.loss=grpo", "~trainer.loss_params.reward_coef"],
      r"^teacher\.model='warm_start' with trainer\.loss='grpo': only trainer\.loss='distill' trains toward a teacher"),
     (["reference.enabled=true"], r"^teacher\.model='warm_start' with reference\.enabled=true: the teacher's log-probs "
                                  r"take the reference model's place"),
-    (["task.name=gsm8k"], r"^teacher\.model='warm_start': task\.source='forge' task\.name='gsm8k' has no warm start "
-                          r"to train a teacher with \(only forge/arithmetic, forge/lookup\)"),
+    (["task.source=environment", "task.name=tests.rl.tasks.environment_classes:Good", "warm_start.enabled=false"],
+     r"^teacher\.model='warm_start': task\.source='environment' task\.name='tests\.rl\.tasks\.environment_classes:Good' "
+     r"has no correct episodes to warm start a teacher from"),
     (["teacher.model=runs/no/such/teacher"], r"^teacher\.model='runs/no/such/teacher': no such folder"),
     (["teacher.warm_start_accuracy=1.5"], r"^teacher\.warm_start_accuracy=1\.5: must be in \(0, 1\]"),
     (["trainer.loss_params.reward_coef=-1"], r"reward_coef=-1: must be a number >= 0"),

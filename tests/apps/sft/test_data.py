@@ -163,6 +163,12 @@ def test_jsonl_and_the_datasets_library_read_the_same_rows(tmp_path, chatml):
         read_jsonl(path, "data.path")
 
 
+def test_a_dataset_the_datasets_library_cannot_load_is_refused_naming_the_field(tmp_path):
+    missing = str(tmp_path / "no_such_dataset")
+    with pytest.raises(ValueError, match=rf"^data.path='{missing}': `datasets` cannot load it .*FileNotFound"):
+        read_dataset(missing, None, "train", "data.path")
+
+
 def test_held_out_rows_are_disjoint_from_training_and_seeded():
     rows = list(range(20))
     train, held = split_held_out(rows, 5, seed=0)
