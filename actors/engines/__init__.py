@@ -33,9 +33,10 @@ class Engine(Protocol):
         """`params.n` completions for each prompt, in prompt order."""
         ...
 
-    def score(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
-        """Teacher-forced log pi(token_ids | prompt_ids) at temperature 1 over the full vocabulary, with the weights
-        applied now, and their version (the weight-sync canary compares it with the trainer's)."""
+    def score(self, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> tuple[list[float], int]:
+        """Teacher-forced log pi(token_ids | prompt_ids) over the full vocabulary at `temperature` (vLLM: 1 only, its
+        prompt log-probs are raw-logit ones), with the weights applied now, and their version (the weight-sync
+        canary compares it with the trainer's)."""
         ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

@@ -190,12 +190,14 @@ class HFEngine:
             completions = self._generate(prompt_ids, params)
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
 
-    def score(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
+    def score(self, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> tuple[list[float], int]:
+        if not temperature > 0:
+            raise ValueError(f"HFEngine.score: temperature={temperature}: must be > 0")
         ids = self._encode(0, list(prompt_ids) + list(token_ids))
         with self._weights_lock, torch.no_grad():
             self._apply_staged()
             logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, len(prompt_ids) - 1 : -1]
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
             targets = torch.tensor(token_ids, device=self.device)[:, None]
             return logprobs.gather(-1, targets)[:, 0].tolist(), self._version
 

@@ -290,7 +290,10 @@ class VLLMEngine:
                 kept_token_ids=self._kept_token_ids(sample.logprobs, asked) if width else None))
         return group
 
-    def score(self, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[float], int]:
+    def score(self, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> tuple[list[float], int]:
+        if temperature != 1:
+            raise ValueError(f"VLLMEngine.score: temperature={temperature}: vLLM's prompt log-probs are the raw logits' "
+                             "(temperature 1 only)")
         return self._call(self._score(list(prompt_ids) + list(token_ids), len(token_ids)))
 
     async def _score(self, ids: list[int], scored: int) -> tuple[list[float], int]:

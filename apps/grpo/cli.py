@@ -37,15 +37,16 @@ def check_resources(cfg: GRPOConfig) -> None:
         return
     import torch
 
-    r, tp = cfg.resources, cfg.generator_gpus_per_proc
-    scorer = cfg.reference.enabled or cfg.teacher.model is not None  # the reference model's mesh, or the teacher's
-    wanted = r.generator_replicas * r.generator_procs * tp + r.trainer_procs + (r.reference_procs if scorer else 0)
+    r, tp, scorer = cfg.resources, cfg.generator_gpus_per_proc, cfg.scorer_gpus
+    wanted = r.generator_replicas * r.generator_procs * tp + r.trainer_procs + scorer
+    engine_teacher = cfg.teacher.model is not None and cfg.teacher.engine != "titan"
+    scorer_label = f"the {cfg.teacher.engine} teacher's {scorer}" if engine_teacher else f"reference_procs={scorer}"
     have = torch.cuda.device_count()
     if wanted > have:
         raise ConfigError(
             f"resources: the layout needs {wanted} GPUs (generator_replicas={r.generator_replicas} x generator_procs="
             f"{r.generator_procs}{f' x tensor_parallel_size={tp}' if tp > 1 else ''} + trainer_procs={r.trainer_procs}"
-            f"{f' + reference_procs={r.reference_procs}' if scorer else ''}) but {have} are visible"
+            f"{f' + {scorer_label}' if scorer else ''}) but {have} are visible"
         )
 
 

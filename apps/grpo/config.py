@@ -11,11 +11,11 @@ Each actor's section is that actor's own config dataclass; `model` fills the mod
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from actors.engines.vllm_args import check_engine_args, lora_engine_args
-from actors.generator_config import GeneratorConfig
+from actors.generator_config import ENGINE_KINDS, GeneratorConfig
 from actors.lora_config import check_lora_for_model
 from actors.model_config import HUB_ID
 from actors.model_layout import check_hf_config, check_parallel_layout
@@ -155,6 +155,7 @@ class ReferenceSection:
 
 
 TEACHER_WARM_START = "warm_start"  # `teacher.model`: the task's warm start, trained on (apps/grpo/rollouts.py)
+TEACHER_ENGINES = ("titan", *ENGINE_KINDS)
 
 
 @dataclass
@@ -169,13 +170,26 @@ class TeacherSection:
     cached in `model_cache` like the student's (any task with answers: not openenv or environment ones)."""
     warm_start_accuracy: float = 0.8
     """`model: warm_start`: the greedy accuracy (on the warm start's own eval prompts) its training stops at."""
+    engine: str = "titan"
+    """What serves the teacher. `titan`: TorchTitan, like the reference model (the trainer's family, dtype and
+    temperature, FSDP over `resources.reference_procs` ranks). `hf` or `vllm`: that generator engine in one process
+    of its own (the generator's dtype and device; vLLM's tensor parallelism from `engine_args`), for any architecture
+    the engine loads; it scores over the full vocabulary, so `rollout.top_p` must be 1 (and vLLM's raw-logit
+    log-probs need `rollout.temperature` 1)."""
+    engine_args: dict = field(default_factory=dict)
+    """`engine: hf` or `vllm`: the engine's own arguments, as `generator.engine_args`."""
     chunk_rows: int = 4
-    """Rows per forward pass."""
+    """`engine: titan`: rows per forward pass."""
 
     def __post_init__(self) -> None:
         if self.model == "":
             raise ValueError("model='': must be null (no teacher), a checkpoint folder or hub id, or "
                              f"{TEACHER_WARM_START!r}")
+        if self.engine not in TEACHER_ENGINES:
+            raise ValueError(f"engine={self.engine!r}: must be one of {', '.join(TEACHER_ENGINES)}")
+        if self.engine == "titan" and self.engine_args:
+            raise ValueError(f"engine_args={self.engine_args}: only an hf or vllm teacher takes engine arguments "
+                             "(engine=titan)")
         if not 0 < self.warm_start_accuracy <= 1:
             raise ValueError(f"warm_start_accuracy={self.warm_start_accuracy}: must be in (0, 1]")
         if self.chunk_rows < 1:
@@ -215,6 +229,17 @@ class GRPOConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # weight-sync check (actors/weight_canary.py)
     hosts: HostsConfig = field(default_factory=HostsConfig)  # several hosts (forge/hosts/config.py); empty: this one
+
+    def teacher_engine(self, model: str) -> GeneratorConfig:
+        """An hf or vllm teacher's engine settings: the generator's, with the teacher's model, engine and arguments."""
+        return replace(self.generator, model=model, engine=self.teacher.engine, engine_args=self.teacher.engine_args)
+
+    @property
+    def scorer_gpus(self) -> int:
+        """GPUs the reference model's or the teacher's mesh takes (with `resources.with_gpus`); 0 without either."""
+        if self.teacher.model is not None and self.teacher.engine != "titan":
+            return self.teacher.engine_args.get("tensor_parallel_size", 1) if self.teacher.engine == "vllm" else 1
+        return self.resources.reference_procs if self.reference.enabled or self.teacher.model is not None else 0
 
     @property
     def generator_gpus_per_proc(self) -> int:
@@ -260,7 +285,7 @@ class GRPOConfig:
                              f"{self.model!r}'s weights, not the trainer's base from init_checkpoint; export that "
                              "checkpoint as a Hugging Face folder and set model to it, or train without lora")
         if self.generator.engine == "vllm":
-            _check_vllm_engine_args(self.generator)
+            _check_vllm_engine_args(self.generator.engine_args, self.generator.device, "generator")
             if self.trainer.lora is not None:  # every version is a LoRA request: what vLLM cannot serve, refused now
                 lora_engine_args(self.trainer.lora.rank, self.trainer.lora.target_modules)
         if self.task.source in ENVIRONMENT_SOURCES and self.warm_start.enabled:
@@ -329,7 +354,8 @@ def check_model_layout(cfg: GRPOConfig) -> None:
         raise ValueError(f"model={model!r} with trainer.family={cfg.trainer.family!r}: {e}") from None
     r = cfg.resources
     meshes = [("resources.trainer_procs", r.trainer_procs, cfg.trainer.tensor_parallel_degree, model, hf_config)]
-    if cfg.reference.enabled or cfg.teacher.model is not None:  # the reference model's mesh, or the teacher's
+    titan_teacher = cfg.teacher.model is not None and cfg.teacher.engine == "titan"
+    if cfg.reference.enabled or titan_teacher:  # the reference model's mesh, or the teacher's
         teacher = cfg.teacher.model not in (None, TEACHER_WARM_START)  # a warm-start teacher has the student's layout
         meshes.append(("resources.reference_procs", r.reference_procs, 1, cfg.teacher.model if teacher else model,
                        read_hf_config(cfg.teacher.model) if teacher else hf_config))
@@ -360,6 +386,8 @@ def check_teacher(cfg: GRPOConfig) -> None:
     if cfg.reference.enabled:
         raise ValueError(f"teacher.model={teacher!r} with reference.enabled=true: the teacher's log-probs take the "
                          "reference model's place in the batch (TrainBatch.ref_logprobs); set reference.enabled=false")
+    if cfg.teacher.engine != "titan":
+        check_engine_teacher(cfg)
     if teacher == TEACHER_WARM_START:
         task = (cfg.task.source, cfg.task.name)
         if cfg.task.source in ENVIRONMENT_SOURCES:
@@ -376,14 +404,41 @@ def check_teacher(cfg: GRPOConfig) -> None:
                          f"id 'org/name', {TEACHER_WARM_START!r} or null")
     family = cfg.trainer.family
     try:
-        check_hf_config(family, read_hf_config(teacher))
+        hf_config = read_hf_config(teacher)
+        if cfg.teacher.engine == "titan":  # built by the trainer's family; an engine loads what transformers does
+            check_hf_config(family, hf_config)
         check_same_tokenizer(cfg.trainer.model_path, teacher)
     except KeyError as e:
         raise ValueError(f"teacher.model={teacher!r}: config.json has no {e} (a {family} checkpoint needs it)"
                          ) from None
     except ValueError as e:  # read_hf_config's and read_checkpoint_file's own start with "model=<teacher>: "
         message = str(e).removeprefix(f"model={teacher!r}: ")
-        raise ValueError(f"teacher.model={teacher!r} (built as trainer.family={family!r}): {message}") from None
+        built = f" (built as trainer.family={family!r})" if cfg.teacher.engine == "titan" else ""
+        raise ValueError(f"teacher.model={teacher!r}{built}: {message}") from None
+
+
+def check_engine_teacher(cfg: GRPOConfig) -> None:
+    """An hf or vllm teacher scores over the full vocabulary (Engine.score; vLLM at temperature 1 only), so the
+    student must sample so too, or the reverse KL would compare two different distributions; its engine arguments
+    get the generator's checks."""
+    engine = cfg.teacher.engine
+    limits = [("rollout.top_p", cfg.rollout.top_p, "over the full vocabulary")]
+    if engine == "vllm":
+        limits.append(("rollout.temperature", cfg.rollout.temperature, "at temperature 1 (raw-logit log-probs)"))
+    for name, value, how in limits:
+        if value != 1:
+            raise ValueError(f"teacher.engine={engine!r} with {name}={value}: the {engine} teacher scores {how}, so "
+                             f"the student must sample so too; set {name}=1, or teacher.engine=titan (it scores as "
+                             "the trainer does)")
+    try:
+        cfg.teacher_engine(cfg.model)
+    except ValueError as e:  # GeneratorConfig's messages start with the field
+        raise ValueError(f"teacher.{e}") from None
+    if engine == "vllm":
+        _check_vllm_engine_args(cfg.teacher.engine_args, cfg.generator.device, "teacher")
+        tp = cfg.teacher.engine_args.get("tensor_parallel_size", 1)
+        if tp != 1 and not cfg.resources.with_gpus:
+            raise ValueError(f"teacher.engine_args.tensor_parallel_size={tp}: needs resources.with_gpus=true")
 
 
 def _vocabulary(tokenizer_json: str) -> dict[int, str]:
@@ -441,11 +496,11 @@ def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:
                          f"{max_model_len} (the prompt takes part of the window)")
 
 
-def _check_vllm_engine_args(generator: GeneratorConfig) -> None:
-    """The vLLM engine's own check of `engine_args`, run before anything starts."""
+def _check_vllm_engine_args(engine_args: dict, device: str, section: str) -> None:
+    """The vLLM engine's own check of `section.engine_args`, run before anything starts."""
     try:
-        check_engine_args(generator.engine_args, device=generator.device)
+        check_engine_args(engine_args, device=device)
     except ImportError as e:
-        raise ValueError(f"generator.engine='vllm': {e}") from None
+        raise ValueError(f"{section}.engine='vllm': {e}") from None
     except ValueError as e:  # its messages start with "engine_args"
-        raise ValueError(f"generator.{e}") from None
+        raise ValueError(f"{section}.{e}") from None

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from transformers import AutoTokenizer
 
+from actors.engine_scorer import EngineScorer
 from actors.engines.vllm_args import lora_engine_args
 from actors.generator import Generator
 from actors.reference_model import ReferenceActor, ReferenceConfig
@@ -55,13 +56,31 @@ def teacher_config(cfg: GRPOConfig, teacher_path: str) -> ReferenceConfig:
                            temperature=t.temperature, chunk_rows=cfg.teacher.chunk_rows)
 
 
+def spawn_scorer(cfg: GRPOConfig, model_path: str, teacher_path: str | None) -> tuple[str, Awaitable] | None:
+    """(what it is, its spawn) for the mesh that scores every episode: the reference model, or the teacher (TorchTitan
+    like the reference, or an hf / vLLM engine: `teacher.engine`); None without either."""
+    r = cfg.resources
+    if cfg.reference.enabled:
+        config, name = reference_config(cfg, model_path), "reference"
+    elif teacher_path is None:
+        return None
+    elif cfg.teacher.engine != "titan":
+        return f"teacher ({cfg.teacher.engine} engine)", EngineScorer.options(with_gpus=r.with_gpus, gpus_per_proc=cfg.scorer_gpus,
+                                               mesh_name="teacher").as_actor(cfg.teacher_engine(teacher_path),
+                                                                             cfg.trainer.temperature)
+    else:
+        config, name = teacher_config(cfg, teacher_path), "teacher"
+    return name, ReferenceActor.options(procs=r.reference_procs, with_gpus=r.with_gpus, mesh_name=name).as_actor(config)
+
+
 @dataclass
 class JobActors:
     trainer: Any  # TrainerActor mesh: train_step, publish_weights, checkpoints, export_hf
     buffer: Any  # ReplayBufferActor
     generators: Any  # Service of Generator replicas
-    # ReferenceActor mesh scoring every episode (its log-probs are the batch's ref_logprobs): the reference model when
-    # reference.enabled, the teacher when teacher.model; None without either.
+    # The mesh scoring every episode (its log-probs are the batch's ref_logprobs): the reference model (a ReferenceActor)
+    # when reference.enabled, the teacher when teacher.model (a ReferenceActor, or an EngineScorer with teacher.engine
+    # hf or vllm); None without either.
     scorer: Any | None
     tokenizer: Any  # the model's, for what the job encodes itself (the weight-sync canary)
     pad_id: int
@@ -73,8 +92,7 @@ async def start_actors(cfg: GRPOConfig, model_path: str, teacher_path: str | Non
     r = cfg.resources
     provisioner = get_provisioner()
     await provisioner.start_weight_store()
-    scorer = ("reference", reference_config(cfg, model_path)) if cfg.reference.enabled else (
-        ("teacher", teacher_config(cfg, teacher_path)) if teacher_path is not None else None)
+    scorer = spawn_scorer(cfg, model_path, teacher_path)
     print(f"starting actors: trainer x{r.trainer_procs}, generator x{r.generator_replicas} replicas, replay buffer"
           f"{f', {scorer[0]}' if scorer else ''}", flush=True)
     trainer_cfg = replace(cfg.trainer, model_path=model_path, max_steps=max(cfg.trainer.max_steps, cfg.steps))
@@ -90,9 +108,7 @@ async def start_actors(cfg: GRPOConfig, model_path: str, teacher_path: str | Non
                           gpus_per_proc=cfg.generator_gpus_per_proc, mesh_name="generator").as_service(generator_cfg),
     ]
     if scorer is not None:
-        mesh_name, scorer_cfg = scorer
-        spawns.append(ReferenceActor.options(procs=r.reference_procs, with_gpus=r.with_gpus,
-                                             mesh_name=mesh_name).as_actor(scorer_cfg))
+        spawns.append(scorer[1])
     trainer, buffer, generators, *scorers = await asyncio.gather(*spawns)
     for mesh in provisioner.meshes.values():  # which process is which, for ps/top/py-spy and fault reports
         print(f"provisioned mesh {mesh.name}: {len(mesh.processes)} procs (pids [{', '.join(map(str, mesh.processes))}])"

