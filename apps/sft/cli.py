@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(to_yaml(cfg), flush=True)
-    from apps.sft.main import run  # torch, Monarch, TorchTitan
+    from apps.sft.sources import load_job_data  # torch and transformers: a bad row is refused before Monarch loads
 
-    return run(cfg, resume)
+    try:
+        tokenizer, data = load_job_data(cfg)
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from apps.sft.main import run  # Monarch, TorchTitan
+
+    return run(cfg, tokenizer, data, resume)

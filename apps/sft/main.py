@@ -21,8 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from apps.eval.evaluate import Progress, Reward, evaluate_task
 from apps.eval.samplers import GeneratorSampler
 from apps.eval.scores import score_task
@@ -30,7 +28,7 @@ from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import read_hf_config
 from apps.sft.config import SFTConfig
 from apps.sft.data import Example, train_batch
-from apps.sft.sources import SFTData, load_data
+from apps.sft.sources import SFTData
 from apps.sft.trainer import SFTTrainerActor
 from forge.actor import rank0
 from forge.lifecycle import run_job
@@ -43,13 +41,11 @@ EVAL_CONCURRENCY = 64  # held-out prompts in flight (the generator batches them)
 
 
 class SFTJob:
-    def __init__(self, cfg: SFTConfig) -> None:
-        self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    def __init__(self, cfg: SFTConfig, tokenizer: Any, data: SFTData) -> None:
+        self.cfg, self.tokenizer, self.data = cfg, tokenizer, data
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
         positions = read_hf_config(cfg.trainer.model_path).get("max_position_embeddings")
-        self.data: SFTData = load_data(cfg, self.tokenizer, cfg.data.max_length or positions or 1 << 30)
         if self.data.dropped:
             print(f"data: {self.data.dropped} examples longer than {cfg.data.max_length or positions} tokens left "
                   "out (data.max_length)", flush=True)
@@ -195,12 +191,9 @@ def step_metrics(examples: list[Example], batch: TrainBatch, trainer: dict[str, 
             "step_s": step_s}
 
 
-def run(cfg: SFTConfig, resume: bool) -> int:
-    """Run the job under forge.lifecycle: a first SIGINT/SIGTERM finishes the step and checkpoints."""
-    try:
-        job = SFTJob(cfg)  # reads and checks every row: a bad one is refused before any process starts
-    except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+def run(cfg: SFTConfig, tokenizer: Any, data: SFTData, resume: bool) -> int:
+    """Run the job under forge.lifecycle: a first SIGINT/SIGTERM finishes the step and checkpoints. `tokenizer` and
+    `data`: sources.load_job_data's, read before this module's imports (apps/sft/cli.py)."""
+    job = SFTJob(cfg, tokenizer, data)
     return run_job(lambda: job.run(resume), on_stop=job.request_stop,
                    stop_grace_s=cfg.checkpoint.stop_grace_s)

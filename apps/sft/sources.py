@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from apps.grpo.config import read_hf_config
 from apps.sft.config import SFTConfig
 from apps.sft.data import (ChatRenderer, Epochs, Example, completion_example, read_dataset, read_jsonl,
                            row_examples, split_held_out, transcript_example)
@@ -57,6 +58,16 @@ class SFTData:
     task: Any = None  # a task source's task: its held-out problems and reward score the accuracy
     problems: list = field(default_factory=list)  # those problems, in the order of `held_out`
     dropped: int = 0  # rows left out as longer than data.max_length
+
+
+def load_job_data(cfg: SFTConfig) -> tuple[Any, SFTData]:
+    """The model's tokenizer and the job's data, every row read and checked (a bad one: a ValueError naming where it
+    is); apps/sft/cli.py calls it before the training stack (Monarch, TorchTitan) is imported, so it fails fast."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    positions = read_hf_config(cfg.trainer.model_path).get("max_position_embeddings")
+    return tokenizer, load_data(cfg, tokenizer, cfg.data.max_length or positions or 1 << 30)
 
 
 def load_data(cfg: SFTConfig, tokenizer: Any, max_length: int) -> SFTData:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from apps.sft.cli import load_sft_config, main
+from apps.sft.cli import load_sft_config
 from forge.config import ConfigError
+from tests.apps.grpo.test_cli import probe  # `python -m` in a subprocess: its exit code and heavy imports
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = str(ROOT / "configs/sft_tiny.yaml")
@@ -52,14 +53,15 @@ def test_a_missing_jsonl_file_is_refused(tmp_path):
                          "eval.accuracy=false"])
 
 
-def test_a_bad_row_exits_2_naming_its_line_before_any_process(tmp_path, capsys):
+def test_a_bad_row_exits_2_naming_its_line_before_monarch_is_imported(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
-    code = main(["--config", TINY, "data.source=jsonl", f"data.path={path}", "eval.accuracy=false",
-                 f"run_dir={tmp_path}/run"])
-    assert code == 2
-    error = capsys.readouterr().err
-    assert f"config error: data.path='{path}' line 2: a row must have 'prompt' and 'completion'" in error
+    outcome, result = probe("--config", TINY, "data.source=jsonl", f"data.path={path}", "eval.accuracy=false",
+                            f"run_dir={tmp_path}/run", module="apps.sft")
+    assert outcome["exit"] == 2, result.stderr[-2000:]
+    assert f"config error: data.path='{path}' line 2: a row must have 'prompt' and 'completion'" in result.stderr
+    # Read with the tokenizer (torch, transformers), before the training stack: seconds, not a Monarch start-up.
+    assert not {"monarch", "torchtitan", "torchstore", "vllm"} & set(outcome["heavy"]), outcome
 
 
 def test_help_lists_every_section_and_imports_no_torch():
