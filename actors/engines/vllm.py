@@ -292,8 +292,8 @@ class VLLMEngine:
 
     def score(self, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> tuple[list[float], int]:
         if temperature != 1:
-            raise ValueError(f"VLLMEngine.score: temperature={temperature}: vLLM's prompt log-probs are the raw logits' "
-                             "(temperature 1 only)")
+            raise ValueError(f"VLLMEngine.score: temperature={temperature}: vLLM's prompt log-probs are the raw "
+                             "logits' (temperature 1 only)")
         return self._call(self._score(list(prompt_ids) + list(token_ids), len(token_ids)))
 
     async def _score(self, ids: list[int], scored: int) -> tuple[list[float], int]:

@@ -20,7 +20,6 @@ from forge.metrics import MetricsConfig
 from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 
 
-
 @dataclass
 class SamplingSection:
     """How each held-out prompt is sampled and what counts as correct."""
@@ -144,8 +143,8 @@ class EvalJobConfig:
             raise ValueError(f"{', '.join(sources)}: set at most one of checkpoint, run_dir and endpoint (none: "
                              "evaluate `model`)")
         if not is_hf_checkpoint(self.model):  # `tiny` is resolved to its built folder before this
-            raise ValueError(f"model={self.model!r}: must be 'tiny', a Hugging Face checkpoint folder with config.json, "
-                             "or a hub id 'org/name'")
+            raise ValueError(f"model={self.model!r}: must be 'tiny', a Hugging Face checkpoint folder with "
+                             "config.json, or a hub id 'org/name'")
         if self.generator.model not in ("", self.model):
             raise ValueError(f"generator.model={self.generator.model!r}: the generator serves `model`; set model "
                              "instead, or leave generator.model out")

@@ -31,7 +31,6 @@ from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 from apps.warm_start.config import WarmStartConfig
 
 
-
 @dataclass
 class RolloutConfig:
     """How episodes are generated: the GRPO group, sampling, and which groups are kept."""

@@ -65,9 +65,9 @@ def spawn_scorer(cfg: GRPOConfig, model_path: str, teacher_path: str | None) -> 
     elif teacher_path is None:
         return None
     elif cfg.teacher.engine != "titan":
-        return f"teacher ({cfg.teacher.engine} engine)", EngineScorer.options(with_gpus=r.with_gpus, gpus_per_proc=cfg.scorer_gpus,
-                                               mesh_name="teacher").as_actor(cfg.teacher_engine(teacher_path),
-                                                                             cfg.trainer.temperature)
+        engine = EngineScorer.options(with_gpus=r.with_gpus, gpus_per_proc=cfg.scorer_gpus, mesh_name="teacher")
+        return (f"teacher ({cfg.teacher.engine} engine)",
+                engine.as_actor(cfg.teacher_engine(teacher_path), cfg.trainer.temperature))
     else:
         config, name = teacher_config(cfg, teacher_path), "teacher"
     return name, ReferenceActor.options(procs=r.reference_procs, with_gpus=r.with_gpus, mesh_name=name).as_actor(config)
@@ -78,9 +78,9 @@ class JobActors:
     trainer: Any  # TrainerActor mesh: train_step, publish_weights, checkpoints, export_hf
     buffer: Any  # ReplayBufferActor
     generators: Any  # Service of Generator replicas
-    # The mesh scoring every episode (its log-probs are the batch's ref_logprobs): the reference model (a ReferenceActor)
-    # when reference.enabled, the teacher when teacher.model (a ReferenceActor, or an EngineScorer with teacher.engine
-    # hf or vllm); None without either.
+    # The mesh scoring every episode (its log-probs are the batch's ref_logprobs): the reference model (a
+    # ReferenceActor) when reference.enabled, the teacher when teacher.model (a ReferenceActor, or an EngineScorer with
+    # teacher.engine hf or vllm); None without either.
     scorer: Any | None
     tokenizer: Any  # the model's, for what the job encodes itself (the weight-sync canary)
     pad_id: int
