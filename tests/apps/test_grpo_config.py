@@ -143,7 +143,7 @@ def test_vllm_engine_args_that_vllm_takes_are_accepted(real_models):
 
 
 def test_vllm_tensor_parallelism_on_cpu_is_refused_before_anything_starts(real_models):
-    with pytest.raises(ConfigError, match=r"generator.engine_args.tensor_parallel_size=2 \(generator_procs\): the "
+    with pytest.raises(ConfigError, match=r"generator.engine_args.tensor_parallel_size=2: the "
                                           r"vllm engine runs tensor-parallel on CUDA only"):
         load_with_real_model(QWEN3_8B, real_models, "generator.device=cpu",
                              "+generator.engine_args.tensor_parallel_size=2")

@@ -30,7 +30,7 @@ def test_engine_arg_names_imports_neither_vllm_nor_torch():
     ({"max_model_length": 256}, r"unknown vLLM engine argument\(s\) \['max_model_length'\]"),
     ({"tokenizer": "other"}, r"\['tokenizer'\] are set by the generator"),
     ({"logprobs_mode": "raw_logprobs"}, r"\['logprobs_mode'\] are set by the generator .* or by the engine"),
-    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 \(generator_procs\): the vllm engine runs tensor-parallel "
+    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2: the vllm engine runs tensor-parallel "
                                   r"on CUDA only"),
     ({"compilation_config": {"custom_ops": ["+rms_norm"]}}, r"'\+rms_norm': vLLM's CPU rms_norm kernel"),
 ], ids=["unknown", "set-by-generator", "set-by-engine", "tp-on-cpu", "cpu-rms-norm-kernel"])

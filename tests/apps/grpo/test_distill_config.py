@@ -149,3 +149,17 @@ def test_a_teacher_folder_is_used_as_given(tmp_path, tiny):
     folder = teacher_folder(tmp_path, tiny)
     cfg = load(f"teacher.model={folder}")
     assert teacher_model(cfg, make_task(cfg)) == (str(folder), None)
+
+
+def test_a_tensor_parallel_vllm_teacher_counts_its_gpus_in_the_layout(monkeypatch):
+    import torch
+
+    from apps.grpo.cli import check_resources
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)  # one short of the layout, on any host
+    cfg = load("resources.with_gpus=true", "generator.device=cuda", "trainer.device=cuda", "teacher.engine=vllm",
+               "rollout.temperature=1", "+teacher.engine_args.tensor_parallel_size=2")
+    assert cfg.scorer_gpus == 2
+    with pytest.raises(ConfigError, match=r"needs 4 GPUs \(generator_replicas=1 x generator_procs=1 \+ trainer_procs=1 "
+                                          r"\+ the vllm teacher's 2\) but 3 are visible"):
+        check_resources(cfg)
