@@ -11,7 +11,8 @@
 `run_job(main)` runs `main()` in a new event loop and owns every way out of it:
 - A fatal actor failure (a mesh's process died; service replicas excepted, their service restarts them) cancels
   `main` and prints `FATAL: actor mesh 'NAME' failed` with Monarch's or the process watcher's cause. Exit code 1.
-- An exception out of `main` prints `FATAL: the job failed` with its traceback. Exit code 1.
+- An exception out of `main` prints `FATAL: the job failed` with its traceback; a `main` cancelled with no signal (by
+  its own code, or a call it awaited cancelled under it) prints `FATAL: the job was cancelled`. Exit code 1.
 - SIGINT or SIGTERM asks the job to stop: `on_stop(signal_name)` is called when given (the app finishes what it is
   doing and returns: a training job may save a checkpoint first), otherwise `main` is cancelled. A `main` asked
   to stop has `stop_grace_s` to return (a training job's step and checkpoint may take minutes), then it is
@@ -128,8 +129,12 @@ class _Lifecycle:
     def _outcome(self) -> int:
         try:
             returned = self.main.result()
-        except asyncio.CancelledError:  # cancelled by a signal (or by `main`'s own code)
-            return 128 + self.signal.value if self.signal else FAILED
+        except asyncio.CancelledError:  # cancelled by a signal, or by `main`'s own code or a call it awaited
+            if self.signal:
+                return 128 + self.signal.value
+            print("\nFATAL: the job was cancelled with no signal (by its own code or a call it awaited):\n"
+                  + traceback.format_exc(), file=sys.stderr, flush=True)
+            return FAILED
         except Exception:
             print("\nFATAL: the job failed:\n" + traceback.format_exc(), file=sys.stderr, flush=True)
             return FAILED

@@ -37,6 +37,8 @@ APP = textwrap.dedent('''
             return 3
         if mode == "raises":
             raise ValueError("the app's own error")
+        if mode == "cancels_itself":  # a call main awaited was cancelled under it
+            raise asyncio.CancelledError("cancelled under main")
         if mode == "spawns_and_returns":
             ready(*await spawn_echo_mesh())
             return None
@@ -124,6 +126,13 @@ def test_an_exception_in_main_is_reported_and_exits_1(tmp_path):
     assert app.finish() == 1
     out = app.output()
     assert "FATAL: the job failed" in out and "ValueError: the app's own error" in out, out
+
+
+def test_a_main_cancelled_with_no_signal_is_reported_and_exits_1(tmp_path):
+    app = App(tmp_path, "cancels_itself")
+    assert app.finish() == 1
+    out = app.output()
+    assert "FATAL: the job was cancelled with no signal" in out and "cancelled under main" in out, out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
