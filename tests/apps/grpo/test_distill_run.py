@@ -1,5 +1,6 @@
-"""On-policy distillation end to end (apps.grpo with configs/distill_tiny.yaml): the teacher's mesh (TorchTitan, or
-the hf engine) scores the student's samples and its log-probs drive the loss."""
+"""On-policy distillation end to end: the teacher's mesh scores the student's samples and its log-probs drive the
+loss. Two runs: configs/distill_tiny.yaml (single-turn) with the TorchTitan teacher, and the multi-turn lookup task
+(configs/multiturn_tiny.yaml, the environment's tokens masked out of the loss) with the hf engine's."""
 
 import json
 import math
@@ -29,15 +30,22 @@ def sharp_teacher(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("engine, started", [("titan", "replay buffer, teacher\n"),
-                                             ("hf", "replay buffer, teacher (hf engine)\n")])
-def test_the_teachers_logprobs_reach_the_loss_as_the_reverse_kl(tmp_path, engine, started):
+MULTI_TURN = ["configs/multiturn_tiny.yaml", "trainer.loss=distill", "rollout.drop_zero_variance_groups=false",
+              "~rollout.max_dropped_groups_per_step"]
+
+
+@pytest.mark.parametrize("engine, config, started", [
+    ("titan", ["configs/distill_tiny.yaml"], "replay buffer, teacher\n"),
+    ("hf", MULTI_TURN, "replay buffer, teacher (hf engine)\n"),
+], ids=["single-turn-titan", "multi-turn-hf"])
+def test_the_teachers_logprobs_reach_the_loss_as_the_reverse_kl(tmp_path, engine, config, started):
     teacher, run_dir = sharp_teacher(tmp_path / "teacher"), tmp_path / "run"
-    # One optimizer step per batch, on policy: at step 1 r_t = 1, so the loss is the batch's k1 reverse KL.
+    # One optimizer step per batch, on policy: at step 1 r_t = 1, and the untrained student's rewards are all 0 (no
+    # group advantage), so the loss is the batch's k1 reverse KL over the model's tokens.
     result = subprocess.run(
-        [sys.executable, "-m", "apps.grpo", "--config", "configs/distill_tiny.yaml", f"run_dir={run_dir}",
-         f"teacher.model={teacher}", f"teacher.engine={engine}", "warm_start.enabled=false", "steps=3", "eval.at_start=false", "eval.at_end=false",
-         "eval.every=0", "rollout.concurrency=2", "replay_buffer.batch_size=32", "replay_buffer.max_policy_age=0",
+        [sys.executable, "-m", "apps.grpo", "--config", *config, f"run_dir={run_dir}",
+         f"teacher.model={teacher}", f"teacher.engine={engine}", "warm_start.enabled=false", "steps=3",
+         "eval.at_start=false", "eval.at_end=false", "eval.every=0", "rollout.concurrency=2", "replay_buffer.batch_size=32", "replay_buffer.max_policy_age=0",
          "trainer.micro_batch_size=32", "trainer.minibatches=1", "checkpoint.final=false", "canary.every=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stderr[-3000:]
