@@ -12,7 +12,7 @@ import asyncio
 
 import torch
 
-from actors.engines import Engine, make_engine
+from actors.engines import Engine, start_engine
 from actors.generator_config import GeneratorConfig
 from forge.actor import ForgeActor, endpoint
 from rl.types import EpisodeBatch
@@ -35,11 +35,7 @@ class EngineScorer(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
-        cfg = self.config
-        if cfg.torch_threads and cfg.device == "cpu":
-            torch.set_num_threads(cfg.torch_threads)
-        self.engine = await asyncio.to_thread(make_engine, cfg.engine, model=cfg.model, dtype=cfg.dtype,
-                                              device=cfg.device, seed=cfg.seed, **cfg.engine_args)
+        self.engine = await start_engine(self.config)
 
     @endpoint
     async def logprobs(self, episodes: EpisodeBatch, pad_id: int) -> torch.Tensor:

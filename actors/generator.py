@@ -22,9 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
-from actors.engines import make_engine
+from actors.engines import start_engine
 from actors.generator_config import GeneratorConfig  # noqa: F401  (re-exported: `from actors.generator import GeneratorConfig`)
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
@@ -57,13 +55,8 @@ class Generator(ForgeActor):
 
     @endpoint
     async def setup(self) -> None:
-        cfg = self.config
-        if cfg.torch_threads and cfg.device == "cpu":
-            torch.set_num_threads(cfg.torch_threads)
-        self.engine = await asyncio.to_thread(
-            make_engine, cfg.engine, model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, **cfg.engine_args
-        )
-        self.store = WeightStore(cfg.weight_namespace)
+        self.engine = await start_engine(self.config)
+        self.store = WeightStore(self.config.weight_namespace)
         latest = await self.store.latest_version()
         if latest is not None:  # a (re)started replica serves the current policy from its first token
             await self._load(latest, stage=False)

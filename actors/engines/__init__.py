@@ -6,10 +6,11 @@ the replay buffer and the trainer do not know which engine produced a rollout.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from actors.generator_config import ENGINE_KINDS
+from actors.generator_config import ENGINE_KINDS, GeneratorConfig
 
 if TYPE_CHECKING:  # annotations only: importing the engines package (for ENGINE_KINDS) pulls in no torch
     import torch
@@ -72,4 +73,16 @@ def make_engine(kind: str, **kwargs: Any) -> Engine:
     raise ValueError(f"make_engine: kind={kind!r} is not an engine; allowed: {list(ENGINE_KINDS)}")
 
 
-__all__ = ["ENGINE_KINDS", "Engine", "make_engine"]
+async def start_engine(config: GeneratorConfig) -> Engine:
+    """The engine a generator config names, built off the event loop. The CPU thread count is set first, on the
+    caller's thread: torch applies it to each thread when that thread first runs torch, so set from a worker thread it
+    would not reach threads that had already run torch. The generator and the engine-served teacher both start their engine so."""
+    if config.torch_threads and config.device == "cpu":
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
+    return await asyncio.to_thread(make_engine, config.engine, model=config.model, dtype=config.dtype,
+                                   device=config.device, seed=config.seed, **config.engine_args)
+
+
+__all__ = ["ENGINE_KINDS", "Engine", "start_engine", "make_engine"]

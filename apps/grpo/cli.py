@@ -39,8 +39,7 @@ def check_resources(cfg: GRPOConfig) -> None:
 
     r, tp, scorer = cfg.resources, cfg.generator_gpus_per_proc, cfg.scorer_gpus
     wanted = r.generator_replicas * r.generator_procs * tp + r.trainer_procs + scorer
-    engine_teacher = cfg.teacher.model is not None and cfg.teacher.engine != "titan"
-    scorer_label = f"the {cfg.teacher.engine} teacher's {scorer}" if engine_teacher else f"reference_procs={scorer}"
+    scorer_label = f"the {cfg.teacher.engine} teacher's {scorer}" if cfg.teacher.on_engine else f"reference_procs={scorer}"
     have = torch.cuda.device_count()
     if wanted > have:
         raise ConfigError(

@@ -194,6 +194,11 @@ class TeacherSection:
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows={self.chunk_rows}: must be >= 1")
 
+    @property
+    def on_engine(self) -> bool:
+        """A teacher is set and an hf or vllm engine scores for it (not TorchTitan)."""
+        return self.model is not None and self.engine != "titan"
+
 
 @dataclass
 class GRPOConfig:
@@ -236,7 +241,7 @@ class GRPOConfig:
     @property
     def scorer_gpus(self) -> int:
         """GPUs the reference model's or the teacher's mesh takes (with `resources.with_gpus`); 0 without either."""
-        if self.teacher.model is not None and self.teacher.engine != "titan":
+        if self.teacher.on_engine:
             return self.teacher.engine_args.get("tensor_parallel_size", 1) if self.teacher.engine == "vllm" else 1
         return self.resources.reference_procs if self.reference.enabled or self.teacher.model is not None else 0
 
@@ -353,7 +358,7 @@ def check_model_layout(cfg: GRPOConfig) -> None:
         raise ValueError(f"model={model!r} with trainer.family={cfg.trainer.family!r}: {e}") from None
     r = cfg.resources
     meshes = [("resources.trainer_procs", r.trainer_procs, cfg.trainer.tensor_parallel_degree, model, hf_config)]
-    titan_teacher = cfg.teacher.model is not None and cfg.teacher.engine == "titan"
+    titan_teacher = cfg.teacher.model is not None and not cfg.teacher.on_engine
     if cfg.reference.enabled or titan_teacher:  # the reference model's mesh, or the teacher's
         teacher = cfg.teacher.model not in (None, TEACHER_WARM_START)  # a warm-start teacher has the student's layout
         meshes.append(("resources.reference_procs", r.reference_procs, 1, cfg.teacher.model if teacher else model,
@@ -385,7 +390,7 @@ def check_teacher(cfg: GRPOConfig) -> None:
     if cfg.reference.enabled:
         raise ValueError(f"teacher.model={teacher!r} with reference.enabled=true: the teacher's log-probs take the "
                          "reference model's place in the batch (TrainBatch.ref_logprobs); set reference.enabled=false")
-    if cfg.teacher.engine != "titan":
+    if cfg.teacher.on_engine:
         check_engine_teacher(cfg)
     if teacher == TEACHER_WARM_START:
         task = (cfg.task.source, cfg.task.name)

@@ -64,7 +64,7 @@ def spawn_scorer(cfg: GRPOConfig, model_path: str, teacher_path: str | None) -> 
         config, name = reference_config(cfg, model_path), "reference"
     elif teacher_path is None:
         return None
-    elif cfg.teacher.engine != "titan":
+    elif cfg.teacher.on_engine:
         engine = EngineScorer.options(with_gpus=r.with_gpus, gpus_per_proc=cfg.scorer_gpus, mesh_name="teacher")
         return (f"teacher ({cfg.teacher.engine} engine)",
                 engine.as_actor(cfg.teacher_engine(teacher_path), cfg.trainer.temperature))
