@@ -35,22 +35,38 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_runs_end_to_end_and_writes_its_metrics(tmp_path):
+def test_a_300_step_run_writes_its_metrics_keeps_memory_flat_and_accounts_for_every_episode(tmp_path):
+    # One run for the end-to-end checks and the soak: an app start costs more here than a hundred tiny steps.
     run_dir = tmp_path / "run"
-    result = _run_grpo(run_dir, "steps=5", "replay_buffer.max_policy_age=1", env=marked_environment(str(run_dir)))
+    steps = 300
+    result = _run_grpo(run_dir, f"steps={steps}", "replay_buffer.max_policy_age=1", timeout=900,
+                       env=marked_environment(str(run_dir)))
     assert "=== GRPO run summary ===" in result.stdout
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [int(r["policy_version"]) for r in rows] == [1, 2, 3, 4, 5]  # one published version per step
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [int(r["policy_version"]) for r in rows] == list(range(1, steps + 1))  # one published version per step
     assert sum(r.get("generator/weight_swaps", 0) for r in rows) >= 2  # generators swapped in new weights
     assert all(r["train/version_lag"] <= 1 for r in rows)  # max_policy_age=1 held for every trained batch
     assert all("reward/mean" in r and "loss" in r and "grad_norm" in r for r in rows)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    e = summary["episodes"]
-    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
-        e["dropped_zero_variance"]
     assert (run_dir / "hf_model" / "model.safetensors").exists()
     assert not processes_with_mark(str(run_dir))
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    start, end = summary["rss_start"], summary["rss_end"]
+    for name in start:
+        print(f"RSS {name}: step 1 {start[name] / 2**20:.0f} MB -> step {steps} {end[name] / 2**20:.0f} MB")
+    for name in set(start) & set(end):
+        assert end[name] - start[name] < 150 * 2**20, f"{name} grew from {start[name]} to {end[name]} bytes"
+    # The store keeps a few versions of a ~1.6 MB model, never one per step.
+    assert summary["shm_bytes"] < 20 * 2**20
+    e = summary["episodes"]
+    # Rollouts reserve room in the buffer only for batches that can still train them, none past the last step.
+    assert e["held_in_buffer"] <= 32, e
+    # Generated with the newest version, within the bound and trained oldest first: next to nothing ages out (the
+    # earlier scheme, max_policy_age + 1 batches ahead on any version, dropped ~29% in the tiny default).
+    assert e["dropped_too_old"] <= 0.01 * e["generated"], e
+    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
+        e["dropped_zero_variance"]
 
 
 def test_grpo_with_the_vllm_engine_and_delta_sync_trains_on_versioned_tokens_and_stops_every_process(tmp_path):
@@ -88,14 +104,15 @@ def test_synchronous_mode_trains_strictly_on_policy_and_the_reference_model_scor
     assert e["generated"] == e["trained"] == 3 * 32, e
 
 
-def test_kill_and_resume_continues_step_and_version(tmp_path):
+def test_a_killed_controller_leaves_nothing_and_resume_skips_a_corrupt_checkpoint_and_continues(tmp_path):
     run_dir = tmp_path / "resume"
-    command = _grpo_command(run_dir, "steps=6", "checkpoint.interval=2", "eval.at_start=false", "eval.at_end=false")
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=marked_environment(str(run_dir)))
+    command = _grpo_command(run_dir, "steps=8", "checkpoint.interval=2", "eval.at_start=false", "eval.at_end=false")
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=marked_environment(str(run_dir)))
     try:
         deadline = time.monotonic() + 400
-        while not (run_dir / "checkpoints" / "step_000002" / "job_state.pkl").exists():
-            assert proc.poll() is None, "the run ended before its first checkpoint"
+        while not (run_dir / "checkpoints" / "step_000004" / "job_state.pkl").exists():
+            assert proc.poll() is None, "the run ended before its second checkpoint"
             assert time.monotonic() < deadline
             time.sleep(0.5)
         proc.send_signal(signal.SIGKILL)
@@ -103,37 +120,24 @@ def test_kill_and_resume_continues_step_and_version(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    rows_before = len(_metrics(run_dir))
-    checkpointed = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*[0-9]")
-                       if (p / "job_state.pkl").exists())
     assert not processes_with_mark(str(run_dir)), "processes outlived a killed controller"
+
+    # A truncated newest checkpoint is refused by name, before the job starts any process; the one before it resumes.
+    newest, previous = sorted((run_dir / "checkpoints").glob("step_*[0-9]"), reverse=True)[:2]
+    state = newest / "job_state.pkl"
+    state.write_bytes(state.read_bytes()[:20])
+    refused = subprocess.run(command + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0
+    assert f"checkpoint {newest} is corrupt or incomplete" in refused.stderr and previous.name in refused.stderr
+    assert "provisioned mesh" not in refused.stdout
+    newest.rename(newest.with_name(newest.name + ".corrupt"))
+    checkpointed = int(previous.name.split("_")[1])
+    rows_before = len(_metrics(run_dir))
 
     result = subprocess.run(command + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints'}/step_{checkpointed:06d}: step {checkpointed}" in result.stdout
+    assert f"resumed from {previous}: step {checkpointed}, policy version {checkpointed}" in result.stdout
     resumed = _metrics(run_dir)[rows_before:]
     # Step and policy version continue from the checkpoint: no step repeated from 1, none skipped.
-    assert [r["step"] for r in resumed] == list(range(checkpointed + 1, 7))
-    assert [int(r["policy_version"]) for r in resumed] == list(range(checkpointed + 1, 7))
-
-
-def test_500_step_run_keeps_memory_flat_and_accounts_for_every_episode(tmp_path):
-    run_dir = tmp_path / "long"
-    _run_grpo(run_dir, "steps=500", "eval.at_start=false", "eval.at_end=false", "checkpoint.final=false",
-              "metrics.console=false", timeout=900)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    start, end = summary["rss_start"], summary["rss_end"]
-    for name in start:
-        print(f"RSS {name}: step 1 {start[name] / 2**20:.0f} MB -> step 500 {end[name] / 2**20:.0f} MB")
-    for name in set(start) & set(end):
-        assert end[name] - start[name] < 150 * 2**20, f"{name} grew from {start[name]} to {end[name]} bytes"
-    # The store keeps a few versions of a ~1.6 MB model, never one per step.
-    assert summary["shm_bytes"] < 20 * 2**20
-    e = summary["episodes"]
-    # Rollouts reserve room in the buffer only for batches that can still train them, none past the last step.
-    assert e["held_in_buffer"] <= 32, e
-    # Generated with the newest version, within the bound and trained oldest first: next to nothing ages out (the
-    # earlier scheme, max_policy_age + 1 batches ahead on any version, dropped ~29% in the tiny default).
-    assert e["dropped_too_old"] <= 0.01 * e["generated"], e
-    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
-        e["dropped_zero_variance"]
+    assert [r["step"] for r in resumed] == list(range(checkpointed + 1, 9))
+    assert [int(r["policy_version"]) for r in resumed] == list(range(checkpointed + 1, 9))

@@ -94,9 +94,10 @@ def test_generator_replica_killed_mid_run_is_restarted_and_sigterm_then_stops_it
     assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))  # no step lost or repeated
 
 
-def test_trainer_death_stops_the_job_within_30s_naming_it_and_resume_continues(tmp_path):
+def test_trainer_death_stops_the_job_within_30s_naming_it(tmp_path):
+    # Resuming after a failure (a corrupt newest checkpoint skipped) is tests/apps/test_grpo.py's, after a SIGKILL.
     job = RunningJob(tmp_path / "run", "steps=40", "checkpoint.interval=2")
-    job.wait_for(lambda: (job.run_dir / "checkpoints" / "step_000004" / "job_state.pkl").exists(), "two checkpoints")
+    job.wait_for(lambda: (job.run_dir / "checkpoints" / "step_000002" / "job_state.pkl").exists(), "a checkpoint")
     (trainer,) = job.pids("trainer")
     killed_at = time.monotonic()
     subprocess.run(["kill", "-9", str(trainer)], check=True)
@@ -107,22 +108,6 @@ def test_trainer_death_stops_the_job_within_30s_naming_it_and_resume_continues(t
     assert "FATAL: actor mesh 'trainer-" in out and f"process {trainer} of mesh 'trainer-" in out
     assert not processes_with_mark(str(job.run_dir), timeout=5)
     assert not _job_segments(job.proc.pid)
-
-    # A truncated newest checkpoint is refused by name; the one before it still resumes.
-    newest, previous = sorted((job.run_dir / "checkpoints").glob("step_*[0-9]"), reverse=True)[:2]
-    state = newest / "job_state.pkl"
-    state.write_bytes(state.read_bytes()[:20])
-    refused = subprocess.run(_command(job.run_dir, "steps=40", "--resume"), cwd=ROOT, capture_output=True,
-                             text=True, timeout=600)
-    assert refused.returncode != 0
-    assert f"checkpoint {newest} is corrupt or incomplete" in refused.stderr and previous.name in refused.stderr
-    assert "provisioned mesh" not in refused.stdout  # refused before the job started any process
-    newest.rename(newest.with_name(newest.name + ".corrupt"))
-    checkpointed = int(previous.name.split("_")[1])
-    resumed = subprocess.run(_command(job.run_dir, f"steps={checkpointed + 2}", "--resume"), cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {previous}: step {checkpointed}, policy version {checkpointed}" in resumed.stdout
 
 
 def test_sigint_stops_cleanly_with_a_final_checkpoint_within_30s(tmp_path):
