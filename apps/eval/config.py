@@ -16,8 +16,10 @@ from actors.engines.vllm_args import check_engine_args
 from actors.generator_config import GeneratorConfig
 from actors.model_config import is_hf_checkpoint
 from apps.eval.sources import ModelVersion, checkpoint_version, model_label, run_checkpoints
+from apps.grpo.config import check_chat_template
 from forge.metrics import MetricsConfig
-from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
+from rl.environments.config import EnvironmentConfig
+from rl.tasks.config import TaskConfig
 
 
 @dataclass
@@ -116,12 +118,16 @@ class EvalJobConfig:
     """An OpenAI-compatible server to evaluate instead (null: a model forge loads into its generator service)."""
     tasks: list[TaskConfig] = MISSING  # type: ignore[assignment]  (required: forge.config reports it by name)
     """The tasks, each an `apps.grpo` `task` section (keys below, `tasks[i].`), e.g. `[{name: arithmetic}]`; each
-    one's held-out set is evaluated. Single-turn tasks only: `lookup`, openenv and environment tasks are refused."""
+    one's held-out set is evaluated. A multi-turn task (`lookup`, openenv, environment) plays each sample as an
+    episode against its environment, which scores it (`environment` sets its limits)."""
     num_prompts: int | None = None
     """At most this many held-out prompts per task (null: each task's whole held-out set, its `held_out`)."""
     seed: int = 0
     """The tasks' seed: the same as the training run's to evaluate the held-out set it held out."""
     sampling: SamplingSection = field(default_factory=SamplingSection)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn tasks: each episode's limits, where its environment runs, chat mode (as `apps.grpo`'s section;
+    `sampling.max_tokens` bounds each model turn)."""
     generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(model=""))
     replicas: int = 1
     """Generator service replicas (each its own process)."""
@@ -158,10 +164,13 @@ class EvalJobConfig:
         if not self.tasks:
             raise ValueError("tasks=[]: name at least one task")
         for i, task in enumerate(self.tasks):
-            if task.source in ENVIRONMENT_SOURCES or (task.source, task.name) == ("forge", "lookup"):
-                raise ValueError(f"tasks[{i}]: source={task.source!r}, name={task.name!r} is a multi-turn task; "
-                                 "apps.eval evaluates single-turn tasks (arithmetic, gsm8k, reasoning_gym); a "
-                                 "multi-turn task's held-out accuracy is apps.grpo's eval section")
+            if task.multi_turn and self.endpoint is not None:
+                raise ValueError(f"tasks[{i}]: source={task.source!r}, name={task.name!r} is a multi-turn task and "
+                                 f"endpoint.base_url={self.endpoint.base_url!r} is set: its episodes are played "
+                                 "token in / token out through forge's generator service, which an endpoint is not; "
+                                 "evaluate it with model, checkpoint or run_dir")
+        if self.environment.chat_template and any(t.multi_turn for t in self.tasks):
+            check_chat_template(self.model)
         for name in ("num_prompts", "replicas", "concurrency"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -1,5 +1,8 @@
 """One task's held-out prompts through a sampler: at most `concurrency` prompts in flight, a progress line now and
-then, every sample scored or counted as failed with its error (scores.py says how failures are left out)."""
+then, every sample scored or counted as failed with its error (scores.py says how failures are left out).
+
+A sampler's `sample(problem, params)` gives `params.n` samples of one problem, each a text (scored here by the task's
+reward), a `Scored` text (a multi-turn episode its environment scored) or the error that sample failed with."""
 
 from __future__ import annotations
 
@@ -26,6 +29,14 @@ class Sample:
     text: str | None
     reward: float | None
     error: str | None
+
+
+@dataclass
+class Scored:
+    """A sample already scored where it was played: a multi-turn episode's text and its environment's reward."""
+
+    text: str
+    reward: float
 
 
 class Reward:
@@ -77,7 +88,7 @@ async def evaluate_task(sampler: Any, problems: list, params: SamplingParams, re
         async with slots:
             prompt_params = params if seed is None else dataclasses.replace(params, seed=seed + i)
             try:
-                texts = await sampler.sample(problem.prompt, prompt_params)
+                texts = await sampler.sample(problem, prompt_params)
             except Exception as e:  # the request failed: all its samples did
                 texts = [e] * params.n
             result = ProblemResult()
@@ -85,6 +96,8 @@ async def evaluate_task(sampler: Any, problems: list, params: SamplingParams, re
                 value, error = None, None
                 if isinstance(text, Exception):
                     error, text = describe(text), None
+                elif isinstance(text, Scored):
+                    value, text = text.reward, text.text
                 else:
                     try:
                         value = await reward(text, problem.answer)

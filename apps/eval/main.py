@@ -2,8 +2,10 @@
 
 With a model forge loads, a Generator service serves `model`; a step checkpoint's weights are read in this process
 (weights.py), published to the weight store as the next version, and swapped into every replica before its tasks
-run (one service for a whole run directory). With an endpoint no process is started. Runs under
-forge.lifecycle.run_job (signals, dead actors, clean-up) when it starts actors.
+run (one service for a whole run directory). A multi-turn task's samples are episodes played through that service
+against the task's environments (rl.environments.player, as apps.grpo plays them), each scored by its environment.
+With an endpoint no process is started. Runs under forge.lifecycle.run_job (signals, dead actors, clean-up) when it
+starts actors.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from apps.eval.config import EvalJobConfig
 from apps.eval.evaluate import Progress, Reward, Sample, evaluate_task
 from apps.eval.report import VersionResult, failures_text, plot, table, write_json
-from apps.eval.samplers import EndpointSampler, GeneratorSampler
+from apps.eval.samplers import EndpointSampler, EpisodeSampler, GeneratorSampler
 from apps.eval.scores import score_task
 from apps.eval.sources import ModelVersion
 from forge.config import load_callable, to_yaml
@@ -46,11 +48,11 @@ class Evaluation:
         self.metrics = MetricLogger.from_config(cfg.metrics, jsonl_default=self.out / "metrics.jsonl")
         self.results: list[VersionResult] = []
 
-    async def evaluate(self, version: ModelVersion, sampler: Any) -> VersionResult:
-        """Every task on one model version."""
+    async def evaluate(self, version: ModelVersion, samplers: list[Any]) -> VersionResult:
+        """Every task on one model version, task i through `samplers[i]`."""
         s, start = self.cfg.sampling, time.perf_counter()
         result = VersionResult(version)
-        for label, task, reward in zip(self.labels, self.tasks, self.rewards):
+        for label, task, reward, sampler in zip(self.labels, self.tasks, self.rewards, samplers, strict=True):
             problems = task.held_out()[: self.cfg.num_prompts]
             params = SamplingParams(n=s.num_samples, max_tokens=s.max_tokens, temperature=s.temperature,
                                     top_p=s.top_p, stop_token_ids=list(task.stop_token_ids))
@@ -106,7 +108,7 @@ async def evaluate_endpoint(cfg: EvalJobConfig) -> int:
     sampler = EndpointSampler(cfg.endpoint)
     try:
         (version,) = cfg.versions()
-        await evaluation.evaluate(version, sampler)
+        await evaluation.evaluate(version, [sampler] * len(cfg.tasks))
     finally:
         await sampler.close()
     return evaluation.report()
@@ -126,15 +128,41 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
     served = versions[0].path if versions[0].kind == "hf" else cfg.model  # a lone HF export serves itself
     generators = await Generator.options(num_replicas=cfg.replicas, mesh_name="generator").as_service(
         replace(cfg.generator, model=served, weight_namespace=WEIGHTS))
-    store, sampler = WeightStore(WEIGHTS), GeneratorSampler(generators)
+    store, samplers = WeightStore(WEIGHTS), await task_samplers(cfg, evaluation.tasks, generators)
     for number, version in enumerate(versions, start=1):
         if version.kind == "checkpoint":
             weights = await asyncio.to_thread(load_weights, version.path, cfg.model)
             await store.publish(weights, number, dtype=getattr(torch, cfg.generator.dtype))
             await generators.update_weights.fanout(number)
             await store.delete_older_than(number)  # one version in shared memory at a time
-        await evaluation.evaluate(version, sampler)
+        await evaluation.evaluate(version, samplers)
     return evaluation.report()
+
+
+async def task_samplers(cfg: EvalJobConfig, tasks: list[Any], generators: Any) -> list[Any]:
+    """Each task's sampler on the generator service: a single-turn task's prompts as they are; a multi-turn task's
+    episodes, its environments on threads here or, with `environment.isolated`, on a host process of their own."""
+    from rl.environments.actor import EnvironmentHost
+    from rl.environments.player import EpisodePlayer
+
+    tokenizer = None
+    samplers: list[Any] = []
+    for i, (task_cfg, task) in enumerate(zip(cfg.tasks, tasks)):
+        if not task_cfg.multi_turn:
+            samplers.append(GeneratorSampler(generators))
+            continue
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        hosts = None
+        if cfg.environment.isolated:
+            hosts = await EnvironmentHost.options(num_replicas=1, mesh_name=f"environments-{i}").as_service(
+                task.environment)
+        player = EpisodePlayer(task, tokenizer, cfg.environment, generators, hosts,
+                               chat_template_kwargs=task_cfg.chat_template_kwargs)
+        samplers.append(EpisodeSampler(player, tokenizer))
+    return samplers
 
 
 def run(cfg: EvalJobConfig) -> int:

@@ -1,18 +1,24 @@
-"""Where samples come from: forge's generator service, or an OpenAI-compatible server over HTTP.
+"""Where samples come from: forge's generator service (a prompt's completions, or a multi-turn task's episodes), or an
+OpenAI-compatible server over HTTP.
 
-Both have `sample(prompt, params) -> list[str | Exception]`: `params.n` samples of one prompt, each a text or the
-error that sample failed with. A call that raises failed all n samples.
+Each has `sample(problem, params) -> list[str | Scored | Exception]`: `params.n` samples of one problem, each a text,
+an episode its environment scored, or the error that sample failed with. A call that raises failed all n samples.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from apps.eval.config import EndpointConfig
+from apps.eval.evaluate import Scored
 from rl.types import SamplingParams
+
+if TYPE_CHECKING:  # the player's module imports Monarch; an endpoint's evaluation starts no process of forge's
+    from rl.environments.player import EpisodePlayer
 
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
 
@@ -24,8 +30,32 @@ class GeneratorSampler:
     def __init__(self, generators: Any) -> None:
         self.generators = generators
 
-    async def sample(self, prompt: str, params: SamplingParams) -> list[str | Exception]:
-        return [c.text for c in await self.generators.generate.route(prompt, params)]
+    async def sample(self, problem: Any, params: SamplingParams) -> list[str | Exception]:
+        return [c.text for c in await self.generators.generate.route(problem.prompt, params)]
+
+
+class EnvironmentFailed(RuntimeError):
+    """An episode's environment failed (its reset or a step raised or timed out): not the model's answer."""
+
+
+class EpisodeSampler:
+    """A multi-turn task's samples: `params.n` episodes of the problem, played together through the generator service
+    (rl.environments.player) and scored by their environments. A sample's text is everything after the first prompt,
+    the model's turns and the environment's replies, decoded. Seeded, episode j of prompt seed s is played with seed
+    s * n + j: one seed for the n copies of one prompt would play n equal episodes."""
+
+    def __init__(self, player: EpisodePlayer, tokenizer: Any) -> None:
+        self.player, self.tokenizer = player, tokenizer
+
+    async def sample(self, problem: Any, params: SamplingParams) -> list[Scored | Exception]:
+        one = replace(params, n=1)
+        if params.seed is None:
+            played = await self.player.play([problem] * params.n, one)
+        else:
+            played = [t for j in range(params.n)
+                      for t in await self.player.play([problem], replace(one, seed=params.seed * params.n + j))]
+        return [EnvironmentFailed(t.error or "the environment failed") if t.failed else
+                Scored(self.tokenizer.decode(t.completion_ids), t.reward) for t in played]
 
 
 class EndpointError(RuntimeError):
@@ -43,7 +73,8 @@ class EndpointSampler:
         self.client = httpx.AsyncClient(base_url=config.base_url.rstrip("/") + "/", headers=headers,
                                         timeout=config.timeout_s)
 
-    async def sample(self, prompt: str, params: SamplingParams) -> list[str | Exception]:
+    async def sample(self, problem: Any, params: SamplingParams) -> list[str | Exception]:
+        prompt = problem.prompt
         if self.config.api == "completions":
             body = {"prompt": prompt, "n": params.n, **self._sampling(params, params.seed)}
             if params.stop_token_ids:

@@ -16,8 +16,6 @@ process with `environment.isolated`: the job's event loop never runs their code.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import math
 import random
 import sys
@@ -31,10 +29,9 @@ from apps.grpo.rewards import RewardHangError, RewardScorer
 from apps.grpo.summary import EpisodeCounters
 from forge.metrics import record_metric
 from forge.service import NoHealthyReplicaError
-from rl.environments.actor import EnvironmentHost, RemoteEnvironment
-from rl.environments.chat import ChatTemplate
-from rl.environments.rollout import run_episodes
-from rl.environments.threads import EnvironmentsBlocked, ThreadedEnvironment
+from rl.environments.actor import EnvironmentHost
+from rl.environments.player import EpisodePlayer
+from rl.environments.threads import EnvironmentsBlocked
 from rl.environments.trajectory import Trajectory
 from rl.types import CompletionBatch, EpisodeBatch, SamplingParams
 from apps.warm_start.config import WarmStartConfig
@@ -193,41 +190,17 @@ class MultiTurn:
     reward_failures = 0  # its environments score it
 
     def __init__(self, cfg: GRPOConfig, task: Any, tokenizer: Any, generators: Any, hosts: Any | None) -> None:
-        self.cfg, self.task, self.generators, self.hosts = cfg, task, generators, hosts
-        # Prompts and observations repeat (a task's few hundred prompts, a tool's short replies): each distinct text
-        # is tokenized once. Encoding is deterministic, so the ids are the same as encoding it again.
-        encoded = functools.lru_cache(maxsize=1 << 16)(
-            lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))
-        self.encode = lambda text: list(encoded(text))
-        self.end_token_ids = [tokenizer.eos_token_id]
-        # environment.chat_template: turns wrapped by the model's chat template, by token ids (rl.environments.chat)
-        self.chat = (ChatTemplate(tokenizer, system_prompt=cfg.environment.system_prompt,
-                                  chat_template_kwargs=cfg.task.chat_template_kwargs)
-                     if cfg.environment.chat_template else None)
-
-    def environments(self, n: int) -> list:
-        """The group's environments: on threads of this process, or on the environment host (environment.isolated)."""
-        return [RemoteEnvironment(self.hosts) if self.hosts else ThreadedEnvironment(self.task.environment)
-                for _ in range(n)]
+        self.generators = generators
+        self.player = EpisodePlayer(task, tokenizer, cfg.environment, generators, hosts,
+                                    chat_template_kwargs=cfg.task.chat_template_kwargs)
 
     async def play_groups(self, problems: list, params: SamplingParams, version: int = 0) -> list[Group | None]:
         async def play(part: list) -> list[Group]:
-            played = await self.play([p for p in part for _ in range(params.n)], params, version)
+            played = await self.player.play([p for p in part for _ in range(params.n)], params, version)
             groups = [played[i : i + params.n] for i in range(0, len(played), params.n)]
             return [Group(g, [t.reward for t in g], [t.failed for t in g]) for g in groups]
 
         return await _per_replica(self.generators, problems, play)
-
-    async def play(self, problems: list, params: SamplingParams, version: int = 0) -> list[Trajectory]:
-        """One episode per problem, all at once, every turn on one replica."""
-
-        async def generate(prompts: list[list[int]], turn_params: SamplingParams) -> list:
-            outputs = await self.generators.generate_batch.route(prompts, turn_params, min_policy_version=version)
-            return [out[0] for out in outputs]
-
-        async with self.generators.session(), (self.hosts.session() if self.hosts else contextlib.nullcontext()):
-            return await run_episodes(generate, self.environments(len(problems)), problems, params,
-                                      self.cfg.environment, self.encode, self.end_token_ids, chat=self.chat)
 
 
 async def evaluate(rollout: SingleTurn | MultiTurn, problems: list, params: SamplingParams) -> list[float | None]:

@@ -83,8 +83,7 @@ class TaskConfig:
         if not self.partial_credit and (self.source != "reasoning_gym" or self.reward is not None):
             raise ValueError(f"partial_credit=false: only a reasoning_gym task's own scorer gives partial credit (this "
                              f"task: source={self.source!r}, reward={self.reward!r}); remove it")
-        environment_class = self.source in ("openenv", "environment")
-        if self.reward is not None and (environment_class or (self.source, self.name) == ("forge", "lookup")):
+        if self.reward is not None and self.multi_turn:
             raise ValueError(f"reward={self.reward!r}: a {self.source}/{self.name} task is multi-turn; its environment "
                              "scores the episodes, so it takes no reward function")
         if self.reward is not None:
@@ -101,6 +100,11 @@ class TaskConfig:
             check_dataset(self.name, self.options, size=self.size, prefix="")
         if self.source == "forge" and self.name in ("arithmetic", "lookup"):
             self._check_held_out()
+
+    @property
+    def multi_turn(self) -> bool:
+        """Its episodes are played against an environment, which scores them (lookup, openenv, environment)."""
+        return self.source in ENVIRONMENT_SOURCES or (self.source, self.name) == ("forge", "lookup")
 
     def _check_held_out(self) -> None:
         """At most half of a built-in task's problems are held out (so training problems remain to draw)."""

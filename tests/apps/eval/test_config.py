@@ -23,7 +23,12 @@ def refused(*overrides: str) -> str:
     (["concurrency=0"], "concurrency=0: must be >= 1"),
     (["num_prompts=0"], "num_prompts=0: must be >= 1"),
     (["concurency=3"], "concurency=3: unknown key. Did you mean 'concurrency'?"),
-    (["tasks=[{name: lookup}]"], "tasks[0]: source='forge', name='lookup' is a multi-turn task"),
+    (["tasks=[{name: arithmetic}, {name: lookup}]", "+endpoint.base_url=http://127.0.0.1:1/v1"],
+     "tasks[1]: source='forge', name='lookup' is a multi-turn task and endpoint.base_url='http://127.0.0.1:1/v1' is "
+     "set: its episodes are played token in / token out through forge's generator service"),
+    (["tasks=[{name: lookup}]", "environment.chat_template=true"],
+     "environment.chat_template=true: the tokenizer of model="),
+    (["environment.max_turns=0"], "environment.max_turns=0: must be >= 1"),
     (["tasks=[{name: nope}]"], "tasks[0].name='nope': must be one of 'arithmetic', 'gsm8k', 'lookup'"),
     (["tasks=[]"], "tasks=[]: name at least one task"),
     (["model=/nonexistent/model"], "model='/nonexistent/model': must be 'tiny', a Hugging Face checkpoint folder with "

@@ -16,7 +16,8 @@ class Sampler:
         self.in_flight = self.most_in_flight = 0
         self.seeds: list[int | None] = []
 
-    async def sample(self, prompt: str, params: SamplingParams) -> list:
+    async def sample(self, problem: Problem, params: SamplingParams) -> list:
+        prompt = problem.prompt
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         self.seeds.append(params.seed)
