@@ -90,7 +90,7 @@ async def test_seeded_episodes_get_a_seed_each_and_a_failed_environment_is_a_fai
     assert generators.seeds == [30, 31, 32, 33, 34, 35]
 
     # An environment whose step raises: the sample fails with the environment's reason and is not scored.
-    spec = OpenEnvSpec.resolve("tests.rl.environments.openenv_sleepy:SleepyEnvironment", options={"sleep_s": 5.0})
+    spec = OpenEnvSpec.resolve("tests.rl.environments.openenv_sleepy:SleepyEnvironment", options={"sleep_s": 1.0})
     failing = SimpleNamespace(environment=spec.environment)
     sampler = EpisodeSampler(EpisodePlayer(failing, tokenizer, EnvironmentConfig(step_timeout_s=0.3),
                                            ScriptedGenerators(["1", "sleep"])), tokenizer)
