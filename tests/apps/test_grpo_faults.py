@@ -110,22 +110,16 @@ def test_trainer_death_stops_the_job_within_30s_naming_it(tmp_path):
     assert not _job_segments(job.proc.pid)
 
 
-def test_sigint_stops_cleanly_with_a_final_checkpoint_within_30s(tmp_path):
-    job = RunningJob(tmp_path / "run", "steps=200")
-    job.wait_for(lambda: job.steps_logged() >= 2, "step 2")
+def test_a_reward_that_raises_hangs_or_returns_nan_is_scored_as_failure_and_sigint_then_stops_cleanly(tmp_path):
+    # SIGINT's clean stop is checked on this run rather than on a job of its own (as SIGTERM's is above).
+    job = RunningJob(tmp_path / "run", "steps=200", "task.reward=tests.support:faulty_reward",
+                     "task.reward_timeout_s=0.2")
+    job.wait_for(lambda: job.steps_logged() >= 2, "step 2")  # trained on past the failed rewards
     summary = _assert_stopped_by_signal_within_30s(job, signal.SIGINT)
-    assert 2 <= summary["steps"] < 200
-
-
-def test_a_reward_that_raises_hangs_or_returns_nan_is_scored_as_failure_and_the_run_goes_on(tmp_path):
-    job = RunningJob(tmp_path / "run", "steps=3", "task.reward=tests.support:faulty_reward",
-                     "task.reward_timeout_s=0.2", "checkpoint.final=false")
-    assert job.finish() == 0, job.output()[-3000:]
+    assert 2 <= summary["steps"] < 200 and summary["reward_failures"] > 0
     out = job.output()
     for kind in ("RuntimeError", "TimeoutError", "ValueError"):  # raised, hung, NaN: each shown once
         assert out.count(f"reward function failed ({kind})") == 1, kind
-    summary = json.loads((job.run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["reward_failures"] > 0
 
 
 @pytest.mark.parametrize("isolated", [False, True], ids=["in_process", "isolated"])
