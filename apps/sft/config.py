@@ -15,6 +15,7 @@ from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.trainer_config import TrainerConfig
 from apps.grpo.config import CheckpointConfig, read_hf_config
 from forge.metrics import MetricsConfig
+from rl.environments.config import EnvironmentConfig
 from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 from rl.tiny_model import check_shape
 
@@ -83,9 +84,10 @@ class SFTEvalSection:
     num_prompts: int = 200
     """Held-out examples per evaluation (the task's held-out problems, or the `data.held_out` rows)."""
     accuracy: bool = True
-    """task sources: also greedy accuracy on those prompts, sampled by a generator service (`generator`)."""
+    """task sources: also greedy accuracy on those prompts, sampled by a generator service (`generator`); a
+    multi-turn task's (lookup) as episodes played against its environment (`environment`)."""
     max_tokens: int = 16
-    """Tokens generated per held-out prompt (tiny: 4)."""
+    """Tokens generated per held-out prompt, per model turn in a multi-turn task's episode (tiny: 4)."""
     stop_at_accuracy: float | None = None
     """Stop training at the first evaluation (every `every` steps) whose greedy held-out accuracy reaches this, then
     export as at the end: a start for GRPO that gets some answers right and leaves it the rest (null: train all
@@ -162,13 +164,16 @@ class SFTConfig:
     eval: SFTEvalSection = field(default_factory=SFTEvalSection)
     generator: GeneratorConfig | None = None
     """The generator service that samples the held-out prompts for `eval.accuracy` (null: no accuracy)."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """A multi-turn task's held-out episodes for `eval.accuracy`: their limits and where their environments run, as
+    apps.grpo's section (plain text only: SFT trains the task's plain-text transcripts)."""
     resources: SFTResources = field(default_factory=SFTResources)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def is_multi_turn_task(self) -> bool:
-        return self.data.source == "task" and (self.data.task.source, self.data.task.name) == ("forge", "lookup")
+        return self.data.source == "task" and self.data.task.multi_turn
 
     @property
     def measures_accuracy(self) -> bool:
@@ -194,10 +199,10 @@ class SFTConfig:
         if self.trainer.lora is not None:
             raise ValueError("trainer.lora: SFT trains the full model here (its export and held-out sampling follow "
                              "the full weights); set trainer.lora=null")
-        if self.is_multi_turn_task and self.eval.accuracy and self.generator is not None:
-            raise ValueError("eval.accuracy=true: data.task.name='lookup' is multi-turn; its accuracy is played "
-                             "against its environment (apps.grpo's eval), not sampled from single prompts; set "
-                             "eval.accuracy=false (the held-out loss is still measured)")
+        if self.environment.chat_template:
+            raise ValueError("environment.chat_template=true: SFT trains a multi-turn task's plain-text transcripts, "
+                             "so its held-out episodes are played in plain text too; set environment.chat_template="
+                             "false")
         if self.eval.stop_at_accuracy is not None and not (self.measures_accuracy and self.eval.every):
             raise ValueError(f"eval.stop_at_accuracy={self.eval.stop_at_accuracy}: needs the held-out accuracy "
                              f"measured during training: a task source, eval.accuracy=true, a generator and "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.eval.evaluate import Progress, Reward, evaluate_task
-from apps.eval.samplers import GeneratorSampler
+from apps.eval.samplers import EpisodeSampler, GeneratorSampler
 from apps.eval.scores import score_task
 from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import read_hf_config
@@ -34,6 +34,8 @@ from forge.actor import rank0
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger
 from forge.provisioner import get_provisioner
+from rl.environments.actor import EnvironmentHost
+from rl.environments.player import EpisodePlayer
 from rl.types import SamplingParams, TrainBatch
 
 WEIGHTS = "sft"  # the weight store namespace the trainer publishes to and the held-out generator follows
@@ -90,6 +92,20 @@ class SFTJob:
               flush=True)
         self.trainer, *generators = await asyncio.gather(*spawns)
         self.generators = generators[0] if generators else None
+        if self.generators is not None:
+            self.sampler = await self.held_out_sampler()
+
+    async def held_out_sampler(self) -> GeneratorSampler | EpisodeSampler:
+        """The held-out prompts' sampler: a multi-turn task's are episodes against its environments (on threads here,
+        or on a host process of their own with `environment.isolated`), as apps.eval plays them."""
+        if not self.cfg.is_multi_turn_task:
+            return GeneratorSampler(self.generators)
+        hosts = None
+        if self.cfg.environment.isolated:
+            hosts = await EnvironmentHost.options(num_replicas=1, mesh_name="environments").as_service(
+                self.data.task.environment)
+        return EpisodeSampler(EpisodePlayer(self.data.task, self.tokenizer, self.cfg.environment, self.generators,
+                                            hosts), self.tokenizer)
 
     # --- training -------------------------------------------------------------------------------------------
     async def train(self) -> None:
@@ -138,7 +154,7 @@ class SFTJob:
         await self.generators.update_weights.fanout(self.version)
         task, e = self.data.task, self.cfg.eval
         params = SamplingParams(n=1, max_tokens=e.max_tokens, temperature=0.0, stop_token_ids=list(task.stop_token_ids))
-        played = await evaluate_task(GeneratorSampler(self.generators), self.data.problems, params,
+        played = await evaluate_task(self.sampler, self.data.problems, params,
                                      Reward(task.reward, None), seed=None, slots=asyncio.Semaphore(EVAL_CONCURRENCY),
                                      progress=Progress(f"eval {label}", len(self.data.problems), 0))
         score = score_task(played, 1, [1], 1.0)

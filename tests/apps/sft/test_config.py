@@ -29,7 +29,8 @@ def test_the_tiny_config_loads():
     ("trainer.loss=grpo", r"^trainer.loss='grpo': SFT trains with the nll loss; set it to 'losses.nll:nll'"),
     ("trainer.temperature=0.7", r"^trainer.temperature=0.7: must be 1"),
     ("trainer.max_steps=10", r"^trainer.max_steps=10: must be >= steps=400"),
-    ("data.task.name=lookup", r"^eval.accuracy=true: data.task.name='lookup' is multi-turn; its accuracy is played"),
+    ("environment.chat_template=true", r"^environment.chat_template=true: SFT trains a multi-turn task's plain-text "
+                                       "transcripts"),
     ("data.source=jsonl", r"^data.path=None: source=jsonl needs the rows' path"),
     ("data.path=x.jsonl", r"^data.path='x.jsonl': source=task reads the task section"),
     ("eval.num_prompts=0", r"^eval.num_prompts=0: must be >= 1"),
