@@ -142,8 +142,7 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
 async def task_samplers(cfg: EvalJobConfig, tasks: list[Any], generators: Any) -> list[Any]:
     """Each task's sampler on the generator service: a single-turn task's prompts as they are; a multi-turn task's
     episodes, its environments on threads here or, with `environment.isolated`, on a host process of their own."""
-    from rl.environments.actor import EnvironmentHost
-    from rl.environments.player import EpisodePlayer
+    from rl.environments.player import start_player
 
     tokenizer = None
     samplers: list[Any] = []
@@ -155,12 +154,8 @@ async def task_samplers(cfg: EvalJobConfig, tasks: list[Any], generators: Any) -
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        hosts = None
-        if cfg.environment.isolated:
-            hosts = await EnvironmentHost.options(num_replicas=1, mesh_name=f"environments-{i}").as_service(
-                task.environment)
-        player = EpisodePlayer(task, tokenizer, cfg.environment, generators, hosts,
-                               chat_template_kwargs=task_cfg.chat_template_kwargs)
+        player = await start_player(task, tokenizer, cfg.environment, generators, task_cfg.chat_template_kwargs,
+                                    mesh_name=f"environments-{i}")
         samplers.append(EpisodeSampler(player, tokenizer))
     return samplers
 

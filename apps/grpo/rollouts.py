@@ -29,8 +29,7 @@ from apps.grpo.rewards import RewardHangError, RewardScorer
 from apps.grpo.summary import EpisodeCounters
 from forge.metrics import record_metric
 from forge.service import NoHealthyReplicaError
-from rl.environments.actor import EnvironmentHost
-from rl.environments.player import EpisodePlayer
+from rl.environments.player import EpisodePlayer, start_player
 from rl.environments.threads import EnvironmentsBlocked
 from rl.environments.trajectory import Trajectory
 from rl.types import CompletionBatch, EpisodeBatch, SamplingParams
@@ -189,10 +188,8 @@ class SingleTurn:
 class MultiTurn:
     reward_failures = 0  # its environments score it
 
-    def __init__(self, cfg: GRPOConfig, task: Any, tokenizer: Any, generators: Any, hosts: Any | None) -> None:
-        self.generators = generators
-        self.player = EpisodePlayer(task, tokenizer, cfg.environment, generators, hosts,
-                                    chat_template_kwargs=cfg.task.chat_template_kwargs)
+    def __init__(self, player: EpisodePlayer) -> None:
+        self.player, self.generators = player, player.generators
 
     async def play_groups(self, problems: list, params: SamplingParams, version: int = 0) -> list[Group | None]:
         async def play(part: list) -> list[Group]:
@@ -215,10 +212,8 @@ async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any) -> SingleTurn | 
     if not is_multi_turn(task):
         reward, timeout_s = reward_function(cfg, task)
         return SingleTurn(actors.generators, RewardScorer(reward, timeout_s, name=f"task.reward={cfg.task.reward}"))
-    hosts = None
-    if cfg.environment.isolated:
-        hosts = await EnvironmentHost.options(num_replicas=1, mesh_name="environments").as_service(task.environment)
-    return MultiTurn(cfg, task, actors.tokenizer, actors.generators, hosts)
+    return MultiTurn(await start_player(task, actors.tokenizer, cfg.environment, actors.generators,
+                                        cfg.task.chat_template_kwargs))
 
 
 def warm_started_model(cfg: GRPOConfig, task: Any,

@@ -34,8 +34,7 @@ from forge.actor import rank0
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger
 from forge.provisioner import get_provisioner
-from rl.environments.actor import EnvironmentHost
-from rl.environments.player import EpisodePlayer
+from rl.environments.player import start_player
 from rl.types import SamplingParams, TrainBatch
 
 WEIGHTS = "sft"  # the weight store namespace the trainer publishes to and the held-out generator follows
@@ -100,12 +99,8 @@ class SFTJob:
         or on a host process of their own with `environment.isolated`), as apps.eval plays them."""
         if not self.cfg.is_multi_turn_task:
             return GeneratorSampler(self.generators)
-        hosts = None
-        if self.cfg.environment.isolated:
-            hosts = await EnvironmentHost.options(num_replicas=1, mesh_name="environments").as_service(
-                self.data.task.environment)
-        return EpisodeSampler(EpisodePlayer(self.data.task, self.tokenizer, self.cfg.environment, self.generators,
-                                            hosts), self.tokenizer)
+        player = await start_player(self.data.task, self.tokenizer, self.cfg.environment, self.generators)
+        return EpisodeSampler(player, self.tokenizer)
 
     # --- training -------------------------------------------------------------------------------------------
     async def train(self) -> None:

@@ -1,8 +1,8 @@
 """A multi-turn task's episodes played through forge's generator service: what GRPO trains on and what apps.eval
 scores, by one piece of code.
 
-    player = EpisodePlayer(task, tokenizer, limits, generators)   # hosts: an EnvironmentHost service (isolated)
-    trajectories = await player.play(problems, params)            # one episode per problem, all at once
+    player = await start_player(task, tokenizer, limits, generators)  # its environment host too, when isolated
+    trajectories = await player.play(problems, params)               # one episode per problem, all at once
 
 Every turn of one call goes to one replica (a service session), and so does every environment call when the
 environments run on their own host (`limits.isolated`): the episodes' state lives there.
@@ -14,7 +14,7 @@ import contextlib
 import functools
 from typing import Any
 
-from rl.environments.actor import RemoteEnvironment
+from rl.environments.actor import EnvironmentHost, RemoteEnvironment
 from rl.environments.chat import ChatTemplate
 from rl.environments.config import EnvironmentConfig
 from rl.environments.rollout import run_episodes
@@ -54,3 +54,13 @@ class EpisodePlayer:
         async with self.generators.session(), (self.hosts.session() if self.hosts else contextlib.nullcontext()):
             return await run_episodes(generate, self.environments(len(problems)), problems, params, self.limits,
                                       self.encode, self.end_token_ids, chat=self.chat)
+
+
+async def start_player(task: Any, tokenizer: Any, limits: EnvironmentConfig, generators: Any,
+                       chat_template_kwargs: dict | None = None, mesh_name: str = "environments") -> EpisodePlayer:
+    """The task's player, its environments on threads of this process or, with `limits.isolated`, on an environment
+    host process of their own (a service named `mesh_name`, started here)."""
+    hosts = None
+    if limits.isolated:
+        hosts = await EnvironmentHost.options(num_replicas=1, mesh_name=mesh_name).as_service(task.environment)
+    return EpisodePlayer(task, tokenizer, limits, generators, hosts, chat_template_kwargs)

@@ -20,6 +20,7 @@ from apps.grpo.summary import EpisodeCounters, RunSummary
 from rl.environments.trajectory import Trajectory
 from rl.environments.config import EnvironmentConfig
 from rl.environments.openenv import OpenEnvSpec
+from rl.environments.player import EpisodePlayer
 from rl.environments.threads import stranded_threads
 from forge.metrics import drain_local
 from rl.tasks import TaskConfig
@@ -55,8 +56,8 @@ class Tokenizer:
 
 def multi_turn(texts: list[str], step_timeout_s: float = 0.5) -> MultiTurn:
     spec = OpenEnvSpec.resolve(SLEEPY, options={"sleep_s": 5.0})
-    cfg = SimpleNamespace(environment=EnvironmentConfig(step_timeout_s=step_timeout_s), task=TaskConfig())
-    return MultiTurn(cfg, SimpleNamespace(environment=spec.environment), Tokenizer(), FakeGenerators(texts), None)
+    return MultiTurn(EpisodePlayer(SimpleNamespace(environment=spec.environment), Tokenizer(),
+                                   EnvironmentConfig(step_timeout_s=step_timeout_s), FakeGenerators(texts)))
 
 
 async def test_an_in_process_environment_that_blocks_costs_its_episode_and_the_others_play_on():
