@@ -249,7 +249,9 @@ def test_with_dropout_micro_batch_recomputation_draws_the_same_masks(checkpoint:
     by_hand = torch.cat(parts)
     trainer.loss_fn(by_hand, batch).loss.backward()
     torch.testing.assert_close(logprobs, by_hand.detach(), rtol=0, atol=0)
-    assert_same_weights(accumulated, adapter_grads(), atol=1e-7)
+    # Summing four micro-batch gradients rounds differently from one backward pass, and by how much depends on the
+    # CPU's kernels (1.5e-8 with AVX2, over 1e-7 with AVX-512 on CI); masks drawn anew differ by >= 4.6e-3 per tensor.
+    assert_same_weights(accumulated, adapter_grads(), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------
