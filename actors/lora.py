@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torchtitan.protocols import BaseStateDictAdapter
@@ -56,6 +55,9 @@ def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
 def inject(model: nn.Module, lora: LoRAConfig, targets: list[str], *, adapter_name: str = ADAPTER_NAME) -> None:
     """Wrap the targeted linear layers in peft's LoRA layers (or add the adapter `adapter_name` to layers that
     already have one); freeze everything but this adapter."""
+    # Imported here: peft (and the transformers modules it loads) would add seconds to every trainer's start.
+    from peft import LoraConfig, inject_adapter_in_model
+
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     with warnings.catch_warnings():  # a second named adapter on one model is what the caller asked for
         warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")

@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torchtitan.config import TORCH_DTYPE_MAP
 
 from actors.logprobs import check_input_ids, score_rows, token_logprobs
-from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
 from actors.model_config import ModelConfig, is_int, require_field
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import DataParallel, init_from_environment, local_device
@@ -41,12 +39,15 @@ class ReferenceModel:
     """
 
     def __init__(self, config: ReferenceConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        # Imported here, in the model's processes: torchtitan and peft would add seconds to every controller's start.
+        from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
+
         self.config = config
         self.device = local_device(config.device)
         dims = parallel_dims(world_size)
         self.model, self.model_args, _ = build_model(
             resolve_model_path(config.model_path), config.family, device=self.device,
-            param_dtype=TORCH_DTYPE_MAP[config.dtype], parallel_dims=dims,
+            param_dtype=getattr(torch, config.dtype), parallel_dims=dims,
             job_config=build_job_config(dtype=config.dtype), init_checkpoint=config.init_checkpoint)
         self.model.requires_grad_(False)
         self.model.eval()

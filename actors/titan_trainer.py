@@ -28,7 +28,7 @@ from actors.logprobs import check_input_ids, draws_dropout, score_rows, token_en
 from actors.lora_config import LoRAConfig
 from actors.model_builder import (DocumentMask, build_job_config, build_model, document_attention, parallel_dims,
                                   resolve_model_path)
-from actors.trainer_config import TrainerConfig
+from actors.trainer_config import CheckpointMismatch, TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
 from losses.rules import PI_OLD_PARAMS, uses_old_logprobs
 from rl.types import TrainBatch
@@ -49,11 +49,6 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.policy_version = int(state_dict["policy_version"])
-
-
-class CheckpointMismatch(RuntimeError):
-    """An intact checkpoint that this trainer's configuration cannot take (the settings it was saved under differ):
-    resuming it needs those settings back, not another checkpoint."""
 
 
 class AdapterSettings(Stateful):

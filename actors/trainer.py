@@ -16,18 +16,19 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torchtitan.config import TORCH_DTYPE_MAP
 
-from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from actors.weight_publisher import WeightPublisher
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import init_from_environment, local_device
 from rl.types import TrainBatch
 from forge.weight_store import WeightStore
+
+if TYPE_CHECKING:
+    from actors.titan_trainer import TitanTrainer
 
 __all__ = ["TrainStepResult", "TrainerActor"]
 
@@ -62,7 +63,10 @@ class TrainerActor(ForgeActor):
             # On a shared CPU host, more threads than cores left idle only adds contention.
             torch.set_num_threads(self.config.torch_threads)
         rank, world_size = init_from_environment(self.config.device)
-        self.trainer = await self._compute(TitanTrainer, self.config, rank=rank, world_size=world_size)
+        # Imported here, in the trainer's processes: torchtitan and peft would add seconds to every controller's start.
+        from actors.titan_trainer import TitanTrainer
+
+        self.trainer: TitanTrainer = await self._compute(TitanTrainer, self.config, rank=rank, world_size=world_size)
         self.store = WeightStore(self.weight_namespace, delta=self.config.publish_deltas)
 
     async def _compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -75,7 +79,7 @@ class TrainerActor(ForgeActor):
     @property
     def publisher(self) -> WeightPublisher:
         if self._publisher is None:  # built at the first publish (a subclass's setup may skip ours)
-            self._publisher = WeightPublisher(self.store, dtype=TORCH_DTYPE_MAP[self.config.publish_dtype],
+            self._publisher = WeightPublisher(self.store, dtype=getattr(torch, self.config.publish_dtype),
                                               keep_versions=self.keep_versions)
         return self._publisher
 

@@ -128,3 +128,8 @@ def _check_loss(loss: Any, loss_params: dict[str, Any]) -> None:
     # The shared hyperparameters' ranges, checked now rather than at the first training step.
     checked = {k: v for k, v in loss_params.items() if k in HYPERPARAM_RULES}
     check_hyperparams(f"TrainerConfig.loss_params ({name})", **checked)
+
+
+class CheckpointMismatch(RuntimeError):
+    """An intact checkpoint that this trainer's configuration cannot take (the settings it was saved under differ):
+    resuming it needs those settings back, not another checkpoint."""

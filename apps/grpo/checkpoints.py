@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from actors.titan_trainer import CheckpointMismatch
+from actors.trainer_config import CheckpointMismatch
 from forge.actor import EndpointError
 
 

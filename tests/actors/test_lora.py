@@ -21,6 +21,7 @@ from actors.lora_config import LORA_TARGETS
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from rl.tiny_model import build_tiny_checkpoint
+from tests.blocked_imports import import_with_blocked
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import assert_same_weights, hf_logprobs, make_batch, recording, run_ranks, \
@@ -63,6 +64,12 @@ def test_only_the_adapters_train_and_hold_optimizer_state(checkpoint: Path) -> N
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in trainer.model.parameters() if p.requires_grad}
     assert len(optimizer.state) == 14
+
+
+def test_a_trainer_without_lora_imports_no_peft() -> None:
+    # peft is imported where adapters are injected: every trainer process without LoRA starts without it.
+    result = import_with_blocked(["actors.trainer", "actors.titan_trainer"], ["peft"])
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 
 
 def test_untrained_adapters_give_the_base_models_logprobs(checkpoint: Path) -> None:
