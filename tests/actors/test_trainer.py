@@ -113,7 +113,9 @@ def test_micro_batches_give_the_full_batch_step(checkpoint: Path) -> None:
     whole_metrics, split_metrics = whole.train_step(batch), split.train_step(batch)
     assert whole_metrics["loss"] == pytest.approx(split_metrics["loss"], abs=1e-6)
     assert whole_metrics["grad_norm"] == pytest.approx(split_metrics["grad_norm"], rel=1e-5)
-    assert_same_weights(gradients(whole), gradients(split), atol=1e-7)
+    # Four micro-batches sum their gradients in another order than one pass: 3e-8 apart here (AVX2); the same
+    # rounding went over 1e-7 on CI's AVX-512 host in tests/actors/test_lora.py.
+    assert_same_weights(gradients(whole), gradients(split), atol=1e-6)
     assert_same_weights(whole.hf_state_dict(), split.hf_state_dict(), atol=1e-6)
     assert not torch.equal(before["lm_head.weight"], whole.hf_state_dict()["lm_head.weight"])
 
