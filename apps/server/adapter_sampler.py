@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.integrations.accelerate import init_empty_weights
+from accelerate import init_empty_weights
 
 from actors.engines.hf import HFEngine
 from rl.types import Completion, SamplingParams
