@@ -31,12 +31,13 @@ from torchtitan.tools.utils import set_default_dtype
 from actors import lora as lora_layers
 from actors.lora_config import LoRAConfig
 from actors.model_config import is_int
-from actors.model_layout import check_hf_config, check_parallel_layout
+from actors.model_layout import check_hf_config, check_parallel_layout, rope_settings
 
 
 def model_args_from_hf(family: str, hf_config: dict[str, Any]) -> BaseModelArgs:
     """torchtitan model arguments equivalent to a Hugging Face `config.json` of that family."""
     check_hf_config(family, hf_config)
+    rope_theta, rope_scaling = rope_settings(hf_config)
     dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or dim // n_heads
     common = dict(
@@ -46,14 +47,13 @@ def model_args_from_hf(family: str, hf_config: dict[str, Any]) -> BaseModelArgs:
         n_kv_heads=hf_config.get("num_key_value_heads") or n_heads,
         vocab_size=hf_config["vocab_size"],
         norm_eps=hf_config["rms_norm_eps"],
-        rope_theta=hf_config["rope_theta"],
+        rope_theta=rope_theta,
         max_seq_len=hf_config["max_position_embeddings"],
     )
     eos_id = hf_config.get("eos_token_id")
     if is_int(eos_id):
         common["eos_id"] = eos_id
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    rope_scaling = hf_config.get("rope_scaling")
     if family == "qwen3":
         return Qwen3ModelArgs(**common, head_dim=head_dim, hidden_dim=hf_config["intermediate_size"],
                               qk_norm=True, enable_weight_tying=tied)

@@ -12,8 +12,23 @@ from typing import Any
 HF_MODEL_TYPES = {"qwen3": "qwen3", "llama3": "llama"}
 # The config.json keys torchtitan's model arguments are made from (a missing one is a KeyError naming it).
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "rms_norm_eps",
-                 "rope_theta", "max_position_embeddings", "intermediate_size")
+                 "max_position_embeddings", "intermediate_size")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_settings(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope theta, rope scaling or None) of a config.json in either form: transformers 5 writes
+    `rope_parameters: {rope_theta, rope_type, ...}`, earlier releases a top-level `rope_theta` and `rope_scaling`
+    (checkpoints on the hub and saved by older code still carry that form)."""
+    parameters = hf_config.get("rope_parameters")
+    if parameters is not None:
+        if "rope_theta" not in parameters:
+            raise KeyError("rope_parameters.rope_theta")
+        scaling = None if parameters.get("rope_type", "default") == "default" else dict(parameters)
+        return float(parameters["rope_theta"]), scaling
+    if "rope_theta" not in hf_config:
+        raise KeyError("rope_theta")
+    return float(hf_config["rope_theta"]), hf_config.get("rope_scaling")
 
 
 def check_hf_config(family: str, hf_config: dict[str, Any]) -> None:
@@ -28,7 +43,7 @@ def check_hf_config(family: str, hf_config: dict[str, Any]) -> None:
     for key, supported in (("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)):
         if hf_config.get(key, supported) != supported:
             raise ValueError(f"config.json {key}={hf_config[key]!r}: torchtitan's {family} supports only {supported}")
-    rope_scaling = hf_config.get("rope_scaling")
+    _, rope_scaling = rope_settings(hf_config)
     if family == "qwen3":
         if rope_scaling is not None:
             raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's qwen3 supports only None")

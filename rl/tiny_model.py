@@ -83,7 +83,7 @@ def tiny_config(**model_overrides: Any) -> dict[str, Any]:
         eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
         bos_token_id=None,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},  # transformers 5's form
         **{**DEFAULT_MODEL_ARGS, **model_overrides},
     )
 

@@ -74,7 +74,7 @@ class PromptEncoder:
     def _render(self, messages: list[ChatMessage]) -> list[int]:
         if self.format == "template":
             rendered = [{"role": role, "content": text} for role, text in _turns(messages)]
-            return list(self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True))
+            return list(self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True, return_dict=False))
         return self.tokenizer.encode("".join(m.text() for m in messages), add_special_tokens=False)
 
     def _after(self, messages: list[ChatMessage], context: ChatContext) -> list[int] | None:

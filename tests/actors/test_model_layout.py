@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from actors.model_layout import check_hf_config, check_parallel_layout
+from actors.model_layout import check_hf_config, check_parallel_layout, rope_settings
 
 QWEN3 = {"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
@@ -49,3 +49,17 @@ def test_a_layout_that_cannot_shard_the_model_is_refused(config, world_size, tp,
 def test_the_checks_import_neither_torch_nor_torchtitan():
     code = "import sys, actors.model_layout; print(sorted({'torch', 'torchtitan'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_rope_is_read_from_transformers_5s_rope_parameters_and_from_the_older_top_level_keys():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    assert rope_settings({"rope_theta": 5e5, "rope_scaling": scaling}) == (5e5, scaling)
+    assert rope_settings({"rope_parameters": {"rope_theta": 5e5, **scaling}}) == (5e5, {"rope_theta": 5e5, **scaling})
+    assert rope_settings({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}) == (1e6, None)
+    with pytest.raises(KeyError, match="rope_parameters.rope_theta"):
+        rope_settings({"rope_parameters": {"rope_type": "default"}})
+    qwen3 = {k: v for k, v in QWEN3.items() if k != "rope_theta"}
+    with pytest.raises(ValueError, match="rope_scaling"):  # a scaled rope in the new form is refused as before
+        check_hf_config("qwen3", {**qwen3, "rope_parameters": {"rope_theta": 1e6, **scaling}})
+    check_hf_config("qwen3", {**qwen3, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})

@@ -71,7 +71,7 @@ def test_a_multi_turn_conversation_is_one_row_learning_every_assistant_message(c
         ("\n<|im_start|>user\nc=7<|im_end|>\n<|im_start|>assistant\n", False),
         ("19<|im_end|>", True),  # the template's newline after it and the last user message: not in the row
     ])
-    assert chatml.apply_chat_template(messages[:5])[: len(example.ids)] == list(example.ids)
+    assert chatml.apply_chat_template(messages[:5], return_dict=False)[: len(example.ids)] == list(example.ids)
 
 
 def test_the_template_arguments_reach_the_rendering(chatml):

@@ -100,10 +100,10 @@ async def test_a_chat_episode_is_the_templates_rendering_of_the_whole_conversati
     t = await play(chatml, model, env, end_token_ids=[eos, im_end])
     # 3 model turns: the end-of-turn token ended the first two turns, not the episode (even named an end token).
     assert (t.end, len(t.turns), t.reward) == ("done", 3, 1.0)
-    rendered = chatml.apply_chat_template(conversation(env, model, 3), tokenize=True)
+    rendered = chatml.apply_chat_template(conversation(env, model, 3), tokenize=True, return_dict=False)
     newline = ids(chatml, "\n")
     assert t.ids + newline == rendered  # the template ends its last turn with a newline the episode does not need
-    assert t.prompt_ids == chatml.apply_chat_template(conversation(env, model, 0), add_generation_prompt=True)
+    assert t.prompt_ids == chatml.apply_chat_template(conversation(env, model, 0), add_generation_prompt=True, return_dict=False)
     # The mask covers exactly the model's tokens, its end-of-turn tokens included; the template's are the environment's.
     model_tokens = [tok for k in range(3) for tok in ids(chatml, model.turns[k]) + [im_end]]
     assert [tok for tok, m in zip(t.completion_ids, t.mask) if m] == model_tokens
@@ -124,7 +124,7 @@ async def test_a_turn_cut_by_length_is_ended_by_the_templates_token_as_the_envir
     first_turn_end = t.turns[0][1]
     assert t.completion_ids[first_turn_end] == im_end and t.mask[first_turn_end] == 0
     # The whole conversation as the template writes it, up to the last turn the model did not end.
-    rendered = chatml.apply_chat_template(conversation(env, model, 2), tokenize=True)
+    rendered = chatml.apply_chat_template(conversation(env, model, 2), tokenize=True, return_dict=False)
     assert t.ids == rendered[: len(t.ids)] and rendered[len(t.ids):] == [im_end, *ids(chatml, "\n")]
     assert sum(t.mask) == len(ids(chatml, "c?")) + len(ids(chatml, "91"))
 
@@ -149,7 +149,7 @@ async def test_a_template_with_bos_and_its_own_end_of_turn_and_a_system_prompt()
     env = Tool("12+c=", ["7;"])
     t = await play(tokenizer, model, env, system_prompt="Ask, then add.")
     system = [{"role": "system", "content": "Ask, then add."}]
-    assert t.ids == tokenizer.apply_chat_template(system + conversation(env, model, 2), tokenize=True)
+    assert t.ids == tokenizer.apply_chat_template(system + conversation(env, model, 2), tokenize=True, return_dict=False)
     assert t.ids.count(tokenizer.bos_token_id) == 1 and t.ids[0] == tokenizer.bos_token_id
     assert ChatTemplate(tokenizer).end_of_turn_id == eot
 
@@ -162,8 +162,8 @@ async def test_a_template_that_shows_earlier_turns_differently_changes_nothing_t
     t = await play(qwen3, model, env)
     # The thinking stays where the model wrote it: the sequence is the conversation as a template that keeps it shows.
     chatml = chat_tokenizer(CHATML, ("<|im_start|>", "<|im_end|>"))
-    assert t.ids + ids(qwen3, "\n") == chatml.apply_chat_template(conversation(env, model, 2), tokenize=True)
-    assert qwen3.apply_chat_template(conversation(env, model, 2), tokenize=True) != t.ids + ids(qwen3, "\n")
+    assert t.ids + ids(qwen3, "\n") == chatml.apply_chat_template(conversation(env, model, 2), tokenize=True, return_dict=False)
+    assert qwen3.apply_chat_template(conversation(env, model, 2), tokenize=True, return_dict=False) != t.ids + ids(qwen3, "\n")
 
 
 async def test_token_id_observations_are_the_environments_own_tokens(chatml):

@@ -50,7 +50,7 @@ def test_prompt_is_rendered_in_the_chat_template_and_stops_at_the_end_of_turn(ch
     assert prompts.stop_token_ids == [chatml.eos_token_id, im_end] and im_end != chatml.eos_token_id
     # The rendered prompt encodes to the template's own tokens: the special tokens are single tokens.
     messages = [{"role": "user", "content": "1+1?"}]
-    assert chatml(prompts.format("1+1?")).input_ids == chatml.apply_chat_template(messages, add_generation_prompt=True)
+    assert chatml(prompts.format("1+1?")).input_ids == chatml.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
 
 
 def test_chat_template_arguments_reach_the_template(chatml):
@@ -72,7 +72,7 @@ def test_a_template_that_writes_bos_does_not_get_it_twice():
     assert tokenizer("x").input_ids[0] == tokenizer.bos_token_id  # encoding adds BOS itself
     prompts = PromptFormat(tokenizer)
     messages = [{"role": "user", "content": "q"}]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert tokenizer(prompts.format("q")).input_ids == rendered
     assert end_of_turn_ids(tokenizer) == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eot|>")]
 
