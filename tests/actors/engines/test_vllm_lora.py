@@ -70,11 +70,15 @@ def test_full_weights_are_refused_once_lora_is_on(engine, checkpoint) -> None:
     assert engine.policy_version == before
 
 
-def test_an_adapter_on_lm_head_is_refused_before_vllm_sees_it(engine, checkpoint) -> None:
-    before = engine.policy_version
-    with pytest.raises(ValueError, match="vLLM 0.13 has no LoRA on lm_head"):
-        engine.load_weights(adapter(HFEngine(checkpoint), 4, lm_head=True), before + 1)
-    assert engine.policy_version == before
+def test_an_adapter_on_lm_head_scores_like_a_fresh_merge(engine, checkpoint) -> None:
+    version = engine.policy_version + 1
+    reference = HFEngine(checkpoint)
+    weights = adapter(reference, 4, lm_head=True)
+    reference.load_weights(weights, version)
+    engine.load_weights(weights, version)
+    scores, _ = engine.score(PROMPT, TOKENS)
+    expected, _ = reference.score(PROMPT, TOKENS)
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), rtol=0, atol=1e-4)
 
 
 def test_an_adapter_above_max_lora_rank_is_refused(engine, checkpoint) -> None:
@@ -96,6 +100,4 @@ def test_lora_ranks_are_vllms() -> None:
     assert lora_engine_args(9, ["q_proj"])["max_lora_rank"] == 16
     with pytest.raises(ValueError, match="trainer.lora.rank=600: vLLM serves LoRA ranks up to 512"):
         lora_engine_args(600, ["q_proj"])
-    with pytest.raises(ValueError, match=r"trainer.lora.target_modules=\['q_proj', 'lm_head'\]: vLLM 0.13 has no "
-                                         "LoRA on lm_head"):
-        lora_engine_args(8, ["q_proj", "lm_head"])
+    assert lora_engine_args(8, ["q_proj", "lm_head"])["enable_lora"]  # vLLM 0.32 serves lm_head adapters
