@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 
 
 def test_later_turns_hit_the_prefix_cache_only_with_it_on(capsys) -> None:
-    prompt, generated, observation, block = 40, 8, 8, 16
+    prompt, generated, observation, block = 40, 8, 8, 32
     figures = main(["--models", "tiny", "--conversations", "3", "--turns", "3", "--prompt-tokens", str(prompt),
                     "--max-tokens", str(generated), "--observation-tokens", str(observation),
                     "--block-size", str(block), "--repeats", "1"])["tiny"]
