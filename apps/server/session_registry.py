@@ -55,8 +55,11 @@ class SessionRegistry:
             names.append(TINY_MODEL)
         return names
 
-    async def create(self, request: CreateSessionRequest) -> SessionInfo:
+    async def create(self, request: CreateSessionRequest, session_id: str | None = None) -> SessionInfo:
+        """A new session (named `session_id`, or a fresh id): a full-model trainer or a LoRA adapter."""
         limits = self.cfg.sessions
+        if session_id is not None and (session_id in self.sessions or session_id in self.ended):
+            raise field_error(["model_id"], session_id, "is already taken by a session of this server")
         if request.base_model is not None and request.base_model not in self._served_names():
             raise field_error(["base_model"], request.base_model,
                               f"this server trains only {self.model_path!r} (or 'tiny' / the configured model "
@@ -75,7 +78,7 @@ class SessionRegistry:
             raise ServiceError(429, f"{open_now} {'LoRA' if lora else 'full-model'} sessions open: the server allows "
                                     f"{'max_lora_sessions' if lora else 'max_sessions'}={limit}; unload one or "
                                     "retry later")
-        session_id = f"s-{secrets.token_hex(6)}"
+        session_id = session_id or f"s-{secrets.token_hex(6)}"
         self.creating[kind] += 1
         try:
             if lora is None:

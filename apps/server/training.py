@@ -18,6 +18,7 @@ from apps.server.schemas import (
     LossFnOutput,
     OptimStepRequest,
     OptimStepResponse,
+    SequencedRequest,
 )
 from apps.server.session_registry import SessionRegistry
 from apps.server.sessions import Session
@@ -50,6 +51,16 @@ class Training:
                                      accumulated_batches=int(out["accumulated_batches"]))
 
         return await self.registry.run_in_order(request, "optim_step", execute)
+
+    async def run_batch(self, model_id: str, seq_id: int, endpoint: str, batch: Any, loss: str | None,
+                        loss_params: dict, temperature: float) -> dict[str, Any]:
+        """`endpoint` (forward_backward or forward) of session `model_id`'s trainer on a batch already built and
+        checked (the Tinker protocol's, apps/server/tinker_service.py), in the session's seq_id order. Returns the
+        trainer's answer: loss, metrics and the log-probs [B, T-1]."""
+        async def execute(session: Session, seq: int, parts: list) -> dict[str, Any]:
+            return await session.call(endpoint, batch, loss, dict(loss_params), temperature)
+
+        return await self.registry.run_in_order(SequencedRequest(model_id=model_id, seq_id=seq_id), endpoint, execute)
 
     async def _run_scored(self, request: ForwardRequest | ForwardBackwardRequest,
                           endpoint: str) -> ForwardBackwardResponse | ChunkAccepted:
