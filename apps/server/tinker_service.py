@@ -164,7 +164,8 @@ class TinkerService:
 
     # -- training --------------------------------------------------------------------------------------
     def forward_backward(self, wire: WireForwardBackward) -> dict[str, Any]:
-        async def work() -> bytes:
+        def build() -> Any:
+            """The batch, checked: a request at fault is the client's error (400), named by field."""
             if wire.loss_fn not in TINKER_LOSSES:
                 raise _user(f"loss_fn={wire.loss_fn!r}: not served here; this server runs "
                             f"{', '.join(TINKER_LOSSES)}")
@@ -180,18 +181,33 @@ class TinkerService:
                 TINKER_LOSSES[wire.loss_fn](batch.behaviour_logprobs, batch, **wire.loss_fn_config)
             except (ValueError, TypeError) as error:
                 raise _user(f"loss_fn={wire.loss_fn!r} cannot run on this request: {error}") from None
+            return batch
+
+        async def work() -> bytes:
             endpoint = "forward" if wire.forward_only else "forward_backward"
-            out = await self.service.training.run_batch(wire.model_id, self._seq(wire.seq_id), endpoint, batch,
-                                                        f"losses.tinker:{wire.loss_fn}", wire.loss_fn_config, 1.0)
-            return encode_forward_backward_output(_per_datum(out["logprobs"], batch, [len(d.tokens) for d in wire.data], wire.loss_fn),
+            batch, out = await self.service.training.run_batch(
+                wire.model_id, self._seq(wire.seq_id), endpoint, build, f"losses.tinker:{wire.loss_fn}",
+                wire.loss_fn_config, 1.0)
+            lengths = [len(d.tokens) for d in wire.data]
+            return encode_forward_backward_output(_per_datum(out["logprobs"], batch, lengths, wire.loss_fn),
                                                   _metrics(out))
 
         self._model(wire.model_id)
+        self._seq(wire.seq_id)
         return self.submit(work(), wire.model_id)
 
     def _model(self, model_id: str) -> Any:
         """The forge session of `model_id`; 404 when it does not exist (the SDK raises NotFoundError)."""
         return self.service.session(model_id)
+
+    def _refusing(self, model_id: str, seq_id: int | None, check: Any) -> Any:
+        """`check()`; when it refuses the request (a ServiceError), the request's seq_id gives up its place, so
+        the model's later requests do not wait for it."""
+        try:
+            return check()
+        except ServiceError as error:
+            self.service.refuse({"model_id": model_id, "seq_id": self._seq(seq_id)}, error)
+            raise
 
     @staticmethod
     def _seq(seq_id: int | None) -> int | None:
@@ -203,9 +219,14 @@ class TinkerService:
 
     def optim_step(self, request: types.OptimStepRequest) -> dict[str, Any]:
         params = request.optim_params
-        if not isinstance(params, types.AdamParams):
-            raise _user(f"optim_params.type={getattr(params, 'type', None)!r}: this server's optimizer is AdamW "
-                        "(adam_params)")
+
+        def check() -> None:
+            if not isinstance(params, types.AdamParams):
+                raise _user(f"optim_params.type={getattr(params, 'type', None)!r}: this server's optimizer is "
+                            "AdamW (adam_params)")
+
+        self._model(request.model_id)
+        self._refusing(request.model_id, request.seq_id, check)
 
         async def work() -> types.OptimStepResponse:
             async def execute(session: Any, seq_id: int, parts: list) -> types.OptimStepResponse:
@@ -221,7 +242,6 @@ class TinkerService:
             return await self.service.registry.run_in_order(
                 SequencedRequest(model_id=request.model_id, seq_id=self._seq(request.seq_id)), "optim_step", execute)
 
-        self._model(request.model_id)
         return self.submit(work(), request.model_id)
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -261,8 +281,9 @@ class TinkerService:
         self._model(request.model_id)
 
         async def load() -> types.LoadWeightsResponse:
+            checkpoint = self._refusing(request.model_id, request.seq_id, lambda: self._state_checkpoint(request.path))
             await self.service.load_state(LoadStateRequest(
-                model_id=request.model_id, seq_id=self._seq(request.seq_id), path=self._state_checkpoint(request.path),
+                model_id=request.model_id, seq_id=self._seq(request.seq_id), path=checkpoint,
                 with_optimizer=request.optimizer))
             return types.LoadWeightsResponse(path=request.path, model_id=request.model_id)
 
@@ -270,10 +291,14 @@ class TinkerService:
 
     def save_weights_for_sampler(self, request: types.SaveWeightsForSamplerRequest) -> dict[str, Any]:
         model = self._model(request.model_id)
-        if model.lora is None:
-            raise _user(f"model_id={request.model_id!r} is a full-model session: sampling with its weights goes "
-                        "through forge's own sync_inference_weights (docs/serving.md); Tinker's sampler weights are "
-                        "served for LoRA models")
+
+        def check() -> None:
+            if model.lora is None:
+                raise _user(f"model_id={request.model_id!r} is a full-model session: sampling with its weights goes "
+                            "through forge's own sync_inference_weights (docs/serving.md); Tinker's sampler weights "
+                            "are served for LoRA models")
+
+        self._refusing(request.model_id, request.seq_id, check)
         name = request.path or f"sampler-{secrets.token_hex(4)}"
 
         async def work() -> types.SaveWeightsForSamplerResponseInternal:
