@@ -242,3 +242,14 @@ def test_sampling_with_saved_weights_stop_strings_top_k_and_prompt_logprobs(serv
     base = service.create_sampling_client(base_model="tiny")
     assert base.sample(prompt, 1, types.SamplingParams(max_tokens=3)).result().sequences[0].tokens
     service.close("success").result()
+
+
+def test_the_serving_docs_tinker_snippet_runs_against_the_server(server, monkeypatch):
+    from tests.docs.snippets import python_blocks, run_block
+
+    monkeypatch.setenv("TINKER_BASE_URL", server["url"])
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    [snippet] = [block for block in python_blocks("serving.md") if "import tinker" in block]
+    done = run_block(snippet)
+    assert len(done["data"]) == 8 and np.isfinite(done["fwd"].result().metrics["loss:sum"])
+    assert done["opt"].result().metrics["step:max"] == 1.0
