@@ -47,7 +47,7 @@ class SessionRegistry:
         return session
 
     # -- creating and unloading ----------------------------------------------------------------------
-    def _served_names(self) -> list[str]:
+    def served_names(self) -> list[str]:
         names = [self.model_path, str(Path(self.model_path).resolve())]
         configured = self.cfg.model
         names += [configured, str(Path(configured).resolve())] if configured else []
@@ -60,7 +60,7 @@ class SessionRegistry:
         limits = self.cfg.sessions
         if session_id is not None and (session_id in self.sessions or session_id in self.ended):
             raise field_error(["model_id"], session_id, "is already taken by a session of this server")
-        if request.base_model is not None and request.base_model not in self._served_names():
+        if request.base_model is not None and request.base_model not in self.served_names():
             raise field_error(["base_model"], request.base_model,
                               f"this server trains only {self.model_path!r} (or 'tiny' / the configured model "
                               f"{self.cfg.model!r}); omit base_model to use it")

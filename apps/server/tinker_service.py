@@ -14,7 +14,6 @@ How Tinker's objects map onto forge's:
 
 from __future__ import annotations
 
-import asyncio
 import re
 import secrets
 import time
@@ -40,6 +39,7 @@ from apps.server.schemas import (
 )
 from apps.server.tinker_wire import WireForwardBackward, WireSequence, encode_forward_backward_output, \
     encode_sample_response
+from forge.actor import rank0
 from losses.tinker import TINKER_LOSS_CONFIG, TINKER_LOSSES
 from rl.sampling import SamplingParams
 
@@ -335,8 +335,7 @@ class TinkerService:
             checkpoint = _checkpoint_name(parsed["model"], parsed["name"])
             self.service.checkpoints.sampler_adapter(checkpoint)  # 404 now for an unknown checkpoint
         elif request.base_model is not None:
-            self.service.registry._served_names()  # noqa: SLF001 (the one list of names the server answers to)
-            if request.base_model not in self.service.registry._served_names():
+            if request.base_model not in self.service.registry.served_names():
                 raise _user(f"base_model={request.base_model!r}: this server serves {self.service.model_path!r}")
         return types.CreateSamplingSessionResponse(
             sampling_session_id=self._new_sampler(request.session_id, request.model_path, checkpoint).sampler_id)
@@ -402,8 +401,6 @@ class TinkerService:
         else:
             adapter = self.service.checkpoints.sampler_adapter(sampler.checkpoint_id)
             trainer = await self.service.trainers.shared_lora()
-            from forge.actor import rank0
-
             scored = rank0(await trainer.score_prompt.call(adapter.path, prompt))
         return [None, *scored]
 
