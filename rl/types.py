@@ -339,6 +339,9 @@ class TrainBatch:
     # [B, T] long: packed rows (SFT), several sequences one after another in a row: which of them each token belongs
     # to. A token attends only to earlier tokens of its own sequence; None: one sequence per row (causal attention).
     document_ids: torch.Tensor | None = None
+    # [B, T-1] float: one advantage per target token (the Tinker protocol's losses, losses/tinker.py); None: the
+    # per-sequence `advantages` are the only ones.
+    token_advantages: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -363,6 +366,7 @@ class TrainBatch:
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop],
             kept_token_ids=None if self.kept_token_ids is None else self.kept_token_ids[start:stop],
             document_ids=None if self.document_ids is None else self.document_ids[start:stop],
+            token_advantages=None if self.token_advantages is None else self.token_advantages[start:stop],
         )
 
     @classmethod

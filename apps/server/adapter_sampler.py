@@ -77,3 +77,9 @@ class AdapterSampler:
         name = self._adapter(adapter_path)
         self.peft.set_adapter(name)
         return self.engine.generate(prompts, params)
+
+    def prompt_logprobs(self, adapter_path: str, prompt: list[int]) -> list[float]:
+        """Log-probs of prompt[1:], each given the tokens before it, with the adapter at `adapter_path`."""
+        name = self._adapter(adapter_path)
+        self.peft.set_adapter(name)
+        return self.engine.score(prompt[:1], prompt[1:])[0] if len(prompt) > 1 else []

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from apps.http.auth import require_key
 from apps.http.errors import ServiceError
 from apps.server.runtime import TrainingService
+from apps.server.tinker_routes import TinkerPaths, build_tinker_routes
 from apps.server.schemas import (
     ChunkAccepted,
     CheckpointInfo,
@@ -181,4 +182,8 @@ def build_app(service: TrainingService) -> FastAPI:
         return DeleteCheckpointResponse(checkpoint_id=checkpoint_id, deleted=True)
 
     app.include_router(api)
+    # The Tinker protocol (the `tinker` SDK), over the same service; its requests on the paths both protocols use
+    # are told apart by their bodies (tinker_routes.TinkerPaths).
+    build_tinker_routes(app, service.tinker, authorized)
+    app.add_middleware(TinkerPaths)
     return app

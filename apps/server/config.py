@@ -66,6 +66,22 @@ class SessionConfig:
 
 
 @dataclass
+class TinkerConfig:
+    """The Tinker protocol's futures (apps/server/futures.py)."""
+
+    retrieve_hold_s: float = 20.0  # a retrieve_future poll waits this long for its result, then answers try_again
+    result_keep_s: float = 600.0  # a finished request's result (or error) is kept this long for its poll
+
+    def __post_init__(self) -> None:
+        # The SDK gives a poll 45 s before it counts as lost: a hold must end well before that.
+        if not 0 < self.retrieve_hold_s <= 30:
+            raise ValueError(f"retrieve_hold_s={self.retrieve_hold_s}: must be in (0, 30] (the SDK waits 45 s for "
+                             "a poll's answer)")
+        if self.result_keep_s <= 0:
+            raise ValueError(f"result_keep_s={self.result_keep_s}: must be > 0")
+
+
+@dataclass
 class ServerConfig:
     generator: GeneratorConfig
     trainer: TrainerConfig  # the template of every session's trainer (model_path is the served model)
@@ -77,6 +93,7 @@ class ServerConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # tiny model only (arithmetic)
     http: HTTPConfig = field(default_factory=HTTPConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
+    tinker: TinkerConfig = field(default_factory=TinkerConfig)
 
     def __post_init__(self) -> None:
         if self.generator_replicas < 1:

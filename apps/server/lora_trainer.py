@@ -256,8 +256,17 @@ class LoRATrainerActor(TrainerActor):
     async def sample(self, adapter_path: str, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Completions with the saved adapter at `adapter_path` on the shared base."""
         async with self._lock:
-            if self.sampler is None:
-                self.sampler = await self._compute(AdapterSampler, self.trainer.base_hf_state(),
-                                                   str(self.trainer.model_path), seed=self.sampler_seed,
-                                                   max_adapters=self.max_sampler_adapters)
-            return await self._compute(self.sampler.generate, adapter_path, prompts, params)
+            return await self._compute((await self._sampler()).generate, adapter_path, prompts, params)
+
+    @endpoint
+    async def score_prompt(self, adapter_path: str, prompt: list[int]) -> list[float]:
+        """Teacher-forced log-probs of prompt[1:] with the saved adapter at `adapter_path` (temperature 1)."""
+        async with self._lock:
+            return await self._compute((await self._sampler()).prompt_logprobs, adapter_path, prompt)
+
+    async def _sampler(self) -> AdapterSampler:
+        if self.sampler is None:
+            self.sampler = await self._compute(AdapterSampler, self.trainer.base_hf_state(),
+                                               str(self.trainer.model_path), seed=self.sampler_seed,
+                                               max_adapters=self.max_sampler_adapters)
+        return self.sampler

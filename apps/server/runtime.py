@@ -7,7 +7,9 @@
 - `Checkpointing` (checkpointing.py): save_state, load_state, save_weights_for_sampler;
 - `ServedPolicy` (policy.py): the generator service and its policy version, sync_inference_weights;
 - `Sampler` (sampling.py): sample;
-- `CheckpointStore` (checkpoint_store.py): the checkpoint catalogue.
+- `CheckpointStore` (checkpoint_store.py): the checkpoint catalogue;
+- `TinkerService` (tinker_service.py): the Tinker protocol's sessions, models, futures and samplers over the parts
+  above (its routes: tinker_routes.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from apps.server.schemas import (
 )
 from apps.server.session_registry import SessionRegistry
 from apps.server.sessions import Session
+from apps.server.tinker_service import TinkerService
 from apps.server.trainer_pool import TrainerPool
 from apps.server.training import Training
 from losses import LOSSES
@@ -65,6 +68,7 @@ class TrainingService:
         self.training = Training(cfg, self.model, self.registry)
         self.checkpointing = Checkpointing(self.registry, self.checkpoints)
         self.sampler = Sampler(cfg, self.model, self.policy, self.trainers, self.checkpoints)
+        self.tinker = TinkerService(self)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -120,8 +124,8 @@ class TrainingService:
     def session(self, session_id: str) -> Session:
         return self.registry.get(session_id)
 
-    async def create_session(self, request: CreateSessionRequest) -> SessionInfo:
-        return await self.registry.create(request)
+    async def create_session(self, request: CreateSessionRequest, session_id: str | None = None) -> SessionInfo:
+        return await self.registry.create(request, session_id)
 
     async def unload(self, session_id: str, reason: str = "unloaded by the client") -> None:
         await self.registry.unload(session_id, reason)

@@ -47,7 +47,7 @@ class SessionRegistry:
         return session
 
     # -- creating and unloading ----------------------------------------------------------------------
-    def _served_names(self) -> list[str]:
+    def served_names(self) -> list[str]:
         names = [self.model_path, str(Path(self.model_path).resolve())]
         configured = self.cfg.model
         names += [configured, str(Path(configured).resolve())] if configured else []
@@ -55,9 +55,12 @@ class SessionRegistry:
             names.append(TINY_MODEL)
         return names
 
-    async def create(self, request: CreateSessionRequest) -> SessionInfo:
+    async def create(self, request: CreateSessionRequest, session_id: str | None = None) -> SessionInfo:
+        """A new session (named `session_id`, or a fresh id): a full-model trainer or a LoRA adapter."""
         limits = self.cfg.sessions
-        if request.base_model is not None and request.base_model not in self._served_names():
+        if session_id is not None and (session_id in self.sessions or session_id in self.ended):
+            raise field_error(["model_id"], session_id, "is already taken by a session of this server")
+        if request.base_model is not None and request.base_model not in self.served_names():
             raise field_error(["base_model"], request.base_model,
                               f"this server trains only {self.model_path!r} (or 'tiny' / the configured model "
                               f"{self.cfg.model!r}); omit base_model to use it")
@@ -75,7 +78,7 @@ class SessionRegistry:
             raise ServiceError(429, f"{open_now} {'LoRA' if lora else 'full-model'} sessions open: the server allows "
                                     f"{'max_lora_sessions' if lora else 'max_sessions'}={limit}; unload one or "
                                     "retry later")
-        session_id = f"s-{secrets.token_hex(6)}"
+        session_id = session_id or f"s-{secrets.token_hex(6)}"
         self.creating[kind] += 1
         try:
             if lora is None:

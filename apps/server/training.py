@@ -4,7 +4,7 @@ the session's seq_id order; a forward or forward_backward may arrive in chunks a
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from apps.server.batches import batch_temperature, build_batch, check_loss, check_loss_inputs, concat_batches
 from apps.server.config import ServerConfig
@@ -18,6 +18,7 @@ from apps.server.schemas import (
     LossFnOutput,
     OptimStepRequest,
     OptimStepResponse,
+    SequencedRequest,
 )
 from apps.server.session_registry import SessionRegistry
 from apps.server.sessions import Session
@@ -50,6 +51,18 @@ class Training:
                                      accumulated_batches=int(out["accumulated_batches"]))
 
         return await self.registry.run_in_order(request, "optim_step", execute)
+
+    async def run_batch(self, model_id: str, seq_id: int | None, endpoint: str, build: Callable[[], Any],
+                        loss: str | None, loss_params: dict, temperature: float) -> tuple[Any, dict[str, Any]]:
+        """`endpoint` (forward_backward or forward) of session `model_id`'s trainer on the batch `build()` makes
+        and checks (the Tinker protocol's, apps/server/tinker_service.py), in the session's seq_id order; a
+        ServiceError from `build` gives up the seq_id at once. Returns the batch and the trainer's answer: loss,
+        metrics and the log-probs [B, T-1]."""
+        async def execute(session: Session, seq: int, parts: list) -> tuple[Any, dict[str, Any]]:
+            return parts[0], await session.call(endpoint, parts[0], loss, dict(loss_params), temperature)
+
+        return await self.registry.run_in_order(SequencedRequest(model_id=model_id, seq_id=seq_id), endpoint, execute,
+                                                build)
 
     async def _run_scored(self, request: ForwardRequest | ForwardBackwardRequest,
                           endpoint: str) -> ForwardBackwardResponse | ChunkAccepted:

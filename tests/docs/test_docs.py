@@ -18,6 +18,7 @@ ROOT = DOCS.parent
 RUN_BY = {
     "serving.md": ["tests/apps/test_server.py::test_the_serving_docs_client_snippet_runs_against_the_server",
                    "tests/apps/test_server_lora.py::test_the_serving_docs_lora_snippet_runs_against_the_server",
+                   "tests/apps/test_server_tinker.py::test_the_serving_docs_tinker_snippet_runs_against_the_server",
                    "tests/apps/test_gateway.py::test_the_serving_docs_gateway_snippet_runs_against_the_gateway"],
     "interactive.md": [],  # a REPL transcript only: replayed below
     # Prose, tables, shell commands and YAML only.
