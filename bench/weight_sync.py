@@ -226,7 +226,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delta-lrs", default="0",
                         help="--hosts 2, comma-separated: a row per lr, published with delta sync and master weights "
                              "moved by an Adam-like step of that lr between versions (0: whole, as built)")
+    parser.add_argument("--link-gbit", default="",
+                        help="--hosts 2, comma-separated: a row set per link rate, each host's link shaped with tc tbf "
+                             "(empty: unshaped, loopback speed)")
+    parser.add_argument("--no-torchstore", action="store_true", help="--hosts 2: leave out (b), plain torchstore")
     args = parser.parse_args(argv)
+    try:
+        args.link_gbit = [float(rate) for rate in args.link_gbit.split(",") if rate] or [None]
+    except ValueError:
+        parser.error(f"--link-gbit={args.link_gbit!r}: must be comma-separated numbers (Gbit/s)")
+    if any(rate is not None and rate <= 0 for rate in args.link_gbit) or (args.link_gbit != [None] and args.hosts != 2):
+        parser.error(f"--link-gbit={args.link_gbit}: rates must be > 0, and only with --hosts 2")
     args.dtypes = args.dtypes.split(",")
     args.swap = [s for s in args.swap.split(",") if s]
     for name in args.dtypes:

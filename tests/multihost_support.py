@@ -290,6 +290,21 @@ class SimulatedHosts:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
 
+    def set_link_rate(self, gbit: float | None) -> None:
+        """Shape every host's sending side of its link (its end of the veth pair) to `gbit` Gbit/s with a token
+        bucket (tc tbf), or remove the shaping (None). Removed with the namespace on `close`."""
+        if gbit is not None and not gbit > 0:
+            raise ValueError(f"gbit={gbit!r}: must be > 0, or None for an unshaped link")
+        for i, host in enumerate(self.hosts):
+            inside = f"{self.tag}p{i}"
+            if gbit is None:
+                _run("ip", "netns", "exec", host.name, "tc", "qdisc", "del", "dev", inside, "root", check=False)
+                continue
+            # The bucket must hold at least one timer tick's worth of bytes, or tbf cannot reach its rate.
+            burst = max(256 << 10, int(gbit * 1e9 / 8 / 250))
+            _run("ip", "netns", "exec", host.name, "tc", "qdisc", "replace", "dev", inside, "root", "tbf", "rate",
+                 f"{gbit:g}gbit", "burst", str(burst), "latency", "50ms")
+
     def close(self) -> None:
         """Kill every process of every host, remove namespaces, links and folders (idempotent)."""
         self._stop_hosts()
