@@ -25,7 +25,7 @@ from actors.weight_publisher import WeightPublisher
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import init_from_environment, local_device
 from rl.types import TrainBatch
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 
 if TYPE_CHECKING:
     from actors.titan_trainer import TitanTrainer

@@ -8,7 +8,7 @@ from typing import Any
 
 from actors.lora_config import LoRAConfig, check_lora_for_model, local_hf_config
 from actors.model_config import ModelConfig, is_int, is_number, require_field
-from forge.delta_sync import DeltaSync
+from forge.weights.delta_sync import DeltaSync
 from losses.rules import HYPERPARAM_RULES, check_hyperparams
 from losses.registry import REGISTERED_LOSSES, SUPPLIED_BY_TRAINER, check_loss_name
 

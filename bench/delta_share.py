@@ -37,8 +37,9 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from bench.publish_to_ready import DTYPES, SHAPES, qwen3_config
 from forge import provisioner
-from forge.weight_store import DeltaSync, WeightStore
+from forge.weights.store import DeltaSync, WeightStore
 from rl.tiny_model import tiny_config
+from forge.weights.startup import start_weight_store
 
 
 def changed_mask(previous: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     async def with_store() -> None:
-        await provisioner.get_provisioner().start_weight_store()
+        await start_weight_store()
         try:
             await asyncio.to_thread(measure, args, asyncio.get_running_loop())
         finally:

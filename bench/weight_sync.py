@@ -43,7 +43,8 @@ import torch
 
 from forge import provisioner
 from bench.weight_sync_actors import DTYPES, SWAP_MODES, Publisher, Reader, delete_torchstore_prefix, state_dict_shapes
-from forge.weight_store import SHM_DIR, WeightStore, job_id
+from forge.weights.store import SHM_DIR, WeightStore, job_id
+from forge.weights.startup import start_weight_store
 
 
 @dataclass
@@ -161,7 +162,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     # Spawned processes import this module by name: give them the repository on their path.
     root = str(Path(__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    await provisioner.get_provisioner().start_weight_store()
+    await start_weight_store()
     publisher = await Publisher.options(procs=1, mesh_name="publisher").as_actor()
     readers = await Reader.options(procs=2, mesh_name="readers").as_actor()
     rows = []

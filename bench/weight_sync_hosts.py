@@ -57,7 +57,8 @@ from actors.generator_config import GeneratorConfig
 from forge import provisioner
 from forge.actor import endpoint, mesh_of
 from forge.hosts.config import HostsConfig
-from forge.weight_store import DeltaSync, WeightStore
+from forge.weights.store import DeltaSync, WeightStore
+from forge.weights.startup import relays, start_weight_store
 
 RAW_PORT = 26650  # the raw copy's port on host A (inside its namespace: nothing else listens there)
 
@@ -111,16 +112,12 @@ class RelayReader(Reader):
 
     @endpoint
     async def fetch_relayed(self, namespace: str, version: int, timeout_s: float = 300.0) -> tuple[float, float]:
-        """Wait until this host has `version` (complete, or arriving: its relay is streaming it), checking as often as
-        a generator does by default (`weight_poll_s`: each check is 3 torchstore calls, ~3-4 ms of CPU here across
+        """Wait until this host can read `version` (complete, or arriving: its relay is streaming it), checking as
+        often as a generator does by default (`weight_poll_s`: each check is 3 torchstore calls, ~3-4 ms of CPU here across
         the processes involved), then read it into the live weights; returns when the fetch started and ended (wall
         clock)."""
         store = self.stores.setdefault(namespace, WeightStore(namespace))
-        deadline = time.monotonic() + timeout_s
-        while (await store.latest_version() or -1) < version:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"version {version} never reached this host's shared memory in {timeout_s} s")
-            await asyncio.sleep(GeneratorConfig.weight_poll_s)
+        await store.wait_for_version(version, timeout_s, GeneratorConfig.weight_poll_s)  # as a generator learns of it
         started = time.time()
         await store.fetch(version, into=self.live)
         return started, time.time()
@@ -271,8 +268,8 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
     provisioner.configure_hosts(HostsConfig(addresses=hosts.addresses, port=hosts.port,
                                             roles={"publisher": [0], "readers": [1]}))
     job = provisioner.get_provisioner()
-    await job.start_weight_store()
-    relay_b = next(relay for relay in job.relays if mesh_of(relay).hosts == [1])
+    await start_weight_store(job)
+    relay_b = next(relay for relay in relays(job) if mesh_of(relay).hosts == [1])
     publisher = await RelayPublisher.options(procs=1, mesh_name="publisher").as_actor()
     readers = await RelayReader.options(procs=2, mesh_name="readers").as_actor()
     rows, version = [], 0

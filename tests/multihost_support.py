@@ -373,7 +373,7 @@ class HostProbe(ForgeActor):
 
         import torch
 
-        from forge.weight_store import WeightStore
+        from forge.weights.store import WeightStore
 
         store = WeightStore(namespace)
         real_pwrite, tensors_written = os.pwrite, []
@@ -403,7 +403,7 @@ class HostProbe(ForgeActor):
         import asyncio
 
         from forge import metrics
-        from forge.weight_store import WeightStore, WeightVersionError
+        from forge.weights.store import WeightStore, WeightVersionError
 
         store, refused = WeightStore(namespace), []
         for attempt in range(20):
@@ -474,7 +474,9 @@ def small_job(addresses: list[str], port: int) -> int:
     async def main() -> None:
         import asyncio
 
-        await provisioner.get_provisioner().start_weight_store()
+        from forge.weights.startup import start_weight_store
+
+        await start_weight_store()
         publisher = await HostProbe.options(procs=1, mesh_name="pub").as_actor()
         reader = await HostProbe.options(procs=1, mesh_name="readers").as_actor()
         await publisher.publish.call_one("small", 1, 1024)

@@ -28,6 +28,7 @@ from forge.config import load_callable, to_yaml
 from forge.metrics import MetricLogger
 from rl import tasks as rl_tasks
 from rl.types import SamplingParams
+from forge.weights.startup import start_weight_store
 
 WEIGHTS = "eval"  # the weight store namespace the checkpoints are published to
 
@@ -121,10 +122,10 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
     from actors.generator import Generator
     from apps.eval.weights import load_weights
     from forge.provisioner import get_provisioner
-    from forge.weight_store import WeightStore
+    from forge.weights.store import WeightStore
 
     evaluation = Evaluation(cfg)
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     served = versions[0].path if versions[0].kind == "hf" else cfg.model  # a lone HF export serves itself
     generators = await Generator.options(num_replicas=cfg.replicas, mesh_name="generator").as_service(
         replace(cfg.generator, model=served, weight_namespace=WEIGHTS))

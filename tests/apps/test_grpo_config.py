@@ -198,7 +198,7 @@ def test_lora_that_vllm_cannot_serve_is_refused_with_the_config(path, overrides,
 
 
 def test_delta_publishing_is_off_unless_the_config_turns_it_on():
-    from forge.delta_sync import DeltaSync
+    from forge.weights.delta_sync import DeltaSync
 
     cfg = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml")])[0]
     assert cfg.trainer.publish_deltas == DeltaSync(enabled=False, full_every=8)

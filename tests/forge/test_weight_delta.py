@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge import weight_delta
-from forge.weight_delta import Chain, TensorDelta, apply, compare, encode, from_bytes, to_bytes
+from forge.weights import delta as weight_delta
+from forge.weights.delta import Chain, TensorDelta, apply, compare, encode, from_bytes, to_bytes
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -6,19 +6,22 @@ import dataclasses
 import pytest
 import torch
 
-from forge import weight_delta
+from forge.weights import delta as weight_delta
 from forge.provisioner import get_provisioner
-from forge.shm_weights import HEADER, WeightChecksumError, checksums
-from forge.delta_sync import DeltaSync
-from forge.weight_store import SHM_DIR, WeightStore, WeightVersionError, ts
+from forge.weights.checksums import checksums
+from forge.weights.manifest import WeightChecksumError
+from forge.weights.segment import HEADER
+from forge.weights.delta_sync import DeltaSync
+from forge.weights.store import SHM_DIR, WeightStore, WeightVersionError, ts
 from tests.support import flip_byte
+from forge.weights.startup import start_weight_store
 
 NAMES = ("embed", "layer.q", "layer.k", "norm", "head")
 
 
 @pytest.fixture(scope="module")
 async def torchstore():
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
