@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from bench.weight_sync_actors import qwen3_layer_shapes
-from forge.weights.startup import start_weight_store
 
 METHODS = ("forge", "torch.save", "copy")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -97,8 +96,8 @@ async def run_method(method: str, param_dtype: torch.dtype) -> dict:
     store = None
     if method == "forge":
         from actors.weight_publisher import WeightPublisher
-        from forge.provisioner import get_provisioner
         from forge.weights.store import SHM_DIR, WeightStore
+        from forge.weights.startup import start_weight_store
 
         await start_weight_store()  # before measuring: the Monarch runtime is not the publish
         store = WeightStore("bench-publish-memory", transport="shm")

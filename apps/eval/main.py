@@ -28,7 +28,6 @@ from forge.config import load_callable, to_yaml
 from forge.metrics import MetricLogger
 from rl import tasks as rl_tasks
 from rl.types import SamplingParams
-from forge.weights.startup import start_weight_store
 
 WEIGHTS = "eval"  # the weight store namespace the checkpoints are published to
 
@@ -121,8 +120,8 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
 
     from actors.generator import Generator
     from apps.eval.weights import load_weights
-    from forge.provisioner import get_provisioner
     from forge.weights.store import WeightStore
+    from forge.weights.startup import start_weight_store
 
     evaluation = Evaluation(cfg)
     await start_weight_store()

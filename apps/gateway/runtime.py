@@ -38,7 +38,6 @@ from apps.http.errors import ServiceError, field_error
 from apps.http.model import tokenizer_info
 from apps.http.actor_calls import endpoint_failure
 from forge.actor import EndpointError, rank0
-from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
 from rl.types import EpisodeBatch, SamplingParams
 from forge.weights.startup import start_weight_store

@@ -15,7 +15,6 @@ from apps.server.schemas import SyncWeightsRequest, SyncWeightsResponse
 from apps.server.session_registry import SessionRegistry
 from apps.server.sessions import Session
 from apps.server.trainer_pool import WEIGHTS
-from forge.provisioner import get_provisioner
 from forge.weights.startup import start_weight_store
 
 

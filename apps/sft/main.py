@@ -33,7 +33,6 @@ from apps.sft.trainer import SFTTrainerActor
 from forge.actor import rank0
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger
-from forge.provisioner import get_provisioner
 from rl.environments.player import start_player
 from rl.types import SamplingParams, TrainBatch
 from forge.weights.startup import start_weight_store

@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.generator import Generator
-from forge.provisioner import get_provisioner
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import SamplingParams
 from forge.weights.store import WeightStore

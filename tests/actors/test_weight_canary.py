@@ -11,7 +11,6 @@ from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from actors.generator import Generator
 from actors.weight_canary import CanaryConfig, WeightSyncError, check_weight_sync, logprob_difference
-from forge.provisioner import get_provisioner
 from forge.weights.manifest import WeightChecksumError
 from forge.weights.segment import HEADER, SHM_DIR
 from rl.tiny_model import build_tiny_checkpoint

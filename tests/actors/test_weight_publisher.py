@@ -20,7 +20,6 @@ from actors.weight_publisher import WeightPublisher
 from forge.weights import segment
 from forge.weights.manifest import SharedMemoryError
 from forge.actor import ForgeActor, rank0
-from forge.provisioner import get_provisioner
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import Episode, TrainBatch
 from forge.weights.store import WeightStore

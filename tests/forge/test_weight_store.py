@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from forge.actor import ForgeActor
-from forge.provisioner import get_provisioner
 from tests.support import ShardedPublisher, WeightReader, constant_state_dict as _state_dict, flip_byte
 from forge.weights import store as weight_store
 from forge.weights import checksums as weight_checksums, segment

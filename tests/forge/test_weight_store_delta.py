@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from forge.weights import delta as weight_delta
-from forge.provisioner import get_provisioner
 from forge.weights.checksums import checksums
 from forge.weights.manifest import WeightChecksumError
 from forge.weights.segment import HEADER
