@@ -5,6 +5,7 @@ module names still import, with a DeprecationWarning. No Monarch, no torchstore.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 import sys
@@ -193,3 +194,36 @@ def test_the_old_module_names_import_with_a_deprecation_warning(old, new):
     assert result.returncode == 0, result.stderr[-2000:]
     warned, same = result.stdout.strip().splitlines()[-2:]
     assert f"{old} is deprecated: use {new}" in warned and same == "True"
+
+
+async def test_a_relayed_reader_is_told_of_a_version_only_once_its_host_can_read_it(monkeypatch):
+    """One path: `latest_version` names a version only once this host's relay holds it or streams it in; a fetch of
+    one only published on another host fails at once (no retry loop), and `wait_for_version` waits for the notice."""
+    from forge.weights import store as store_module
+
+    keys: dict[str, object] = {}
+
+    async def get_if_exists(key: str):
+        return keys.get(key)
+
+    monkeypatch.setattr(store_module, "get_if_exists", get_if_exists)
+    store = store_module.WeightStore("notice")
+    store.relayed, store.host = True, "B"
+    entries, _ = layout(weights(5), None)
+    published = Manifest(7, "A", f"forge-{job_id()}-notice-v7", False, entries, CHECKSUM)
+    keys.update({store._latest_key(): 7, store._manifest_key(7): published})
+    assert await store.latest_version() is None  # published on host A only: nothing readable on B
+    started = time.monotonic()
+    with pytest.raises(store_module.WeightVersionError, match="not readable on host 'B' yet"):
+        await store.fetch(7)
+    with pytest.raises(store_module.WeightVersionError, match="has not reached host 'B'"):
+        await store.wait_for_version(7, timeout_s=0.05, poll_s=0.01)
+    assert time.monotonic() - started < 2
+    waiting = asyncio.ensure_future(store.wait_for_version(7, timeout_s=10, poll_s=0.01))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    keys[store.host_incoming_key("B")] = dataclasses.replace(published, host="B")  # B's relay streams it in
+    assert await asyncio.wait_for(waiting, 5) == 7
+    assert await store._locate(7) == (keys[store.host_incoming_key("B")], True)
+    with pytest.raises(store_module.WeightVersionError, match="needs policy version >= 8, but the newest published is 7"):
+        await store.wait_for_version(8)
