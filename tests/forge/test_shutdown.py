@@ -24,7 +24,6 @@ from forge.actor import ForgeActor, endpoint
 from forge.provisioned_mesh import ShutDownError
 from forge.provisioner import get_provisioner, shutdown
 from forge.service import Service
-from forge.weights.startup import start_weight_store
 
 class Echo(ForgeActor):
     @endpoint
@@ -184,6 +183,7 @@ def test_a_script_that_never_calls_shutdown_leaves_nothing_behind(tmp_path):
     """The weights a script published to shared memory go at interpreter exit; its processes with it."""
     result = run_script(tmp_path, """
     import torch
+    from forge.weights import start_weight_store
     from forge.weights.store import SHM_DIR, WeightStore, job_id
 
     async def main():
