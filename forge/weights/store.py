@@ -112,6 +112,9 @@ RELAY_NAMESPACES_KEY = "forge-weight-relay/namespaces"  # the namespaces publish
 
 # A host's relay copies each version once for all its readers; a big model's copy takes a while on a slow link.
 RELAY_WAIT_S = 300.0
+# How long a reader waits for a version that is neither published nor being published before it is an error (a
+# reader may ask for a version just before its publish is announced).
+UNPUBLISHED_WAIT_S = 1.0
 
 
 def torchstore_has_rdma() -> bool:
@@ -483,18 +486,22 @@ class WeightStore:
     async def wait_for_version(self, at_least: int, timeout_s: float = RELAY_WAIT_S, poll_s: float = 0.05) -> int:
         """The newest version readable on this host (`latest_version`), once it is `at_least`: the one path by which
         a reader learns of a version, never before its bytes can be read on its host (in a relayed job, once this
-        host's relay holds it or is streaming it in). WeightVersionError at once when no version `at_least` was
-        published (nothing will come), or after `timeout_s` when none reached this host."""
-        deadline = time.monotonic() + timeout_s
+        host's relay holds it or is streaming it in). WeightVersionError when no version `at_least` was published
+        nor is being published after UNPUBLISHED_WAIT_S (a reader may ask as its publish starts), or after
+        `timeout_s` when none reached this host."""
+        started = time.monotonic()
+        deadline = started + timeout_s
         while True:
             latest = await self.latest_version()
             if latest is not None and latest >= at_least:
                 return latest
             published = await self.published_version() if self.relayed else latest
-            if published is None or published < at_least:
-                raise WeightVersionError(
-                    f"a reader needs policy version >= {at_least}, but "
-                    f"{'no version is published' if published is None else f'the newest published is {published}'}")
+            if (published is None or published < at_least) and time.monotonic() - started >= UNPUBLISHED_WAIT_S:
+                incoming = await self.incoming()
+                if incoming is None or incoming.version < at_least:  # nor being published: nothing will come
+                    raise WeightVersionError(
+                        f"a reader needs policy version >= {at_least}, but "
+                        f"{'no version is published' if published is None else f'the newest published is {published}'}")
             if time.monotonic() >= deadline:
                 raise WeightVersionError(f"policy version {at_least} has not reached host {self.host!r}: its weight "
                                          f"relay did not copy it within {timeout_s:.0f} s")

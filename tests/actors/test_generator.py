@@ -206,9 +206,16 @@ async def test_a_relay_that_never_copies_fails_the_request_after_the_bound_witho
     assert store.fetched == []
 
 
-async def test_a_version_nobody_published_fails_the_request_at_once():
+async def test_a_version_nobody_published_fails_the_request_after_a_short_bound(monkeypatch):
+    monkeypatch.setattr("forge.weights.store.UNPUBLISHED_WAIT_S", 0.02)
     store = _HostStore(published=2, host_copy=2, copy_after=0)
+    store.incoming = _nothing_incoming
     generator = _generator_on(store)
+    started = time.monotonic()
     with pytest.raises(WeightVersionError, match="needs policy version >= 3"):
         await generator._ensure_version(3)
-    assert store.looks == 1 and store.fetched == []
+    assert time.monotonic() - started < 5 and store.fetched == []
+
+
+async def _nothing_incoming():
+    return None

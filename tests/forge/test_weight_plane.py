@@ -225,5 +225,6 @@ async def test_a_relayed_reader_is_told_of_a_version_only_once_its_host_can_read
     keys[store.host_incoming_key("B")] = dataclasses.replace(published, host="B")  # B's relay streams it in
     assert await asyncio.wait_for(waiting, 5) == 7
     assert await store._locate(7) == (keys[store.host_incoming_key("B")], True)
+    monkeypatch.setattr(store_module, "UNPUBLISHED_WAIT_S", 0.02)
     with pytest.raises(store_module.WeightVersionError, match="needs policy version >= 8, but the newest published is 7"):
-        await store.wait_for_version(8)
+        await store.wait_for_version(8, poll_s=0.01)  # neither published nor being published
