@@ -99,7 +99,9 @@ class Generator(ForgeActor):
 
     @endpoint
     async def update_weights(self, version: int) -> int:
-        """Fetch `version` and swap it in now (between batches); returns the engine's version."""
+        """Fetch `version` and swap it in now (between batches), once the store names it readable on this host (the
+        one path: `WeightStore.wait_for_version`, bounded by RELAY_WAIT_S); returns the engine's version."""
+        await self.store.wait_for_version(version, RELAY_WAIT_S, self.config.weight_poll_s)
         await self._load(version, stage=False)
         return self.engine.policy_version
 

@@ -67,7 +67,7 @@ class TrainerActor(ForgeActor):
         from actors.titan_trainer import TitanTrainer
 
         self.trainer: TitanTrainer = await self._compute(TitanTrainer, self.config, rank=rank, world_size=world_size)
-        self.store = WeightStore(self.weight_namespace, delta=self.config.publish_deltas)
+        self.store = WeightStore(self.weight_namespace)
 
     async def _compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the trainer's work on its own thread, so the event loop keeps publishing meanwhile."""

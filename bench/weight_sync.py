@@ -224,9 +224,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-wait-ms", type=float, default=2.0, help="sleep per decode step (the GPU's share)")
     parser.add_argument("--hosts", type=int, default=1, choices=(1, 2),
                         help="2: publisher on simulated host A, readers on host B (bench/weight_sync_hosts.py; root)")
-    parser.add_argument("--delta-lrs", default="0",
-                        help="--hosts 2, comma-separated: a row per lr, published with delta sync and master weights "
-                             "moved by an Adam-like step of that lr between versions (0: whole, as built)")
     parser.add_argument("--link-gbit", default="",
                         help="--hosts 2, comma-separated: a row set per link rate, each host's link shaped with tc tbf "
                              "(empty: unshaped, loopback speed)")
@@ -248,13 +245,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--swap: {name!r} is not one of {list(SWAP_MODES)}")
     if args.size_gb <= 0:
         parser.error(f"--size-gb={args.size_gb}: must be > 0")
-    try:
-        args.delta_lrs = [float(lr) for lr in args.delta_lrs.split(",")]
-    except ValueError:
-        parser.error(f"--delta-lrs={args.delta_lrs!r}: must be comma-separated numbers")
-    if min(args.delta_lrs) < 0 or (any(args.delta_lrs) and args.hosts != 2):
-        parser.error(f"--delta-lrs={args.delta_lrs} with --hosts {args.hosts}: lrs must be >= 0, and > 0 only with "
-                     "--hosts 2")
     if args.repeats < 1 or args.ts_repeats < 0:
         parser.error(f"--repeats={args.repeats}, --ts-repeats={args.ts_repeats}: need >= 1 and >= 0")
     return args

@@ -26,14 +26,10 @@ Then (a) again with no reader on host B: from the start of the publish until hos
 (the stream on its own, without the readers' CPU). `host B CPU core-s` is the CPU time of host B's processes alone (its
 relay and both readers) per version.
 
-With `--delta-lrs 0,LR`, each dtype is measured twice: as above (0), then with (a) publishing with delta sync
-(`DeltaSync(enabled=True)`: each version stored as its delta from the previous one where smaller; host B's relay copies
-the deltas, each reader rebuilds the version on its own copy and verifies it). For that row the publisher keeps fp32
-master weights at a trained model's scale (normal, std 0.02) and moves each element by one Adam step of LR between
-versions (the form of Adam's first step, +-LR per element: its largest move), publishing them in the bench's dtype; it
-prints the bytes stored per version and the share of elements that changed.
+With `--link-gbit 1,10,25`, each host's side of its link is shaped with tc (a token bucket, tbf) to that rate, one
+set of rows per rate (torn down with the namespaces); (a) is also printed against the link's time for the bytes sent.
 
-    .venv/bin/python -m bench.weight_sync --hosts 2 --size-gb 1.0 --dtypes bf16 --repeats 3 --delta-lrs 0,1e-6
+    .venv/bin/python -m bench.weight_sync --hosts 2 --size-gb 1.0 --dtypes bf16 --repeats 2 --link-gbit 1,10,25
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ import time
 from pathlib import Path
 
 import psutil
-import torch
 
 from tests.multihost_support import SimulatedHost, SimulatedHosts, namespaces_unavailable, relaunch_as_controller_host
 
@@ -57,7 +52,7 @@ from actors.generator_config import GeneratorConfig
 from forge import provisioner
 from forge.actor import endpoint, mesh_of
 from forge.hosts.config import HostsConfig
-from forge.weights.store import DeltaSync, WeightStore
+from forge.weights.store import WeightStore
 from forge.weights.startup import relays, start_weight_store
 
 RAW_PORT = 26650  # the raw copy's port on host A (inside its namespace: nothing else listens there)
@@ -66,49 +61,25 @@ RAW_PORT = 26650  # the raw copy's port on host A (inside its namespace: nothing
 class RelayPublisher(Publisher):
     def __init__(self) -> None:
         super().__init__()
-        self.stores: dict[str, WeightStore] = {}  # one per namespace: a chain of deltas lives in its store
-        self.master: dict[str, torch.Tensor] = {}  # fp32 master weights, with deltas
-        self.lr, self.generator = 0.0, torch.Generator()
-        self.stored: list[tuple[int, float]] = []  # (bytes stored, share of elements changed) per version published
-
-    @endpoint
-    async def use_deltas(self, lr: float) -> None:
-        """Publish with delta sync from fp32 master weights (normal, std 0.02) that each `mark` moves by +-`lr`
-        (0: the weights as built, published whole)."""
-        self.lr, self.generator, self.stored = lr, torch.Generator().manual_seed(1), []
-        self.master = {n: torch.randn(t.shape, generator=self.generator).mul_(0.02)
-                       for n, t in self.weights.items()} if lr else {}
-        for name, master in self.master.items():
-            self.weights[name].copy_(master)
+        self.stores: dict[str, WeightStore] = {}
 
     @endpoint
     async def mark(self, version: int) -> list[float]:
-        """One Adam-like step of the master weights (with deltas), then the version stamped into every tensor's ends."""
-        for name, master in self.master.items():
-            master.add_(torch.randn(master.shape, generator=self.generator).sign_().mul_(self.lr))
-            self.weights[name].copy_(master)
+        """The version stamped into every tensor's ends."""
         return self.stamp(version)
 
     @endpoint
     async def publish_relayed(self, namespace: str, version: int) -> None:
-        # relayed mode: the provisioner set FORGE_WEIGHT_RELAY in this process
-        store = self.stores.setdefault(namespace, WeightStore(namespace, delta=DeltaSync(enabled=bool(self.master))))
-        manifest = await store.publish(self.weights, version)
-        compared = [(e.changed, torch.Size(e.shape).numel()) for e in manifest.entries.values() if e.changed >= 0]
-        self.stored.append((manifest.nbytes, sum(c for c, _ in compared) / max(1, sum(n for _, n in compared))))
+        # relayed mode: the provisioner set FORGE_MULTI_HOST in this process
+        store = self.stores.setdefault(namespace, WeightStore(namespace))
+        await store.publish(self.weights, version)
         await store.delete_older_than(version)
-
-    @endpoint
-    async def stored_per_version(self) -> list[tuple[int, float]]:
-        """(bytes stored, changed share) of each version published since the last call."""
-        stored, self.stored = self.stored, []
-        return stored
 
 
 class RelayReader(Reader):
     def __init__(self) -> None:
         super().__init__()
-        self.stores: dict[str, WeightStore] = {}  # one per namespace: a reader's own copy for deltas lives in its store
+        self.stores: dict[str, WeightStore] = {}
 
     @endpoint
     async def fetch_relayed(self, namespace: str, version: int, timeout_s: float = 300.0) -> tuple[float, float]:
@@ -168,7 +139,7 @@ async def relay_once(publisher: RelayPublisher, readers: RelayReader, relay_b, n
 
 
 async def _advertised_copy(relay_b, version: int) -> dict:
-    """Host B's relay's times of its copy of `version`, once it advertised it (a version of deltas is copied only once
+    """Host B's relay's times of its copy of `version`, once it advertised it (a version is copied only once
     its publish returned: until then the relay's last copy is an older version)."""
     deadline = time.monotonic() + 30
     while "advertised" not in (copy := (await relay_b.status.call_one())["last_copy"]) \
@@ -273,16 +244,14 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
     publisher = await RelayPublisher.options(procs=1, mesh_name="publisher").as_actor()
     readers = await RelayReader.options(procs=2, mesh_name="readers").as_actor()
     rows, version = [], 0
-    for link, dtype, delta_lr in [(link, dtype, lr) for link in args.link_gbit for dtype in args.dtypes
-                                  for lr in args.delta_lrs]:
+    for link, dtype in [(link, dtype) for link in args.link_gbit for dtype in args.dtypes]:
         hosts.set_link_rate(link)
-        print(f"\n--- link {'unshaped (loopback speed)' if link is None else f'{link:g} Gbit/s (tc tbf)'}, {dtype}, "
-              f"{'whole versions' if not delta_lr else f'deltas at lr {delta_lr:g}'}", flush=True)
+        print(f"\n--- link {'unshaped (loopback speed)' if link is None else f'{link:g} Gbit/s (tc tbf)'}, {dtype}",
+              flush=True)
         shapes = state_dict_shapes(args.size_gb, DTYPES[dtype])
         nbytes = await publisher.build.call_one(shapes, dtype)
         await readers.allocate.call(shapes, dtype, False)  # fetched straight into the live weights: no staging
-        await publisher.use_deltas.call_one(delta_lr)
-        namespace = f"bench-hosts-{dtype}" + (f"-deltas-{delta_lr:g}" if delta_lr else "")
+        namespace = f"bench-hosts-{dtype}"
         # Warm-up: connections, and two versions so that every timed one finds a deleted version's file on each host
         # to write into, as in a job's steady state (writing into fresh shared memory cost ~2 core-s more per GB here).
         for _ in range(2):
@@ -292,7 +261,6 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         for _ in range(args.repeats):
             version += 1
             relay.append(await relay_once(publisher, readers, relay_b, namespace, version, hosts))
-        stored = (await publisher.stored_per_version.call_one())[2:]  # the timed versions, after the warm-up's
         seconds, published, stages, cpu = _median(relay)
         print(f"(a) median of {len(relay)}: {seconds:.3f} s, publish returned at {published:.3f} s, {cpu:.2f} CPU "
               "core-s; stages: " +
@@ -310,27 +278,9 @@ async def run(args: argparse.Namespace, hosts: SimulatedHosts) -> list[dict]:
         await readers.free.call()
         rows.append({"link": link, "dtype": dtype, "gb": nbytes / 1e9, "tensors": len(shapes), "relay": _median(relay),
                      "relay alone": _median(alone), "torchstore": _median(plain) if plain else None, "raw": _median(raw),
-                     "delta lr": delta_lr, "stored": stored})
+                     })
         print_row(rows[-1])
-    print_delta_summary(rows)
     return rows
-
-
-def print_delta_summary(rows: list[dict]) -> None:
-    """Whole versions against deltas at each link rate and lr: publish-to-ready of (a), side by side in this run."""
-    whole = {(row["link"], row["dtype"]): row for row in rows if not row["delta lr"]}
-    lines = []
-    for row in rows:
-        base = whole.get((row["link"], row["dtype"]))
-        if not row["delta lr"] or base is None:
-            continue
-        link = "unshaped" if row["link"] is None else f"{row['link']:g} Gbit/s"
-        ratio = base["relay"][0] / row["relay"][0]
-        lines.append(f"  {link:>12} {row['dtype']} lr {row['delta lr']:g}: whole {base['relay'][0]:.3f} s, deltas "
-                     f"{row['relay'][0]:.3f} s -> deltas {ratio:.2f}x faster to ready "
-                     f"(alone: whole {base['relay alone'][0]:.3f} s, deltas {row['relay alone'][0]:.3f} s)")
-    if lines:
-        print("\nwhole versions vs deltas, publish-to-ready of (a), median:\n" + "\n".join(lines), flush=True)
 
 
 def print_row(row: dict) -> None:
@@ -338,10 +288,6 @@ def print_row(row: dict) -> None:
     link = "unshaped link" if row["link"] is None else f"link {row['link']:g} Gbit/s"
     print(f"\n{row['dtype']}, {link}: {gb:.3f} GB in {row['tensors']} tensors, publisher on host A, 2 readers on host B; "
           "publish-to-ready, median")
-    if row["delta lr"]:
-        stored = [f"{nbytes / 1e6:.1f} MB stored ({nbytes / (gb * 1e9):.1%}), {share:.2%} changed"
-                  for nbytes, share in row["stored"]]
-        print(f"  (a) with delta sync, one Adam-like step of lr {row['delta lr']:g} between versions: " + ", ".join(stored))
     print(f"  {'path':<58}{'seconds':>9}{'GB/s':>8}{'publish s':>11}{'CPU core-s':>12}")
     for label, key in (("(a) forge: host B's relay, shm readers", "relay"),
                        ("(b) plain torchstore: put once, get per reader", "torchstore"),
@@ -359,7 +305,7 @@ def print_row(row: dict) -> None:
     if row["torchstore"] is not None:
         speedup = row["torchstore"][0] / row["relay"][0]
         print(f"  (b)/(a) = {speedup:.2f}x (goal >= 10: {'met' if speedup >= 10 else 'MISSED'})")
-    sent = sum(nbytes for nbytes, _ in row["stored"]) / len(row["stored"]) if row["stored"] else gb * 1e9
+    sent = gb * 1e9
     if row["link"] is not None:
         link_s = sent * 8 / (row["link"] * 1e9)
         print(f"  (a) / the link's time for the bytes sent ({sent / 1e9:.3f} GB at {row['link']:g} Gbit/s: "

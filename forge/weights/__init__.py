@@ -6,7 +6,6 @@
 - publisher.py: the publisher's side: gather to rank 0, pieces written and hashed on every core, DMA from a GPU.
 - store.py: `WeightStore`: versions, keys and manifests in torchstore, publish / latest_version / fetch / delete.
 - relay.py: one relay per host of a multi-host job: each version crosses the link once, streamed.
-- delta.py, delta_sync.py: deltas between versions (only what changed), and their setting.
 - startup.py: `start_weight_store`: torchstore and the relays on the provisioner's meshes.
 
 Nothing below (forge/provisioner.py, forge/processes.py, forge/hosts/, forge/job.py) imports this package. This

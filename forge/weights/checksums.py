@@ -97,16 +97,14 @@ def _mismatches(found: dict[tuple[str, int], int], published: dict[str, tuple[in
             if index >= len(sums) or got != sums[index]]
 
 
-def _raise_on_mismatch(manifest: Manifest, mismatches: list[tuple[str, int, int, int | None]], *,
-                       rebuilt: bool = False) -> None:
-    """WeightChecksumError for the first of `mismatches` (name, piece, found, published) of the bytes stored, or of
-    the tensors rebuilt from them (`rebuilt`)."""
+def _raise_on_mismatch(manifest: Manifest, mismatches: list[tuple[str, int, int, int | None]]) -> None:
+    """WeightChecksumError for the first of `mismatches` (name, piece, found, published) of the bytes stored."""
     if not mismatches:
         return
     names = sorted({name for name, *_ in mismatches})
     name, index, found, published = min(mismatches, key=lambda m: m[:2])
     entry = manifest.entries[name]
-    start, nbytes, algorithm = index * _CHUNK, entry.tensor_nbytes if rebuilt else entry.nbytes, manifest.checksum
+    start, nbytes, algorithm = index * _CHUNK, entry.nbytes, manifest.checksum
     expected = "no checksum was published" if published is None else f"published {algorithm} {published:#x}"
     raise WeightChecksumError(
         f"policy version {manifest.version}: tensor {name!r} does not match the checksum taken when it was "

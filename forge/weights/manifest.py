@@ -28,21 +28,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    checksums: tuple[int, ...]  # a hash (Manifest.checksum) of each _CHUNK-byte piece of its stored bytes, from publish
-    # What the stored bytes are: "full", the tensor's own; "sparse" or "bitmask", a delta (forge/weights/delta.py: its
-    # `changed` new values and their positions, `to_bytes`) that rewrites the manifest's `base` version into this one.
-    encoding: str = "full"
-    changed: int = -1  # elements whose bits differ from the previous published version (-1: not compared)
-    tensor_checksums: tuple[int, ...] = ()  # a delta's: the checksums of the tensor it rebuilds (full: `checksums`)
-
-    @property
-    def rebuilt_checksums(self) -> tuple[int, ...]:
-        """The checksums of the tensor this entry gives a reader (once applied, for a delta)."""
-        return self.checksums if self.encoding == "full" else self.tensor_checksums
-
-    @property
-    def tensor_nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * getattr(torch, self.dtype).itemsize
+    checksums: tuple[int, ...]  # a hash (Manifest.checksum) of each _CHUNK-byte piece of its bytes, from publish
 
 
 @dataclass(frozen=True)
@@ -53,13 +39,6 @@ class Manifest:
     in_torchstore: bool
     entries: dict[str, TensorEntry]
     checksum: str  # the hash of TensorEntry.checksums: "xxh3_64" or "crc32"
-    base: int | None = None  # the version its delta entries rewrite (None: every entry is full)
-    anchor: int | None = None  # the full version its chain of deltas starts from (None: published without deltas)
-
-    @property
-    def tensor_nbytes(self) -> int:
-        """Bytes of the tensors a reader holds once it has this version (`nbytes`: the bytes stored)."""
-        return sum(e.tensor_nbytes for e in self.entries.values())
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +48,6 @@ class Manifest:
     def segment_size(self) -> int:
         """Bytes of tensors in its segment, alignment included (the `size` `layout` returned)."""
         return max((e.offset + e.nbytes for e in self.entries.values()), default=0)
-
 
 
 def layout(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[dict[str, TensorEntry], int]:

@@ -30,9 +30,7 @@ holds up no other). The server listens on its host's
 configured address only (forge.hosts.agent.host_address), never on every interface. The bytes cross the network in
 the clear: the trust boundary is the job's private network (docs/several_hosts.md, "Sockets and trust").
 
-A version published as deltas (forge/weights/store.py, DeltaSync) is copied as stored, deltas and all, after the
-versions of its chain this host lacks (`links_to_copy`); it is never streamed while written (its layout is known only
-once written). Versions only move forward: a relay that falls behind skips to the newest published version (counted in
+Versions only move forward: a relay that falls behind skips to the newest published version (counted in
 `relay/versions_skipped`), and until it has copied one its host's readers keep the version they have
 (`weights/host_versions_behind`, recorded by every reader). The relay deletes its host's copies of versions the
 trainer deleted, keeping its newest. A watchdog process (`_WATCHDOG`) removes the job's segments on this host
@@ -99,16 +97,6 @@ _ANNOUNCEMENT_WAIT_S = 1.0
 _ANNOUNCEMENT_POLL_S = 0.005
 _PIPE_BYTES = 1 << 20  # the receiver's pipe (the most an unprivileged process may ask for): bytes per splice
 _HELLO = b"forge segment server/1\n"  # then the handshake's challenge (forge.job_auth)
-
-
-async def links_to_copy(store: WeightStore, manifest: Manifest, copied: set[int]) -> list[Manifest]:
-    """The versions of `manifest`'s chain of deltas that a host holding `copied` lacks, oldest first: back to one it
-    holds, or to the chain's full version (none for a full version)."""
-    links = []
-    while manifest.base is not None and manifest.base not in copied:
-        manifest = await store.manifest(manifest.base)
-        links.append(manifest)
-    return links[::-1]
 
 
 def connect(address: tuple[str, int], secret: bytes, timeout: float | None) -> socket.socket:
@@ -493,14 +481,11 @@ class WeightRelay(EndpointActor):
             started = time.perf_counter()
             self.last_copy = {"namespace": namespace, "version": newest, "started": time.time()}
             try:
-                # A version of deltas needs the versions of its chain this host lacks, oldest first: its readers
-                # rebuild it on them (only the deltas cross the link, once per host).
-                for link in [*await links_to_copy(store, manifest, set(self.copies.get(namespace, {}))), manifest]:
-                    segment, link = await self._copy(store, link)
-                    relayed_copy = dataclasses.replace(link, host=self.host, segment=segment)
-                    await ts.put(store.host_manifest_key(self.host, link.version), relayed_copy)
-                    self.copies.setdefault(namespace, {})[link.version] = segment
-                    record_metric("relay/bytes", link.nbytes, "sum")
+                segment, copied = await self._copy(store, manifest)
+                relayed_copy = dataclasses.replace(copied, host=self.host, segment=segment)
+                await ts.put(store.host_manifest_key(self.host, newest), relayed_copy)
+                self.copies.setdefault(namespace, {})[newest] = segment
+                record_metric("relay/bytes", copied.nbytes, "sum")
             except JobAuthenticationError:  # no copy from that host will work: counted and logged by _follow
                 raise
             # Deleted, abandoned or stalled mid-copy (a receive that timed out is an OSError, not a ConnectionError):

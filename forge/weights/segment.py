@@ -245,12 +245,6 @@ class SegmentWriter:
                         self._mappable = False
         return self._target
 
-    def shrink(self, size: int) -> None:
-        """The segment holds `size` bytes of tensors, fewer than reserved (a version of deltas): the file ends there."""
-        if self.fd is not None and size < self.size:
-            os.ftruncate(self.fd, HEADER + max(size, 1))
-        self.size = min(size, self.size)
-
     def mark_ready(self, nbytes: int) -> None:
         """The first `nbytes` tensor bytes are in place (and hashed): readers and streams may take them."""
         fd = self.fd
@@ -386,13 +380,9 @@ def map_segment(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
     copy of its page, never in the file), every piece hashed in place and checked against its published checksum.
     While any of the tensors lives, the mapping holds a shared lock on the file (its lease): `retire_segment` never
     rewrites a leased file, it deletes it, and the file's memory stays in /dev/shm until the last view goes.
-    Versions of full tensors only (a delta is applied to a reader's own copy). WeightVersionError when the segment
-    was deleted or is being reused, WeightChecksumError naming every tensor whose bytes differ."""
+    WeightVersionError when the segment was deleted or is being reused, WeightChecksumError naming every tensor
+    whose bytes differ."""
     version = manifest.version
-    deltas = [name for name, entry in manifest.entries.items() if entry.encoding != "full"]
-    if deltas:
-        raise ValueError(f"policy version {version}: tensors {deltas[:3]} are stored as deltas; map_segment maps "
-                         "versions of full tensors only")
     fd = open_segment_file(path, version, arriving=False)
     try:
         try:
@@ -459,9 +449,6 @@ class SegmentRead:
             progress = SegmentProgress(fd, manifest.version, path.name, ARRIVAL_STALL_S if arriving else None)
             self.out, self.staged = {}, {}
             for name, entry in manifest.entries.items():
-                if entry.encoding != "full":  # a delta's bytes (forge/weights/delta.py), never into a caller's tensor
-                    self.out[name] = self.staged[name] = torch.empty(entry.nbytes, dtype=torch.uint8)
-                    continue
                 dtype = getattr(torch, entry.dtype)
                 target = into.get(name) if into is not None else None
                 if target is None:
@@ -505,45 +492,6 @@ class SegmentRead:
                 if buffer is not self.out[name]:
                     self.out[name].copy_(buffer)
         return self.out
-
-
-def copy_verified(sources: dict[str, torch.Tensor], manifest: Manifest,
-                  into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Copies of `sources` (a reader's own copy of `manifest`'s version: contiguous CPU tensors of the published dtypes)
-    into `into`'s tensors or fresh ones, each _sums._HASH_STEP of bytes hashed right before it is copied (in this core's
-    cache) and every tensor compared with the checksums of the tensor published (`TensorEntry.rebuilt_checksums`):
-    WeightChecksumError naming every tensor whose bytes differ, else the copies."""
-    found: dict[tuple[str, int], int] = {}
-    out, staged = {}, {}
-    for name, entry in manifest.entries.items():
-        target = into.get(name) if into is not None else None
-        if target is None:
-            target = torch.empty(entry.shape, dtype=sources[name].dtype)
-        out[name] = target
-        direct = target.device.type == "cpu" and target.is_contiguous() and target.dtype == sources[name].dtype
-        staged[name] = target if direct else None
-
-    def copy(piece: tuple[str, int], view: memoryview) -> None:
-        name, index = piece
-        target = staged[name]
-        into_view = None if target is None else _bytes_of(target)[index * _sums._CHUNK : index * _sums._CHUNK + len(view)]
-        hasher = _Hasher(manifest.checksum)
-        for at in range(0, len(view), _sums._HASH_STEP):
-            step = view[at : at + _sums._HASH_STEP]
-            hasher.update(step)
-            if into_view is not None:
-                into_view[at : at + len(step)] = step
-        found[name, index] = hasher.digest()
-
-    pieces = [((name, i), view) for name, tensor in sources.items() for i, view in enumerate(_chunks(_bytes_of(tensor)))]
-    _run_io(copy, pieces, manifest.tensor_nbytes)
-    _raise_on_mismatch(manifest, _mismatches(found, {n: e.rebuilt_checksums for n, e in manifest.entries.items()}),
-                       rebuilt=True)
-    with torch.no_grad():
-        for name, target in staged.items():
-            if target is None:
-                out[name].copy_(sources[name])
-    return out
 
 
 def open_segment_file(path: Path, version: int, arriving: bool) -> int:

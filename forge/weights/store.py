@@ -39,17 +39,7 @@ Every tensor's checksums (a hash per 32 MB, forge/weights/segment.py) are taken 
 what it read against them on either path and raises WeightChecksumError, naming the tensor and the version,
 instead of returning weights that differ from what was published.
 
-Delta sync (`WeightStore(delta=DeltaSync(enabled=True))`, forge/weights/delta.py): the publisher keeps its own copy of
-the version it published last and stores each tensor of the next as its delta from it (changed positions and their
-new bits) where that is smaller, whole else; a version of whole tensors only (every `full_every` versions, when a
-reader asked for one, or when no delta paid: a tiny model at a high learning rate) starts a new chain. The manifest
-says which (`base`: the version the deltas rewrite; `anchor`: the chain's full version). A reader rebuilds a version
-on its own copy of the one it fetched last (the deltas after it), or from the chain's full version and the deltas
-after it when it holds none of the chain; the rebuilt tensors are checked against the checksums of the tensors
-published before they are handed out (as copies). `delete_older_than` keeps the chain the oldest kept version
-needs. A reader that cannot read a chain (a version of it deleted, or bytes that fail the check) asks for a full
-version, and the next publish is one. Each version records `weights/published_bytes`, `weights/published_delta`
-(1: deltas, 0: full) and `weights/changed_share`.
+Each version records `weights/published_bytes`.
 
 Segments are named `forge-<job>-<namespace>-v<version>` where <job> is the controller's pid
 (FORGE_JOB_ID): `delete` removes one, `remove_job_segments` (run at shutdown, and for dead jobs at
@@ -76,9 +66,7 @@ from forge.distributed import group_rank, group_size
 from forge.job import MULTI_HOST_VARIABLE, job_id
 from forge.metrics import record_metric
 from forge.weights import checksums as _sums
-from forge.weights import delta as weight_delta
-from forge.weights.checksums import checksums, verify
-from forge.weights.delta_sync import DeltaSync
+from forge.weights.checksums import verify
 from forge.weights.manifest import (  # noqa: F401 (the errors and Manifest are re-exported)
     Manifest,
     SharedMemoryError,
@@ -92,7 +80,6 @@ from forge.weights.publisher import PieceWriter, gathered
 from forge.weights.segment import (  # noqa: F401 (SHM_DIR and the job_* helpers are re-exported)
     SHM_DIR,
     SegmentRead,
-    copy_verified,
     SegmentWriter,
     create_segment,
     job_segments_bytes,
@@ -130,8 +117,7 @@ def relayed() -> bool:
 
 
 class WeightStore:
-    def __init__(self, namespace: str = "policy", *, transport: Transport = "auto", cross_host: bool = False,
-                 delta: DeltaSync | None = None) -> None:
+    def __init__(self, namespace: str = "policy", *, transport: Transport = "auto", cross_host: bool = False) -> None:
         if transport not in ("auto", "shm", "torchstore"):
             raise ValueError(f"transport={transport!r}: must be one of 'auto', 'shm', 'torchstore'")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", namespace):
@@ -142,13 +128,6 @@ class WeightStore:
         self.cross_host = cross_host or self.relayed  # the relays copy versions from torchstore
         self.host = socket.gethostname()
         self._registered = False
-        self.delta = delta or DeltaSync()
-        # Publishing with deltas: the previous version's tensors (rank 0). Reading a chain of deltas: this process's
-        # own copy of the newest version it rebuilt (`_held_version`), never handed out (fetch returns copies).
-        self._chain = weight_delta.Chain(self.delta.full_every) if self.delta.enabled else None
-        self._held: dict[str, torch.Tensor] = {}
-        self._held_version: int | None = None
-        self._rebuild_lock = asyncio.Lock()
 
     # --- keys ---------------------------------------------------------------------------------------
     def _manifest_key(self, version: int) -> str:
@@ -170,10 +149,6 @@ class WeightStore:
 
     def _incoming_key(self) -> str:
         return f"{self.namespace}/incoming"
-
-    def _full_wanted_key(self) -> str:
-        """Set by a reader that could not rebuild a version from its chain: the next version is published full."""
-        return f"{self.namespace}/full_wanted"
 
     def host_incoming_key(self, host: str) -> str:
         """The layout of the version `host`'s relay is streaming into its shared memory (readers may start)."""
@@ -205,28 +180,20 @@ class WeightStore:
                                                     and (not self.relayed or torchstore_has_rdma()))
         entries, size = layout(state_dict, dtype)
         algorithm = _sums.CHECKSUM
-        chain = self._chain if is_writer else None
-        if chain is not None:
-            chain.begin(force_full=await self._full_wanted())
         segment = await asyncio.to_thread(self._open_segment, version, size, group) if use_shm else None
         put_keys, announced = [], None
-        if segment is not None and self.relayed and not use_ts and self._chain is None:
-            # The relays stream its pieces as they are written (no checksums yet: those come with the manifest). A
-            # version of deltas has its layout only once written: the relays copy it once complete.
+        if segment is not None and self.relayed and not use_ts:
+            # The relays stream its pieces as they are written (no checksums yet: those come with the manifest).
             incoming = Manifest(version, self.host, segment.path.name, False, entries, algorithm)
             announced = asyncio.ensure_future(ts.put(self._incoming_key(), incoming))
-        cursor = 0  # where the next tensor's bytes go in a version of deltas (they are smaller than `layout`'s room)
         # Rank 0 writes and hashes each tensor's pieces on a pool of threads while the next tensor is gathered.
         pieces = PieceWriter(segment, algorithm) if is_writer else None
         try:
             for name, tensor in state_dict.items():
-                offset = entries[name].offset if chain is None else cursor
-                stored = await asyncio.to_thread(_gather_and_store, name, tensor, dtype, group, entries[name], pieces,
-                                                 offset, chain, algorithm, use_ts)
-                if stored is None:
+                payload = await asyncio.to_thread(_gather_and_store, name, tensor, dtype, group, entries[name].offset,
+                                                  pieces, use_ts)
+                if payload is None:
                     continue
-                entries[name], payload = stored
-                cursor = offset + (entries[name].nbytes + 63) // 64 * 64
                 if use_ts:
                     put_keys.append(f"{self.tensors_key(version)}/{name}")
                     await ts.put(put_keys[-1], payload)
@@ -236,14 +203,10 @@ class WeightStore:
             if announced is not None:
                 await announced
             if segment is not None:
-                if chain is not None:
-                    segment.shrink(cursor)
                 await asyncio.to_thread(segment.commit)
         except BaseException:
             if pieces is not None:
                 await asyncio.to_thread(pieces.abort)  # no piece is written once the segment is abandoned
-            if chain is not None:
-                chain.reset()  # its copies may be half updated: the next version is full
             if segment is not None:
                 segment.abort()  # marks it abandoned: a relay streaming it stops, and its host's readers with it
             if announced is not None:
@@ -255,10 +218,9 @@ class WeightStore:
             raise
         if not is_writer:
             return None
-        base, anchor = chain.end(version) if chain is not None else (None, None)
         manifest = Manifest(version, self.host, None if segment is None else segment.path.name, use_ts, entries,
-                            algorithm, base, anchor)
-        _record_publish_metrics(manifest)
+                            algorithm)
+        record_metric("weights/published_bytes", manifest.nbytes, "sum")
         await ts.put(self._manifest_key(version), manifest)
         # `latest` only moves forward, and only after the bytes are in place.
         latest = await self.published_version()
@@ -269,13 +231,6 @@ class WeightStore:
         if self.relayed:
             await self._register_namespace()
         return manifest
-
-    async def _full_wanted(self) -> bool:
-        """Whether a reader asked for a full version (and the request is taken)."""
-        wanted = await get_if_exists(self._full_wanted_key())
-        if wanted is not None:
-            await ts.delete(self._full_wanted_key())
-        return wanted is not None
 
     async def _register_namespace(self) -> None:
         """Tell the relays to follow this namespace (checked on every publish: a lost concurrent update heals)."""
@@ -348,14 +303,11 @@ class WeightStore:
     async def fetch(self, version: int, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Version `version` as {name: tensor}: copied into `into`'s tensors when given (names and shapes must
         match); else views of its segment where this host holds it whole (`map_segment`), fresh tensors otherwise
-        (deltas, torchstore, a version still arriving). Every tensor is checked against the checksums taken when it was published:
-        WeightChecksumError (naming the tensor and the version) rather than weights that differ from them. A version
-        published as deltas is rebuilt on this process's own copy of an earlier one (`_fetch_rebuilt`)."""
+        (torchstore, a version still arriving). Every tensor is checked against the checksums taken when it was
+        published: WeightChecksumError (naming the tensor and the version) rather than weights that differ from them."""
         manifest, arriving = await self._locate(version)
         if into is not None:
             check_compatible(manifest, {n: (tuple(t.shape), t.dtype) for n, t in into.items()})
-        if manifest.anchor is not None:
-            return await self._fetch_rebuilt(manifest, arriving, into)
         return (await self._read_stored(manifest, arriving, into))[1]
 
     async def _locate(self, version: int) -> tuple[Manifest, bool]:
@@ -366,8 +318,8 @@ class WeightStore:
 
     async def _read_stored(self, manifest: Manifest, arriving: bool,
                            into: dict[str, torch.Tensor] | None) -> tuple[Manifest, dict[str, torch.Tensor]]:
-        """The bytes stored for `manifest`'s version, each checked against the publisher's checksums: full tensors
-        (into `into`'s where it has them) and deltas' bytes (uint8); and the publisher's manifest."""
+        """The version's tensors (into `into`'s where it has them), each checked against the publisher's checksums;
+        and the publisher's manifest."""
         version = manifest.version
         if arriving:  # read as its host's relay streams it in; checked against the publisher's final checksums
             read = await asyncio.to_thread(SegmentRead, SHM_DIR / manifest.segment, manifest, into, arriving=True)
@@ -376,10 +328,9 @@ class WeightStore:
             return published, await asyncio.to_thread(read.verified, published)
         if manifest.segment is not None and manifest.host == self.host:
             # A caller with no tensors of its own gets views of the segment (its lease keeps the file from being
-            # rewritten); its own copy is only needed to apply deltas to, or to read into `into`'s tensors.
-            mapped = into is None and all(entry.encoding == "full" for entry in manifest.entries.values())
+            # rewritten).
             try:
-                if mapped:
+                if into is None:
                     return manifest, await asyncio.to_thread(map_segment, SHM_DIR / manifest.segment, manifest)
                 return manifest, await asyncio.to_thread(read_segment, SHM_DIR / manifest.segment, manifest, into)
             except FileNotFoundError:
@@ -392,78 +343,14 @@ class WeightStore:
             key = self.tensors_key(version)
             fetched = {}
             for name, entry in manifest.entries.items():
-                full = entry.encoding == "full"
-                target = into.get(name) if into is not None and full else None
+                target = into.get(name) if into is not None else None
                 fetched[name] = await ts.get(f"{key}/{name}", inplace_tensor=target)
-                verify(name, fetched[name].to(getattr(torch, entry.dtype)) if full else fetched[name], manifest)
+                verify(name, fetched[name].to(getattr(torch, entry.dtype)), manifest)
             return manifest, fetched
         raise WeightVersionError(
             f"policy version {version} was published to shared memory on host {manifest.host!r} only; this process "
             f"is on {self.host!r}. Publish with WeightStore(cross_host=True) (or transport='torchstore') for multi-host jobs."
         )
-
-    async def _fetch_rebuilt(self, manifest: Manifest, arriving: bool,
-                             into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """A version of a chain of deltas: this process's copy is brought to it (the deltas after the version it
-        holds, or the chain's full version and the deltas after it), then copied out, every tensor checked against
-        the checksums of the tensor published. A copy that fails the check is dropped and the version rebuilt once
-        from its chain's full version; a chain that cannot be read (a version of it deleted) or still fails asks
-        the publisher for a full version (`_full_wanted_key`) and raises."""
-        async with self._rebuild_lock:
-            try:
-                try:
-                    return await self._rebuild(manifest, arriving, into)
-                except WeightChecksumError:
-                    self._held_version = None  # its copy is not what was published: rebuilt from the full version
-                    return await self._rebuild(manifest, arriving, into)
-            except (WeightChecksumError, WeightVersionError):
-                self._held_version = None
-                await ts.put(self._full_wanted_key(), manifest.version)
-                raise
-
-    async def _rebuild(self, manifest: Manifest, arriving: bool,
-                       into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        for link, link_arriving in await self._chain_to(manifest, arriving):
-            await self._apply(link, link_arriving)
-        return await asyncio.to_thread(copy_verified, self._held, manifest, into)
-
-    async def _chain_to(self, manifest: Manifest, arriving: bool) -> list[tuple[Manifest, bool]]:
-        """The versions to apply, oldest first, to bring this process's copy to `manifest`'s version: from the one
-        after the version it holds, or from the chain's full version."""
-        links = [(manifest, arriving)]
-        while True:
-            link = links[-1][0]
-            if link.version == self._held_version:
-                return links[-2::-1]
-            if link.base is None or link.base == self._held_version:
-                return links[::-1]
-            links.append(await self._locate(link.base))
-
-    async def _apply(self, manifest: Manifest, arriving: bool) -> None:
-        """One version into this process's copy: its full tensors read straight into it, its deltas applied."""
-        if manifest.base is None or manifest.base != self._held_version:
-            self._held = {name: self._held_buffer(name, entry) for name, entry in manifest.entries.items()}
-        self._held_version = None  # half applied until the end
-        published, stored = await self._read_stored(manifest, arriving, self._held)
-
-        def apply_deltas() -> None:
-            for name, entry in published.entries.items():
-                if entry.encoding != "full":
-                    try:
-                        weight_delta.apply(self._held[name], weight_delta.from_bytes(
-                            entry.encoding, stored[name], entry.changed, self._held[name].dtype))
-                    except (ValueError, RuntimeError, IndexError) as e:  # bytes that passed their check but do not fit
-                        raise WeightChecksumError(f"policy version {published.version}: the delta of tensor {name!r} "
-                                                  f"does not apply ({e}). The version is not served.") from e
-
-        await asyncio.to_thread(apply_deltas)
-        self._held_version = published.version
-
-    def _held_buffer(self, name: str, entry: TensorEntry) -> torch.Tensor:
-        held, dtype = self._held.get(name), getattr(torch, entry.dtype)
-        if held is not None and tuple(held.shape) == tuple(entry.shape) and held.dtype == dtype:
-            return held
-        return torch.empty(entry.shape, dtype=dtype)
 
     async def _relayed_manifest(self, version: int) -> tuple[Manifest, bool]:
         """Where this process reads `version` in a relayed job, and whether it is still arriving, looked up once (no
@@ -531,14 +418,8 @@ class WeightStore:
                 await ts.delete(key)
 
     async def delete_older_than(self, version: int) -> list[int]:
-        """Delete every version below `version` (what no generator or trainer can still need), but for the chain of
-        deltas the oldest version kept needs (its full version and the deltas after it)."""
+        """Delete every version below `version` (what no generator or trainer can still need)."""
         versions = await self.versions()
-        kept = [v for v in versions if v >= version]
-        if kept:
-            with contextlib.suppress(WeightVersionError):
-                anchor = (await self.manifest(kept[0])).anchor
-                version = min(version, version if anchor is None else anchor)
         old = [v for v in versions if v < version]
         for v in old:
             await self.delete(v)
@@ -561,34 +442,14 @@ async def get_if_exists(key: str):
 
 
 def _gather_and_store(name: str, tensor: torch.Tensor, dtype: torch.dtype | None, group: dist.ProcessGroup | None,
-                      entry: TensorEntry, pieces: PieceWriter | None, offset: int, chain: weight_delta.Chain | None,
-                      algorithm: str, on_host: bool) -> tuple[TensorEntry, torch.Tensor] | None:
+                      offset: int, pieces: PieceWriter | None, on_host: bool) -> torch.Tensor | None:
     """One tensor cast, gathered to rank 0 and queued there for `pieces` (written at `offset` of the segment and
-    hashed; the checksums come with `PieceWriter.finish`): its delta from the previous version where `chain` has one
-    that is smaller, else the tensor. Returns its entry (for a delta: the checksums of the tensor it rebuilds) and the
-    bytes stored (a CPU tensor where `on_host` or a chain needs one, for torchstore); None on the other ranks."""
+    hashed; the checksums come with `PieceWriter.finish`). Returns the gathered tensor (copied into host memory where
+    `on_host`: it goes to torchstore); None on the other ranks."""
     full = gathered(tensor, dtype, group)
     if full is None:
         return None
-    if chain is not None or on_host:
+    if on_host:
         full = full.cpu().contiguous()
-    delta, changed = chain.encode(name, full) if chain is not None else (None, -1)
-    payload = full if delta is None else weight_delta.to_bytes(delta)
-    pieces.add(name, payload, offset)
-    stored = dataclasses.replace(entry, offset=offset, changed=changed)
-    if delta is not None:
-        stored = dataclasses.replace(stored, nbytes=payload.numel(), encoding=delta.encoding,
-                                     tensor_checksums=checksums(full, algorithm))
-    if chain is not None:
-        chain.keep(name, full, tensor)
-    return stored, payload
-
-
-def _record_publish_metrics(manifest: Manifest) -> None:
-    """Per version: the bytes stored, full or deltas, and the share of elements that changed (where compared)."""
-    record_metric("weights/published_bytes", manifest.nbytes, "sum")
-    record_metric("weights/published_delta", float(manifest.base is not None), "mean")
-    compared = [e for e in manifest.entries.values() if e.changed >= 0]
-    numel = sum(int(torch.Size(e.shape).numel()) for e in compared)
-    if numel:
-        record_metric("weights/changed_share", sum(e.changed for e in compared) / numel, "mean")
+    pieces.add(name, full, offset)
+    return full

@@ -126,7 +126,7 @@ def test_a_corrupted_byte_in_a_reused_mapped_segment_fails_the_read_naming_the_t
 
 
 def test_a_reused_file_that_must_grow_is_written_whole_and_exact(publisher, small_pieces):
-    """A spare smaller than the new version (a version of deltas shrank it, or the model grew) has no pages for the
+    """A spare smaller than the new version (the model grew) has no pages for the
     new bytes: those go through pwrite, never through a mapping onto missing pages (SIGBUS on a full /dev/shm)."""
     bigger = {**SHAPES, "extra": (333, 7)}
     for version in range(3):

@@ -153,7 +153,7 @@ def test_the_runtime_imports_none_of_the_weight_plane():
     code = ("import sys, importlib\n"
             f"for name in {runtime!r}: importlib.import_module(name)\n"
             "plane = sorted(m for m in sys.modules if m.startswith('forge.weights') or m in ("
-            "'forge.shm_weights', 'forge.weight_store', 'forge.weight_relay', 'forge.weight_delta', 'forge.delta_sync'))\n"
+            "'forge.shm_weights', 'forge.weight_store', 'forge.weight_relay'))\n"
             "print(plane)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -181,9 +181,7 @@ def test_importing_the_segments_registers_their_clean_up_with_the_runtime():
 
 @pytest.mark.parametrize("old, new", [("forge.shm_weights", "forge.weights.segment"),
                                       ("forge.weight_store", "forge.weights.store"),
-                                      ("forge.weight_relay", "forge.weights.relay"),
-                                      ("forge.weight_delta", "forge.weights.delta"),
-                                      ("forge.delta_sync", "forge.weights.delta_sync")])
+                                      ("forge.weight_relay", "forge.weights.relay")])
 def test_the_old_module_names_import_with_a_deprecation_warning(old, new):
     code = (f"import warnings\nwith warnings.catch_warnings(record=True) as caught:\n"
             f"    warnings.simplefilter('always')\n    import {old} as old\n"

@@ -354,22 +354,3 @@ def test_the_server_listens_on_the_address_it_is_given_and_never_on_every_interf
     assert server.address[0] == "127.0.0.1"
     with pytest.raises(ValueError, match="'0.0.0.0': listen on this host's own address"):
         SegmentServer("0.0.0.0", SECRET)
-
-
-class _Chain:
-    """A weight store's manifests of one namespace: version -> base (None: a full version)."""
-
-    def __init__(self, bases: dict[int, int | None]) -> None:
-        self.manifests = {v: Manifest(v, "A", f"s{v}", False, {}, "xxh3_64", base, None) for v, base in bases.items()}
-
-    async def manifest(self, version: int) -> Manifest:
-        return self.manifests[version]
-
-
-async def test_a_relay_copies_the_versions_of_a_chain_of_deltas_its_host_lacks_oldest_first():
-    store = _Chain({4: None, 5: 4, 6: 5, 7: 6, 8: None})
-    links = weight_relay.links_to_copy
-    assert [m.version for m in await links(store, store.manifests[7], copied={5})] == [6]  # rebuilt on its copy of 5
-    assert [m.version for m in await links(store, store.manifests[7], copied={2})] == [4, 5, 6]  # from the full one
-    assert await links(store, store.manifests[7], copied={6}) == []
-    assert await links(store, store.manifests[8], copied=set()) == []  # a full version needs nothing else
