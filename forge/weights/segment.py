@@ -291,7 +291,7 @@ class _Mapping:
         """Page-lock the mapping for CUDA's DMA (once); False when CUDA refuses."""
         if not self.pinned:
             address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-            self.pinned = torch.cuda.cudart().cudaHostRegister(address, len(self.map), 0) == 0
+            self.pinned = int(torch.cuda.cudart().cudaHostRegister(address, len(self.map), 0)) == 0
             self._address = address
         return self.pinned
 
