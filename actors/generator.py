@@ -27,7 +27,9 @@ from actors.generator_config import GeneratorConfig  # noqa: F401  (re-exported:
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from rl.types import Completion, CompletionBatch, SamplingParams
-from forge.weight_store import RELAY_WAIT_S, WeightStore, WeightVersionError
+from forge.weights.store import RELAY_WAIT_S, WeightStore, WeightVersionError
+
+_DELETED_RETRIES = 3  # versions deleted between the store's notice and the fetch, before a request fails
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,9 @@ class Generator(ForgeActor):
 
     @endpoint
     async def update_weights(self, version: int) -> int:
-        """Fetch `version` and swap it in now (between batches); returns the engine's version."""
+        """Fetch `version` and swap it in now (between batches), once the store names it readable on this host (the
+        one path: `WeightStore.wait_for_version`, bounded by RELAY_WAIT_S); returns the engine's version."""
+        await self.store.wait_for_version(version, RELAY_WAIT_S, self.config.weight_poll_s)
         await self._load(version, stage=False)
         return self.engine.policy_version
 
@@ -148,41 +152,30 @@ class Generator(ForgeActor):
         """The newest version in the engine, applied or staged (staged weights apply when a batch starts)."""
         return max(self._fetched_version, self.engine.policy_version)
 
-    async def _stage_newest(self, at_least: int = 0) -> None:
-        """Stage the store's newest version if it is newer than what this replica has fetched."""
+    async def _stage_newest(self) -> None:
+        """Stage the store's newest version readable on this host if it is newer than what this replica has fetched."""
         latest = await self.store.latest_version()
         if latest is not None and latest > self._held_version:
             await self._load(latest, stage=True)
-        elif at_least > self._held_version:
-            raise WeightVersionError(f"a request needs policy version >= {at_least}, but "
-                                     f"{'no version is published' if latest is None else f'the newest published is {latest}'}")
 
-    async def _ensure_version(self, version: int, attempts: int = 20, retry_s: float = 0.05) -> None:
-        """Return once `version` or newer is loaded or staged (staged weights apply when the batch starts)."""
+    async def _ensure_version(self, version: int, wait_s: float | None = None) -> None:
+        """Return once `version` or newer is loaded or staged (staged weights apply when the batch starts). The
+        store names a version only once its bytes can be read on this host (`wait_for_version`, bounded by
+        RELAY_WAIT_S): nothing is fetched before that. A version deleted between the notice and the fetch means a
+        newer one is readable: that one is fetched instead (a few times at most)."""
         if self._held_version >= version:
             return
-        waited, failures = time.perf_counter(), 0
-        while self._held_version < version:
+        waited = time.perf_counter()
+        for attempt in range(_DELETED_RETRIES):
+            latest = await self.store.wait_for_version(version, RELAY_WAIT_S if wait_s is None else wait_s,
+                                                       self.config.weight_poll_s)
             try:
-                await self._stage_newest(at_least=version)
-            except WeightVersionError:  # deleted between listing and fetching (a newer one exists), or not yet listed
-                failures += 1
-                if failures >= attempts and not await self._wait_for_relay(version, waited):
+                await self._load(latest, stage=True)
+                break
+            except WeightVersionError:
+                if attempt + 1 == _DELETED_RETRIES:
                     raise
-                await asyncio.sleep(retry_s)
         record_metric("generator/version_wait_s", time.perf_counter() - waited, "sum")
-
-    async def _wait_for_relay(self, version: int, since: float) -> bool:
-        """Whether to keep waiting for `version`: in a multi-host job the trainer has published it and this host's
-        relay is copying it (one crossing for all the host's readers) -- until RELAY_WAIT_S, after which this
-        replica fetches it itself (from torchstore where the version is there, counted in weights/fetches_past_relay;
-        else forge.weight_store waits for the host's copy, bounded)."""
-        published = await self.store.published_version() if self.store.relayed else None
-        if published is None or published < version:
-            return False
-        if time.perf_counter() - since >= RELAY_WAIT_S:
-            await self._load(published, stage=True)
-        return True
 
     async def _follow_weights(self) -> None:
         while not self._stopping:

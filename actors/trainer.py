@@ -25,7 +25,7 @@ from actors.weight_publisher import WeightPublisher
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import init_from_environment, local_device
 from rl.types import TrainBatch
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 
 if TYPE_CHECKING:
     from actors.titan_trainer import TitanTrainer
@@ -67,7 +67,7 @@ class TrainerActor(ForgeActor):
         from actors.titan_trainer import TitanTrainer
 
         self.trainer: TitanTrainer = await self._compute(TitanTrainer, self.config, rank=rank, world_size=world_size)
-        self.store = WeightStore(self.weight_namespace, delta=self.config.publish_deltas)
+        self.store = WeightStore(self.weight_namespace)
 
     async def _compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the trainer's work on its own thread, so the event loop keeps publishing meanwhile."""

@@ -8,7 +8,6 @@ from typing import Any
 
 from actors.lora_config import LoRAConfig, check_lora_for_model, local_hf_config
 from actors.model_config import ModelConfig, is_int, is_number, require_field
-from forge.delta_sync import DeltaSync
 from losses.rules import HYPERPARAM_RULES, check_hyperparams
 from losses.registry import REGISTERED_LOSSES, SUPPLIED_BY_TRAINER, check_loss_name
 
@@ -61,9 +60,6 @@ class TrainerConfig(ModelConfig):
     lora: LoRAConfig | None = None
     """Train low-rank adapters on a frozen base (null: full fine-tuning); publishes and exports the adapter only
     (docs/lora.md)."""
-    publish_deltas: DeltaSync = field(default_factory=DeltaSync)
-    """Publish each version as its changes from the previous one where smaller (bit-exact; off by default: on one host
-    a delta version stored 10% of the bytes but was ready 5-8x later, docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

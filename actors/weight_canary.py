@@ -1,6 +1,6 @@
 """The weight-sync canary: the trainer and every generator replica score the same fixed prompt and completion.
 
-Checksums (forge.shm_weights) prove a generator loaded the bytes that were published; the canary proves those
+Checksums (forge/weights/checksums.py) prove a generator loaded the bytes that were published; the canary proves those
 bytes are the trainer's policy: a publish that converted, renamed or transposed a tensor wrongly, an engine
 that loads a name into the wrong place, a quantized or wrong-dtype load all show up as log-probs that differ.
 Both sides score at temperature 1 over the full vocabulary (vLLM's teacher-forced log-probs are raw-logit ones).

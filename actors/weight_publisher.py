@@ -5,7 +5,7 @@
     version = await publisher.wait()   # the version is in the store and advertised (raises its error)
 
 A publish reads the live parameters (no snapshot), casts each tensor to the generators' dtype on its own
-rank, gathers it to rank 0 alone and streams it into the weight store (forge/weight_store.py). The only
+rank, gathers it to rank 0 alone and streams it into the weight store (forge/weights/store.py). The only
 thing that must wait for it is the next change of the parameters: the optimizer's step waits until the
 publisher has read them all. One version is in flight at a time; versions older than `keep_versions`
 are deleted once a new one is advertised.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from forge.distributed import group_rank, group_size
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 
 
 class WeightPublisher:

@@ -5,7 +5,7 @@ the trainer's tensors to a generator running them, for a real model shape and Lo
     python -m bench.lora_publish --rank 16 --targets q_proj,v_proj
     python -m bench.lora_publish --model-shape tiny                # seconds, for a smoke test
 
-Both ways take forge's shared-memory path (forge/shm_weights.py, as bench/publish_to_ready.py times it stage by
+Both ways take forge's shared-memory path (forge/weights/segment.py, as bench/publish_to_ready.py times it stage by
 stage): cast to the generator dtype, checksum, write into /dev/shm, read back verified. Then
   full     the hf engine's load of a whole state dict (bench.publish_to_ready.publish_and_load)
   adapter  what the hf engine does with a LoRA version (actors/engines/lora_weights.py): every adapted layer set to
@@ -27,8 +27,11 @@ from transformers import PreTrainedModel
 from actors.engines import lora_weights
 from actors.lora_config import LORA_TARGETS
 from bench.publish_to_ready import DTYPES, SHAPES, Stages, build_model, check_equal, publish_and_load, qwen3_config
-from forge.shm_weights import CHECKSUM, SHM_DIR, Manifest, checksums, create_segment, gathered_on_host, job_id, layout, \
-    read_segment
+from forge.job import job_id
+from forge.weights.checksums import CHECKSUM, checksums
+from forge.weights.manifest import Manifest, layout
+from forge.weights.publisher import gathered_on_host
+from forge.weights.segment import SHM_DIR, create_segment, read_segment
 
 
 def lora_adapter(model: PreTrainedModel, rank: int, targets: list[str], seed: int) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ with baselines that write or copy the same state dict, each in a fresh process o
 
 Methods (every one publishes/writes in bf16, the generators' dtype):
 - forge: `WeightPublisher.start(...)` + `wait()` (actors/weight_publisher.py), which streams the tensors into a
-  shared-memory segment through `WeightStore.publish` (forge/weight_store.py), as the trainer does after a step.
+  shared-memory segment through `WeightStore.publish` (forge/weights/store.py), as the trainer does after a step.
 - torch.save: `torch.save` of the bf16 state dict into /dev/shm (a plain file of the same bytes).
 - copy: a bf16 copy of the whole state dict in the process (what gathering the full state dict costs).
 
@@ -96,13 +96,13 @@ async def run_method(method: str, param_dtype: torch.dtype) -> dict:
     store = None
     if method == "forge":
         from actors.weight_publisher import WeightPublisher
-        from forge.provisioner import get_provisioner
-        from forge.weight_store import SHM_DIR, WeightStore
+        from forge.weights.store import SHM_DIR, WeightStore
+        from forge.weights.startup import start_weight_store
 
-        await get_provisioner().start_weight_store()  # before measuring: the Monarch runtime is not the publish
+        await start_weight_store()  # before measuring: the Monarch runtime is not the publish
         store = WeightStore("bench-publish-memory", transport="shm")
     else:
-        from forge.weight_store import SHM_DIR
+        from forge.weights.store import SHM_DIR
     params = [torch.nn.Parameter(t, requires_grad=False) for t in random_state_dict(param_dtype).values()]
     state_dict = dict(zip(qwen3_1_7b_shapes(), params))
     published_bytes = sum(t.numel() for t in params) * publish_dtype.itemsize

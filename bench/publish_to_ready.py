@@ -7,7 +7,7 @@ second copy of the model (a generator's) holding them, stage by stage, beside tw
 
 It builds a Qwen3 model of that shape with random weights from a config it writes (no hub) on `--device` (the
 trainer's), and an empty second copy there (the generator's). The weights then go the way forge moves them
-(forge/shm_weights.py, the shared-memory path of the weight store), timed per stage:
+(forge/weights/segment.py, the shared-memory path of the weight store), timed per stage:
   device->host  each tensor cast to the generator dtype on its device and copied to host memory, one at a time
   checksum      a hash of every tensor (xxh3-64, or crc32 without xxhash), taken once at publish
   write         pwrite into one shared-memory segment in /dev/shm
@@ -41,8 +41,11 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from actors.engines.weights import check_state_dict, hf_weight_specs
-from forge.shm_weights import (CHECKSUM, SHM_DIR, Manifest, checksums, create_segment, gathered_on_host, job_id, layout,
-                               read_segment)
+from forge.job import job_id
+from forge.weights.checksums import CHECKSUM, checksums
+from forge.weights.manifest import Manifest, layout
+from forge.weights.publisher import gathered_on_host
+from forge.weights.segment import SHM_DIR, create_segment, read_segment
 
 # Qwen3 dimensions (the published config.json of each model); "tiny" is for tests.
 SHAPES: dict[str, dict] = {

@@ -43,7 +43,8 @@ import torch
 
 from forge import provisioner
 from bench.weight_sync_actors import DTYPES, SWAP_MODES, Publisher, Reader, delete_torchstore_prefix, state_dict_shapes
-from forge.weight_store import SHM_DIR, WeightStore, job_id
+from forge.weights.store import SHM_DIR, WeightStore, job_id
+from forge.weights.startup import start_weight_store
 
 
 @dataclass
@@ -161,7 +162,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     # Spawned processes import this module by name: give them the repository on their path.
     root = str(Path(__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    await provisioner.get_provisioner().start_weight_store()
+    await start_weight_store()
     publisher = await Publisher.options(procs=1, mesh_name="publisher").as_actor()
     readers = await Reader.options(procs=2, mesh_name="readers").as_actor()
     rows = []
@@ -223,10 +224,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-wait-ms", type=float, default=2.0, help="sleep per decode step (the GPU's share)")
     parser.add_argument("--hosts", type=int, default=1, choices=(1, 2),
                         help="2: publisher on simulated host A, readers on host B (bench/weight_sync_hosts.py; root)")
-    parser.add_argument("--delta-lrs", default="0",
-                        help="--hosts 2, comma-separated: a row per lr, published with delta sync and master weights "
-                             "moved by an Adam-like step of that lr between versions (0: whole, as built)")
+    parser.add_argument("--link-gbit", default="",
+                        help="--hosts 2, comma-separated: a row set per link rate, each host's link shaped with tc tbf "
+                             "(empty: unshaped, loopback speed)")
+    parser.add_argument("--no-torchstore", action="store_true", help="--hosts 2: leave out (b), plain torchstore")
     args = parser.parse_args(argv)
+    try:
+        args.link_gbit = [float(rate) for rate in args.link_gbit.split(",") if rate] or [None]
+    except ValueError:
+        parser.error(f"--link-gbit={args.link_gbit!r}: must be comma-separated numbers (Gbit/s)")
+    if any(rate is not None and rate <= 0 for rate in args.link_gbit) or (args.link_gbit != [None] and args.hosts != 2):
+        parser.error(f"--link-gbit={args.link_gbit}: rates must be > 0, and only with --hosts 2")
     args.dtypes = args.dtypes.split(",")
     args.swap = [s for s in args.swap.split(",") if s]
     for name in args.dtypes:
@@ -237,13 +245,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--swap: {name!r} is not one of {list(SWAP_MODES)}")
     if args.size_gb <= 0:
         parser.error(f"--size-gb={args.size_gb}: must be > 0")
-    try:
-        args.delta_lrs = [float(lr) for lr in args.delta_lrs.split(",")]
-    except ValueError:
-        parser.error(f"--delta-lrs={args.delta_lrs!r}: must be comma-separated numbers")
-    if min(args.delta_lrs) < 0 or (any(args.delta_lrs) and args.hosts != 2):
-        parser.error(f"--delta-lrs={args.delta_lrs} with --hosts {args.hosts}: lrs must be >= 0, and > 0 only with "
-                     "--hosts 2")
     if args.repeats < 1 or args.ts_repeats < 0:
         parser.error(f"--repeats={args.repeats}, --ts-repeats={args.ts_repeats}: need >= 1 and >= 0")
     return args

@@ -11,7 +11,7 @@ import torch
 
 from forge import compat
 from forge.actor import ForgeActor, endpoint
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 from monarch.actor import current_rank  # after forge.compat, which makes Monarch importable
 
 ts = compat.import_torchstore()

@@ -161,7 +161,7 @@ JOB_ENVIRONMENT = {
 # Can go when Monarch's threads no longer read the environment once started.
 for _key, _value in JOB_ENVIRONMENT.items():
     os.environ.setdefault(_key, _value)
-# The job's id (forge.shm_weights.job_id): a controller's own pid, inherited by the processes Monarch spawns for it
+# The job's id (forge.job.job_id): a controller's own pid, inherited by the processes Monarch spawns for it
 # (`bootstrap_main`; on another host the provisioner sends it), so a job's processes carry it from their start. Any
 # other process is a controller of its own, also one started by another job's process (a test, a bench).
 if "monarch" in (sys.argv[0] if sys.argv else ""):

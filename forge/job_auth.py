@@ -3,7 +3,7 @@
 The controller makes the secret (`make_job_secret`); the processes on its own host inherit it, and the provisioner
 puts it in the environment of each process it spawns on another host, never on a command line. forge's own
 sockets between hosts serve only a peer that proves it holds it: the weight relays' SegmentServers
-(forge/weight_relay.py) and the controller's lifeline (forge/hosts/host_mesh.py). The handshake, once per connection:
+(forge/weights/relay.py) and the controller's lifeline (forge/hosts/host_mesh.py). The handshake, once per connection:
 
 1. the server sends `hello` (which service this is) and a fresh challenge;
 2. the client answers with its own challenge and an HMAC-SHA256 of both under the secret;

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from forge import weight_store
+from forge import job
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,10 @@ def monarch_children() -> list[int]:
 
 
 def kill_job_processes() -> None:
-    """Kill the Monarch processes this controller started and remove its shared-memory segments (safe from
-    any thread, and at interpreter exit)."""
+    """Kill the Monarch processes this controller started and remove what the job left on this host (the clean-ups
+    registered with forge/job.py; safe from any thread, and at interpreter exit)."""
     kill(monarch_children())
-    weight_store.remove_job_segments()
+    job.cleanup()
 
 
 def dead_among(pids: list[int]) -> list[int]:

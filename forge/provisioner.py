@@ -10,8 +10,11 @@ Several hosts: `configure_hosts(HostsConfig)` (before anything else starts Monar
 place each mesh on the hosts its role has in the config (forge.hosts.config). Every process is then known by its
 host and pid (`ProcessId`); the liveness, memory and killing of another host's processes go through a
 small watch mesh on that host, never through this host's process table.
-`start_weight_store()` also starts one weight relay per host (forge/weight_relay.py), and every process
-of such a job runs its weight store in relayed mode (FORGE_WEIGHT_RELAY).
+Every process of such a job knows it spans hosts (FORGE_MULTI_HOST, forge/job.py).
+
+Planes built on the runtime (the weight plane, forge/weights/) are not imported here: they start their own meshes
+through it (`spawn_on_host`, `get_proc_mesh`), ask for a mesh to be stopped after every other one (`stop_last`), and
+register the clean-up of what they leave on a host with forge/job.py, which the provisioner runs when the job ends.
 
 Failures: Monarch's default reaction to a dead process is to exit the controller. The provisioner
 replaces that hook with its `failures` (forge/failure_watch.py), which also polls the processes: a failure on
@@ -22,15 +25,16 @@ Placement on hosts and GPUs: forge/placement.py; what a mesh is: forge/provision
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
+import importlib
 import itertools
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field, is_dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from forge import compat, metrics, processes, weight_store
+from forge import compat, job, metrics, processes
 from forge.endpoints import ActorHandle, EndpointActor
 from forge.failure_watch import FailureWatch
 from forge.hosts.config import HostsConfig, HostsError
@@ -39,7 +43,6 @@ from forge.job_auth import SECRET_VARIABLE, job_secret
 from forge.proc_agent import ProcAgent
 from forge.placement import place, visible_gpus
 from forge.provisioned_mesh import MeshFailure, ProvisionedMesh, ShutDownError, actor_mesh_name
-from forge.weight_relay import WeightRelay
 from forge.processes import ProcessId, free_port, kill_job_processes  # noqa: F401 (free_port: public here too)
 
 import psutil  # noqa: E402
@@ -69,15 +72,13 @@ class Provisioner:
         self._free_gpus = list(self.gpus)
         self._closing = False
         self._busy: set[asyncio.Future] = set()  # spawns (and actor set-ups) under way
-        self._weight_store_started = False
-        self._store_mesh: ProvisionedMesh | None = None
-        self.relays: list[Any] = []  # one WeightRelay per host of a multi-host job (forge/weight_relay.py)
+        # Meshes stopped after every other one (a store the others use), each after its hook: (mesh, hook).
+        self._last: list[tuple[ProvisionedMesh, Callable[[ProvisionedMesh], Awaitable[None]] | None]] = []
+        self.planes: dict[str, Any] = {}  # state of the planes started on this provisioner (forge/weights/startup.py)
         self.failures = FailureWatch(self.meshes, self.hosts)
         self._watch_lock = asyncio.Lock()
-        weight_store.job_id()  # this controller's pid names the job's shared-memory segments
-        weight_store.remove_dead_jobs_segments()
-        # A script that ends without `shutdown()` must not leave its weights in shared memory.
-        atexit.register(weight_store.remove_job_segments)
+        # This controller's pid names the job; dead jobs' leftovers go now, this one's at exit at the latest.
+        job.start()
 
     @property
     def closing(self) -> bool:
@@ -101,24 +102,26 @@ class Provisioner:
             done.set_result(None)
 
     async def start_weight_store(self) -> None:
-        """Start torchstore's controller and storage volume (once); keys of the weight store live there."""
-        if not self._weight_store_started:
-            # The storage volume runs on a mesh of ours, so its output bypasses Monarch's host like every
-            # other process's (ProcAgent) and its death is reported like any other mesh's.
-            self._store_mesh = await self.get_proc_mesh(1, mesh_name="weight_store")
-            await compat.initialize_torchstore(self._store_mesh.procs)
-            self._weight_store_started = True
-            if self.hosts is not None:  # each version crosses to a host once, whatever reads it there
-                await asyncio.gather(*(self._start_relay(index) for index in range(self.hosts.count)))
+        """Deprecated: `await forge.weights.start_weight_store()`; the runtime does not start the weight plane."""
+        warnings.warn("Provisioner.start_weight_store() is deprecated: use `await forge.weights.start_weight_store()`",
+                      DeprecationWarning, stacklevel=2)
+        start = importlib.import_module("forge.weights.startup").start_weight_store  # the one reference, by name
+        await start(self)
 
-    async def _start_relay(self, index: int) -> None:
-        """Host `index`'s weight relay (forge/weight_relay.py), in a 1-process mesh of its own on that host."""
-        name = f"weight_relay{index}-{next(self._names)}"
+    async def spawn_on_host(self, index: int, name: str) -> ProvisionedMesh:
+        """A 1-process mesh of its own on host `index` of the job's hosts, watched like every other one."""
+        name = f"{name}-{next(self._names)}"
         async with self.busy(f"spawning mesh {name!r}"):
             mesh = await asyncio.shield(self._spawn(name, 1, 0, None, None, [index]))
             await asyncio.shield(self._watch_host(index))
         self.refuse_if_closing(f"spawning mesh {name!r}")
-        self.relays.append(await spawn_actor(WeightRelay, mesh))
+        return mesh
+
+    def stop_last(self, mesh: ProvisionedMesh, before: Callable[[ProvisionedMesh], Awaitable[None]] | None = None
+                  ) -> None:
+        """Stop `mesh` at shutdown only after every other mesh (a store the others use until they stop), awaiting
+        `before(mesh)` first (bounded by the caller)."""
+        self._last.append((mesh, before))
 
     async def get_proc_mesh(
         self,
@@ -181,15 +184,15 @@ class Provisioner:
                 # On other hosts a mesh that never comes up would block the first spawn on it for ever.
                 await asyncio.wait_for(proc_mesh.initialized, timeout=REMOTE_SPAWN_TIMEOUT_S)
             agents = proc_mesh.spawn(actor_mesh_name(name, "proc_agent"), ProcAgent, os.getpid(),
-                                     psutil.Process().create_time(), weight_store.job_id(), name)
+                                     psutil.Process().create_time(), job.job_id(), name)
             found = sorted((await agents.identify.call()).values(), key=lambda p: p["rank"])
             master = found[0]
             shared = {
                 "MASTER_ADDR": master["address"],
                 "MASTER_PORT": str(master["free_port"]),
                 "WORLD_SIZE": str(len(found)),
-                "FORGE_JOB_ID": weight_store.job_id(),
-                **({weight_store.RELAY_VARIABLE: "1"} if self.hosts is not None else {}),
+                job.JOB_VARIABLE: job.job_id(),
+                **({job.MULTI_HOST_VARIABLE: "1"} if self.hosts is not None else {}),
                 # A process on another host inherits its worker's environment, not this one's: the job's secret
                 # (forge.job_auth) reaches it here.
                 **({SECRET_VARIABLE: job_secret().decode()} if placement else {}),
@@ -298,8 +301,8 @@ class Provisioner:
 
     async def shutdown(self) -> None:
         """Stop everything this provisioner made, in order: services (their restarts, then their calls in
-        flight, bounded), spawns under way (let finish), every mesh (in parallel), the weight store, and
-        the job's shared memory. Leaves no child process and no segment; a second call does nothing."""
+        flight, bounded), spawns under way (let finish), every mesh (in parallel), the meshes asked to stop last
+        (the weight store), and what the job left on its hosts (forge/job.py's clean-ups). Leaves no child process and no segment; a second call does nothing."""
         if self._closing:
             return
         self._closing = True
@@ -309,21 +312,17 @@ class Provisioner:
             logger.info("shutdown: waiting for %d spawn(s) under way", len(self._busy))
             await asyncio.wait(list(self._busy), timeout=SPAWN_WAIT_S)
         self.failures.stop()
-        store_mesh = self._store_mesh
-        # The store outlives the actors that use it (generators finish in-flight fetches in teardown).
-        await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values()) if m is not store_mesh))
-        if self._weight_store_started:
-            self._weight_store_started = False
-            torchstore = compat.import_torchstore()
-            if store_mesh is not None and not store_mesh.failed:
+        last, self._last = self._last, []
+        # A store outlives the actors that use it (generators finish in-flight fetches in teardown).
+        await asyncio.gather(*(self.stop_proc_mesh(m) for m in list(self.meshes.values())
+                               if all(m is not mesh for mesh, _ in last)))
+        for mesh, before in last:
+            if before is not None:
                 try:
-                    await asyncio.wait_for(torchstore.shutdown(), timeout=20)
+                    await before(mesh)
                 except Exception as e:
-                    logger.debug("torchstore shutdown: %s", e)
-            torchstore.reset_client()
-        if store_mesh is not None:
-            await self.stop_proc_mesh(store_mesh)
-            self._store_mesh = None
+                    logger.debug("before stopping %s: %r", mesh.name, e)
+            await self.stop_proc_mesh(mesh)
         await asyncio.gather(*(self.stop_proc_mesh(watch) for watch in self.failures.host_watch.values()))
         self.failures.host_watch.clear()
         if self.hosts is not None and self.host_mesh is not None:

@@ -290,6 +290,21 @@ class SimulatedHosts:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
 
+    def set_link_rate(self, gbit: float | None) -> None:
+        """Shape every host's sending side of its link (its end of the veth pair) to `gbit` Gbit/s with a token
+        bucket (tc tbf), or remove the shaping (None). Removed with the namespace on `close`."""
+        if gbit is not None and not gbit > 0:
+            raise ValueError(f"gbit={gbit!r}: must be > 0, or None for an unshaped link")
+        for i, host in enumerate(self.hosts):
+            inside = f"{self.tag}p{i}"
+            if gbit is None:
+                _run("ip", "netns", "exec", host.name, "tc", "qdisc", "del", "dev", inside, "root", check=False)
+                continue
+            # The bucket must hold at least one timer tick's worth of bytes, or tbf cannot reach its rate.
+            burst = max(256 << 10, int(gbit * 1e9 / 8 / 250))
+            _run("ip", "netns", "exec", host.name, "tc", "qdisc", "replace", "dev", inside, "root", "tbf", "rate",
+                 f"{gbit:g}gbit", "burst", str(burst), "latency", "50ms")
+
     def close(self) -> None:
         """Kill every process of every host, remove namespaces, links and folders (idempotent)."""
         self._stop_hosts()
@@ -358,7 +373,7 @@ class HostProbe(ForgeActor):
 
         import torch
 
-        from forge.weight_store import WeightStore
+        from forge.weights.store import WeightStore
 
         store = WeightStore(namespace)
         real_pwrite, tensors_written = os.pwrite, []
@@ -388,7 +403,7 @@ class HostProbe(ForgeActor):
         import asyncio
 
         from forge import metrics
-        from forge.weight_store import WeightStore, WeightVersionError
+        from forge.weights.store import WeightStore, WeightVersionError
 
         store, refused = WeightStore(namespace), []
         for attempt in range(20):
@@ -459,7 +474,9 @@ def small_job(addresses: list[str], port: int) -> int:
     async def main() -> None:
         import asyncio
 
-        await provisioner.get_provisioner().start_weight_store()
+        from forge.weights.startup import start_weight_store
+
+        await start_weight_store()
         publisher = await HostProbe.options(procs=1, mesh_name="pub").as_actor()
         reader = await HostProbe.options(procs=1, mesh_name="readers").as_actor()
         await publisher.publish.call_one("small", 1, 1024)

@@ -18,7 +18,7 @@ import torch
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
 from rl.tasks import ArithmeticTask
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

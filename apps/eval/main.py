@@ -120,11 +120,11 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
 
     from actors.generator import Generator
     from apps.eval.weights import load_weights
-    from forge.provisioner import get_provisioner
-    from forge.weight_store import WeightStore
+    from forge.weights.store import WeightStore
+    from forge.weights.startup import start_weight_store
 
     evaluation = Evaluation(cfg)
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     served = versions[0].path if versions[0].kind == "hf" else cfg.model  # a lone HF export serves itself
     generators = await Generator.options(num_replicas=cfg.replicas, mesh_name="generator").as_service(
         replace(cfg.generator, model=served, weight_namespace=WEIGHTS))

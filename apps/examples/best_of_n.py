@@ -24,6 +24,7 @@ from forge.provisioner import get_provisioner
 from rl.tasks.arithmetic import ArithmeticTask, Problem
 from rl.tiny_model import ensure_tiny_checkpoint
 from rl.types import SamplingParams
+from forge.weights.startup import start_weight_store
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Best:
 
 async def best_of_n(cfg: BestOfNConfig) -> list[Best]:
     """Spawn the generator service and the scorer, then pick the best of n completions per problem."""
-    await get_provisioner().start_weight_store()  # generators follow published weights from there
+    await start_weight_store()  # generators follow published weights from there
     generators = await Generator.options(num_replicas=cfg.replicas, mesh_name="generator").as_service(cfg.generator)
     scorer = await Scorer.options(mesh_name="scorer").as_actor(cfg.scorer)
     print(f"generator replicas: {cfg.replicas}, policy versions {await generators.policy_version.fanout()}")

@@ -38,9 +38,9 @@ from apps.http.errors import ServiceError, field_error
 from apps.http.model import tokenizer_info
 from apps.http.actor_calls import endpoint_failure
 from forge.actor import EndpointError, rank0
-from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
 from rl.types import EpisodeBatch, SamplingParams
+from forge.weights.startup import start_weight_store
 
 logger = logging.getLogger(__name__)
 WEIGHTS = "policy"
@@ -72,7 +72,7 @@ class Gateway:
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        await get_provisioner().start_weight_store()
+        await start_weight_store()
         trainer_cfg = replace(cfg.trainer, model_path=self.model_path)
         generator_cfg = replace(cfg.generator, model=self.model_path, weight_namespace=WEIGHTS)
         # One after the other: on a small busy host, spawning every mesh at once has starved Monarch's

@@ -23,6 +23,7 @@ from apps.grpo.config import GRPOConfig
 from forge.provisioner import get_provisioner
 from rl import tasks
 from forge.config import load_callable
+from forge.weights.startup import start_weight_store
 
 WEIGHTS = "policy"  # the weight store namespace the trainer publishes to and the generators follow
 
@@ -91,7 +92,7 @@ async def start_actors(cfg: GRPOConfig, model_path: str, teacher_path: str | Non
     teacher's checkpoint (`teacher.model` resolved: rollouts.teacher_model)."""
     r = cfg.resources
     provisioner = get_provisioner()
-    await provisioner.start_weight_store()
+    await start_weight_store(provisioner)
     scorer = spawn_scorer(cfg, model_path, teacher_path)
     print(f"starting actors: trainer x{r.trainer_procs}, generator x{r.generator_replicas} replicas, replay buffer"
           f"{f', {scorer[0]}' if scorer else ''}", flush=True)

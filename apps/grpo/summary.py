@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from forge import weight_store
+from forge.weights import segment as weight_segments
 from forge.metrics import record_metric
 from forge.provisioner import get_provisioner
 
@@ -103,7 +103,7 @@ class RunSummary:
         self.count_episodes(counters, buffer_stats)
         self.steps, self.policy_version, self.interrupted = steps, policy_version, interrupted
         self.reward_failures, self.wall_s = reward_failures, wall_s
-        self.rss_end, self.shm_bytes = get_provisioner().memory_rss(), weight_store.job_segments_bytes()
+        self.rss_end, self.shm_bytes = get_provisioner().memory_rss(), weight_segments.job_segments_bytes()
         print(self.text(), flush=True)
         self.write(Path(run_dir) / "summary.json")
 

@@ -15,7 +15,7 @@ from apps.server.schemas import SyncWeightsRequest, SyncWeightsResponse
 from apps.server.session_registry import SessionRegistry
 from apps.server.sessions import Session
 from apps.server.trainer_pool import WEIGHTS
-from forge.provisioner import get_provisioner
+from forge.weights.startup import start_weight_store
 
 
 class ServedPolicy:
@@ -28,7 +28,7 @@ class ServedPolicy:
         self._publish_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        await get_provisioner().start_weight_store()
+        await start_weight_store()
         generator_cfg = replace(self.cfg.generator, model=self.model_path, weight_namespace=WEIGHTS)
         self.generators = await Generator.options(num_replicas=self.cfg.generator_replicas,
                                                   mesh_name="generator").as_service(generator_cfg)

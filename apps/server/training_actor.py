@@ -25,7 +25,7 @@ from forge.actor import endpoint
 from forge.distributed import init_from_environment
 from losses.rules import uses_old_logprobs
 from rl.types import TrainBatch
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 from losses import get_loss
 
 

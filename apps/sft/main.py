@@ -33,9 +33,9 @@ from apps.sft.trainer import SFTTrainerActor
 from forge.actor import rank0
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger
-from forge.provisioner import get_provisioner
 from rl.environments.player import start_player
 from rl.types import SamplingParams, TrainBatch
+from forge.weights.startup import start_weight_store
 
 WEIGHTS = "sft"  # the weight store namespace the trainer publishes to and the held-out generator follows
 EVAL_CONCURRENCY = 64  # held-out prompts in flight (the generator batches them)
@@ -79,7 +79,7 @@ class SFTJob:
 
     async def start_actors(self) -> None:
         cfg, r = self.cfg, self.cfg.resources
-        await get_provisioner().start_weight_store()
+        await start_weight_store()
         spawns = [SFTTrainerActor.options(procs=r.trainer_procs, with_gpus=r.with_gpus, mesh_name="trainer")
                   .as_actor(cfg.trainer, weight_namespace=WEIGHTS)]
         if cfg.measures_accuracy:

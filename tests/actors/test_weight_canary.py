@@ -11,10 +11,11 @@ from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from actors.generator import Generator
 from actors.weight_canary import CanaryConfig, WeightSyncError, check_weight_sync, logprob_difference
-from forge.provisioner import get_provisioner
-from forge.shm_weights import HEADER, SHM_DIR, WeightChecksumError
+from forge.weights.manifest import WeightChecksumError
+from forge.weights.segment import HEADER, SHM_DIR
 from rl.tiny_model import build_tiny_checkpoint
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
+from forge.weights.startup import start_weight_store
 
 PROMPT, COMPLETION = [5, 12, 7, 20, 9], [14, 3, 8, 1]
 
@@ -25,7 +26,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def test_a_corrupted_tensor_fails_the_checksum_and_the_canary(checkpoint):
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     store = WeightStore("canary-test")
     trainer = TitanTrainer(TrainerConfig(model_path=str(checkpoint), temperature=0.7))
     engine = HFEngine(checkpoint, seed=1)  # its own random weights until it loads the trainer's
@@ -90,7 +91,7 @@ class _LocalTrainer:
 async def test_the_canary_scores_every_replica_and_names_the_one_serving_wrong_weights(checkpoint):
     """Two replicas report the same policy version; replica 1 loaded a corrupt publish of it (its lm_head zeroed)
     and replica 0 the right one. Scoring one replica could pick replica 0 and pass: every replica is scored."""
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     store = WeightStore("canary-replicas")
     trainer = TitanTrainer(TrainerConfig(model_path=str(checkpoint)))
     weights = trainer.hf_state_dict()

@@ -17,12 +17,13 @@ from actors.titan_trainer import TitanTrainer
 from actors.trainer import TrainerActor
 from actors.trainer_config import TrainerConfig
 from actors.weight_publisher import WeightPublisher
-from forge import shm_weights
+from forge.weights import segment
+from forge.weights.manifest import SharedMemoryError
 from forge.actor import ForgeActor, rank0
-from forge.provisioner import get_provisioner
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import Episode, TrainBatch
-from forge.weight_store import WeightStore
+from forge.weights.store import WeightStore
+from forge.weights.startup import start_weight_store
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 async def store() -> WeightStore:
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     return WeightStore("publisher-test")
 
 
@@ -57,13 +58,13 @@ def trainer_for(checkpoint: Path) -> TitanTrainer:
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Shared-memory writes wait until the test sets this event: a publish held in flight."""
     opened = threading.Event()
-    write = shm_weights.SegmentWriter.write_checksummed
+    write = segment.SegmentWriter.write_piece
 
-    def gated_write(self, tensor: torch.Tensor, offset: int, algorithm: str) -> tuple[int, ...]:
+    def gated_write(self, *args, **kwargs) -> int:
         assert opened.wait(timeout=120), "the test never opened the gate"
-        return write(self, tensor, offset, algorithm)
+        return write(self, *args, **kwargs)
 
-    monkeypatch.setattr(shm_weights.SegmentWriter, "write_checksummed", gated_write)
+    monkeypatch.setattr(segment.SegmentWriter, "write_piece", gated_write)
     yield opened
     opened.set()
 
@@ -115,10 +116,10 @@ async def test_an_optimizer_step_on_the_publishing_loop_is_an_error_not_a_hang(s
 async def test_a_failed_publish_is_raised_by_the_next_wait(store, checkpoint, monkeypatch):
     trainer = trainer_for(checkpoint)
     publisher = WeightPublisher(store, dtype=torch.float32, keep_versions=2)
-    monkeypatch.setattr(shm_weights, "shm_free_bytes", lambda: 0)
+    monkeypatch.setattr(segment, "shm_free_bytes", lambda: 0)
     store._spare_path().unlink(missing_ok=True)  # no deleted version's file to reuse either
     publisher.start(trainer.hf_state_dict_shards(), 8, trainer.optimizers)
-    with pytest.raises(shm_weights.SharedMemoryError, match="policy version 8 needs"):
+    with pytest.raises(SharedMemoryError, match="policy version 8 needs"):
         await publisher.wait()
     assert await publisher.wait() is None  # raised once; the optimizer is free again
     trainer.train_step(batch(4))

@@ -194,16 +194,6 @@ def test_lora_that_vllm_cannot_serve_is_refused_with_the_config(path, overrides,
             load_job_config(["--config", str(path), *overrides])
 
 
-def test_delta_publishing_is_off_unless_the_config_turns_it_on():
-    from forge.delta_sync import DeltaSync
-
-    cfg = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml")])[0]
-    assert cfg.trainer.publish_deltas == DeltaSync(enabled=False, full_every=8)
-    cfg = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "trainer.publish_deltas.enabled=true",
-                           "trainer.publish_deltas.full_every=4"])[0]
-    assert cfg.trainer.publish_deltas == DeltaSync(enabled=True, full_every=4)
-
-
 def test_lora_that_vllm_serves_is_accepted(real_models):
     cfg = load_with_real_model(QWEN3_8B, real_models, "+trainer.lora.rank=24")
     assert cfg.generator.engine == "vllm" and cfg.trainer.lora.rank == 24
@@ -297,7 +287,6 @@ BAD = [
     ("model=/no/such/model", r"trainer\.model_path='/no/such/model': must be a Hugging Face checkpoint folder with "
                              r"config\.json, or a hub id 'org/name'"),
     ("trainer.temperature=0.5", r"trainer\.temperature=0\.5: must equal rollout\.temperature=0\.7"),
-    ("trainer.publish_deltas.full_every=0", r"trainer\.publish_deltas\.full_every=0: must be an int >= 1"),
     ("replay_buffer.max_buffer_size=8", r"replay_buffer\.max_buffer_size=8: must be None or an int >= batch_size=1024"),
     ("eval.num_prompts=0", r"eval\.num_prompts=0: must be >= 1"),
     ("warm_start.target_accuracy=1.5", r"warm_start\.target_accuracy=1\.5: must be in \(0, 1\]"),

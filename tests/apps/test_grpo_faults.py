@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import WatchedProcess, marked_environment, processes_with_mark
-from forge.weight_store import SHM_DIR
+from forge.weights.store import SHM_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

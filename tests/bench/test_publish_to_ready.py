@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from bench.publish_to_ready import build_model, publish_and_load, published_state_dict, qwen3_config
-from forge.shm_weights import SHM_DIR, job_id
+from forge.job import job_id
+from forge.weights.segment import SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["device->host", "checksum", "write", "read", "host->device", "load"]

@@ -26,4 +26,4 @@ def test_a_module_that_imports_a_blocked_package_is_reported_with_its_import():
     result = import_with_blocked(["forge.weight_store"], ["monarch", "torchstore"])
     assert result.returncode == 1
     assert "forge.weight_store:" in result.stdout and "is blocked in this test" in result.stdout
-    assert "forge/compat.py" in result.stdout or "forge/weight_store.py" in result.stdout, result.stdout
+    assert "forge/compat.py" in result.stdout or "forge/weights/store.py" in result.stdout, result.stdout

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge import shm_weights
-from forge.shm_weights import (CHECKSUM, HEADER, RETIRED, SHM_DIR, WRITING, Manifest, WeightChecksumError, WeightVersionError,
-                               checksums, create_segment, job_id, layout, map_segment, read_segment, retire_segment,
-                               segment_state, unlink_segment)
+from forge.weights import checksums as weight_checksums, segment
+from forge.job import job_id
+from forge.weights.checksums import CHECKSUM, checksums
+from forge.weights.manifest import Manifest, WeightChecksumError, WeightVersionError, layout
+from forge.weights.segment import HEADER, RETIRED, SHM_DIR, WRITING, create_segment, map_segment, read_segment, retire_segment, segment_state, unlink_segment
 from tests.support import flip_byte
 
 SHAPES = {"embed": (64, 48), "norm": (48,), "odd": (1001,), "proj": (96, 48)}  # tensors of odd sizes, several pieces
@@ -21,8 +22,8 @@ SHAPES = {"embed": (64, 48), "norm": (48,), "odd": (1001,), "proj": (96, 48)}  #
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Several checksum pieces and hash steps per tensor, as a 1 GB state dict has, on a small one."""
-    monkeypatch.setattr(shm_weights, "_CHUNK", 1000)
-    monkeypatch.setattr(shm_weights, "_HASH_STEP", 96)
+    monkeypatch.setattr(weight_checksums, "_CHUNK", 1000)
+    monkeypatch.setattr(weight_checksums, "_HASH_STEP", 96)
 
 
 class Publisher:
@@ -33,7 +34,7 @@ class Publisher:
         self.prefix = f"forge-{job_id()}-{namespace}"
         self.spare = SHM_DIR / f"{self.prefix}-spare"
         self.published: dict[int, tuple[Manifest, dict[str, torch.Tensor]]] = {}
-        self.writers: dict[int, shm_weights.SegmentWriter] = {}
+        self.writers: dict[int, segment.SegmentWriter] = {}
 
     def publish(self, version: int, shapes: dict[str, tuple[int, ...]] = SHAPES, hashed_while_written: bool = True
                 ) -> Manifest:
@@ -95,7 +96,7 @@ def test_versions_written_into_reused_files_through_kept_mappings_stay_exact_and
             publisher.assert_exact(version - 1)  # the version still kept: not written into
             publisher.delete(version - 1)
     # the two files that alternate, each mapped once and kept (by inode: the names change at every publish)
-    mapped = [m for m in shm_weights._MAPPINGS.values() if publisher.prefix in os.readlink(f"/proc/self/fd/{m.fd}")]
+    mapped = [m for m in segment._MAPPINGS.values() if publisher.prefix in os.readlink(f"/proc/self/fd/{m.fd}")]
     assert len(mapped) == 2
 
 
@@ -125,7 +126,7 @@ def test_a_corrupted_byte_in_a_reused_mapped_segment_fails_the_read_naming_the_t
 
 
 def test_a_reused_file_that_must_grow_is_written_whole_and_exact(publisher, small_pieces):
-    """A spare smaller than the new version (a version of deltas shrank it, or the model grew) has no pages for the
+    """A spare smaller than the new version (the model grew) has no pages for the
     new bytes: those go through pwrite, never through a mapping onto missing pages (SIGBUS on a full /dev/shm)."""
     bigger = {**SHAPES, "extra": (333, 7)}
     for version in range(3):
@@ -209,7 +210,7 @@ def test_a_segment_being_retired_or_retired_is_refused_by_a_mapping_reader(publi
         publisher.delete(0)
         assert publisher.spare.exists() and segment_state(opened_before)[:2] == (RETIRED, WRITING)
         # ... and takes its lease only now: the header tells it the file is no longer version 0's
-        monkeypatch.setattr(shm_weights, "open_segment_file", lambda *_, **__: os.dup(opened_before))
+        monkeypatch.setattr(segment, "open_segment_file", lambda *_, **__: os.dup(opened_before))
         with pytest.raises(WeightVersionError, match=r"policy version 0 was deleted while being fetched \(forge-"):
             map_segment(path, manifest)
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.weight_store import SHM_DIR
+from forge.weights.store import SHM_DIR
 from tests.support import job_processes
 
 PRELUDE = """
@@ -183,10 +183,11 @@ def test_a_script_that_never_calls_shutdown_leaves_nothing_behind(tmp_path):
     """The weights a script published to shared memory go at interpreter exit; its processes with it."""
     result = run_script(tmp_path, """
     import torch
-    from forge.weight_store import SHM_DIR, WeightStore, job_id
+    from forge.weights import start_weight_store
+    from forge.weights.store import SHM_DIR, WeightStore, job_id
 
     async def main():
-        await get_provisioner().start_weight_store()
+        await start_weight_store()
         await WeightStore("policy").publish({"w": torch.ones(4, 4)}, version=0)
         print("segments:", len(list(SHM_DIR.glob(f"forge-{job_id()}-*"))), flush=True)
     asyncio.run(main())

@@ -1,6 +1,6 @@
 """The relay's data path in one process, over a real socket: a version streamed from its publisher's segment while
-it is being written, received into another host's segment, read there as it lands (forge/weight_relay.py,
-forge/shm_weights.py); and the server's handshake: a client without the job's secret gets no byte of a segment and
+it is being written, received into another host's segment, read there as it lands (forge/weights/relay.py,
+forge/weights/segment.py); and the server's handshake: a client without the job's secret gets no byte of a segment and
 no event, and one that stays silent is dropped without holding up the others. The same path across simulated hosts
 is in tests/forge/test_multihost.py."""
 
@@ -15,23 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge import job_auth, shm_weights, weight_relay
-from forge.shm_weights import (
-    HEADER,
-    SHM_DIR,
-    Manifest,
-    SegmentRead,
-    SharedMemoryError,
-    WeightChecksumError,
-    WeightVersionError,
-    create_segment,
-    job_id,
-    layout,
-    piece_ends,
-    segment_state,
-)
+from forge import job_auth
+from forge.weights import relay as weight_relay
+from forge.weights import checksums as weight_checksums, segment
+from forge.job import job_id
+from forge.weights.checksums import piece_ends
+from forge.weights.manifest import Manifest, SharedMemoryError, WeightChecksumError, WeightVersionError, layout
+from forge.weights.segment import HEADER, SHM_DIR, SegmentRead, create_segment, segment_state
 from forge.job_auth import JobAuthenticationError
-from forge.weight_relay import SegmentServer, connect, receive_segment
+from forge.weights.relay import SegmentServer, connect, receive_segment
 
 SECRET = b"0123456789abcdef" * 4  # the job's secret in these tests (forge.job_auth.job_secret in a job)
 
@@ -55,11 +47,11 @@ class Publisher:
         self.weights, self.version = weights, version
         self.entries, size = layout(weights, None)
         self.writer = create_segment(SHM_DIR / f"forge-{job_id()}-{name}-v{version}", size, version, None)
-        self.announced = Manifest(version, "A", self.writer.path.name, False, self.entries, shm_weights.CHECKSUM)
+        self.announced = Manifest(version, "A", self.writer.path.name, False, self.entries, weight_checksums.CHECKSUM)
 
     def write(self, names: list[str]) -> None:
         for name in names:
-            sums = self.writer.write_checksummed(self.weights[name], self.entries[name].offset, shm_weights.CHECKSUM)
+            sums = self.writer.write_checksummed(self.weights[name], self.entries[name].offset, weight_checksums.CHECKSUM)
             self.entries[name] = dataclasses.replace(self.entries[name], checksums=sums)
 
     def commit(self) -> Manifest:
@@ -188,7 +180,7 @@ def test_bytes_that_differ_from_the_published_checksums_are_refused_naming_the_t
 
 
 def test_a_reader_gives_up_when_no_byte_arrives_for_the_stall_limit(weights, monkeypatch):
-    monkeypatch.setattr(shm_weights, "ARRIVAL_STALL_S", 0.5)
+    monkeypatch.setattr(segment, "ARRIVAL_STALL_S", 0.5)
     publisher = Publisher(weights, 4, "stalled")
     try:
         publisher.write(list(weights)[:1])  # then its writer stops, as a killed process does: no commit, no abort
@@ -200,14 +192,14 @@ def test_a_reader_gives_up_when_no_byte_arrives_for_the_stall_limit(weights, mon
         publisher.writer.abort()
 
 
-def test_ready_never_covers_a_tensor_written_out_of_order(weights):
+def test_ready_never_covers_a_gap_and_moves_over_pieces_written_out_of_order_once_it_is_filled(weights):
     publisher = Publisher(weights, 5, "order")
     try:
         first, second = list(weights)[:2]
         publisher.write([second])
         assert _ready_bytes(publisher.writer.tmp) == 0
         publisher.write([first])
-        entry = publisher.entries[first]
+        entry = publisher.entries[second]
         assert _ready_bytes(publisher.writer.tmp) == entry.offset + entry.nbytes
     finally:
         publisher.writer.abort()
@@ -243,14 +235,14 @@ def test_a_full_shared_memory_on_host_b_fails_the_copy_naming_the_version_and_it
 
 
 def test_pieces_are_marked_ready_where_the_pieces_readers_read_end(monkeypatch):
-    monkeypatch.setattr(shm_weights, "_CHUNK", 1024)
+    monkeypatch.setattr(weight_checksums, "_CHUNK", 1024)
     entries, _ = layout({"big": torch.zeros(1250, dtype=torch.bfloat16), "small": torch.zeros(3)}, None)
-    manifest = Manifest(1, "A", None, False, entries, shm_weights.CHECKSUM)
+    manifest = Manifest(1, "A", None, False, entries, weight_checksums.CHECKSUM)
     # "big" is 2500 bytes (pieces 0-1024, 1024-2048, 2048-2500); "small" (12 bytes) starts 64-byte aligned at 2560.
     assert piece_ends(manifest) == [1024, 2048, 2500, 2572] and manifest.segment_size == 2572
     reader_pieces = [(entry.offset + start, entry.offset + start + len(view)) for entry in entries.values()
                      for start, view in zip(range(0, entry.nbytes, 1024),
-                                            shm_weights._chunks(memoryview(bytes(entry.nbytes))))]
+                                            weight_checksums._chunks(memoryview(bytes(entry.nbytes))))]
     assert [end for _, end in reader_pieces] == piece_ends(manifest)
 
 
@@ -362,22 +354,3 @@ def test_the_server_listens_on_the_address_it_is_given_and_never_on_every_interf
     assert server.address[0] == "127.0.0.1"
     with pytest.raises(ValueError, match="'0.0.0.0': listen on this host's own address"):
         SegmentServer("0.0.0.0", SECRET)
-
-
-class _Chain:
-    """A weight store's manifests of one namespace: version -> base (None: a full version)."""
-
-    def __init__(self, bases: dict[int, int | None]) -> None:
-        self.manifests = {v: Manifest(v, "A", f"s{v}", False, {}, "xxh3_64", base, None) for v, base in bases.items()}
-
-    async def manifest(self, version: int) -> Manifest:
-        return self.manifests[version]
-
-
-async def test_a_relay_copies_the_versions_of_a_chain_of_deltas_its_host_lacks_oldest_first():
-    store = _Chain({4: None, 5: 4, 6: 5, 7: 6, 8: None})
-    links = weight_relay.links_to_copy
-    assert [m.version for m in await links(store, store.manifests[7], copied={5})] == [6]  # rebuilt on its copy of 5
-    assert [m.version for m in await links(store, store.manifests[7], copied={2})] == [4, 5, 6]  # from the full one
-    assert await links(store, store.manifests[7], copied={6}) == []
-    assert await links(store, store.manifests[8], copied=set()) == []  # a full version needs nothing else

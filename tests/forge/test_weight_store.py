@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from forge.actor import ForgeActor
-from forge.provisioner import get_provisioner
 from tests.support import ShardedPublisher, WeightReader, constant_state_dict as _state_dict, flip_byte
-from forge import shm_weights, weight_store
-from forge.shm_weights import HEADER, WeightChecksumError
-from forge.weight_store import SHM_DIR, SharedMemoryError, WeightStore, WeightVersionError, job_id
+from forge.weights import store as weight_store
+from forge.weights import checksums as weight_checksums, segment
+from forge.weights.manifest import WeightChecksumError
+from forge.weights.segment import HEADER
+from forge.weights.store import SHM_DIR, SharedMemoryError, WeightStore, WeightVersionError, job_id
+from forge.weights.startup import start_weight_store
 
 
 @pytest.fixture(scope="module")
 async def store():
-    await get_provisioner().start_weight_store()
+    await start_weight_store()
     return WeightStore("test-policy")
 
 
@@ -62,10 +64,10 @@ async def test_a_version_a_reader_holds_stays_exact_while_the_store_deletes_it_a
 async def test_chunked_threaded_io_round_trips_every_byte(store, monkeypatch):
     """Large state dicts go through pwrite/preadv in chunks on a thread pool; force that path on a small dict
     with odd sizes, chunk edges inside tensors, and a bf16 tensor read into an fp32 receiver."""
-    monkeypatch.setattr(shm_weights, "_CHUNK", 1000)
-    monkeypatch.setattr(shm_weights, "_HASH_STEP", 96)  # each piece read and hashed in steps, the last one short
-    monkeypatch.setattr(shm_weights, "_THREADED_BYTES", 0)
-    monkeypatch.setattr(shm_weights, "_IO_THREADS", 3)
+    monkeypatch.setattr(weight_checksums, "_CHUNK", 1000)
+    monkeypatch.setattr(weight_checksums, "_HASH_STEP", 96)  # each piece read and hashed in steps, the last one short
+    monkeypatch.setattr(weight_checksums, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(weight_checksums, "_IO_THREADS", 3)
     generator = torch.Generator().manual_seed(0)
     weights = {"a": torch.randn(777, generator=generator), "b": torch.randn(33, 65, generator=generator),
                "c": torch.randn(5000, generator=generator).to(torch.bfloat16)}
@@ -94,7 +96,7 @@ def _files_of(version: int) -> list[str]:
 
 
 async def test_too_little_shared_memory_is_refused_before_writing_anything(store, monkeypatch):
-    monkeypatch.setattr(shm_weights, "shm_free_bytes", lambda: 1000)
+    monkeypatch.setattr(segment, "shm_free_bytes", lambda: 1000)
     latest = await store.latest_version()
     weights = {"big": torch.zeros(1 << 18)}  # 1 MiB, more than any spare file this module leaves
     needed = 64 + (1 << 20)
@@ -116,7 +118,7 @@ async def test_a_failed_write_leaves_no_segment_and_publishes_nothing(store, mon
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(shm_weights.os, "pwrite", pwrite_until_full)
+    monkeypatch.setattr(segment.os, "pwrite", pwrite_until_full)
     with pytest.raises(SharedMemoryError, match=r"No space left on device.*partial segment was removed"):
         await own.publish(_state_dict(62), version=62)
     assert len(data_writes) == 2 and list(SHM_DIR.glob(f"forge-{job_id()}-test-full-v62*")) == []
@@ -127,8 +129,8 @@ async def test_a_failed_write_leaves_no_segment_and_publishes_nothing(store, mon
 
 @pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])  # with the xxhash package, and without it
 async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(store, monkeypatch, algorithm):
-    monkeypatch.setattr(shm_weights, "CHECKSUM", algorithm)
-    monkeypatch.setattr(shm_weights, "_HASH_STEP", 16)  # read and hashed in steps: the flipped byte is in the third
+    monkeypatch.setattr(weight_checksums, "CHECKSUM", algorithm)
+    monkeypatch.setattr(weight_checksums, "_HASH_STEP", 16)  # read and hashed in steps: the flipped byte is in the third
     manifest = await store.publish(_state_dict(70), version=70)
     assert manifest.checksum == algorithm
     up_proj = manifest.entries["model.layers.0.mlp.up_proj.weight"]
@@ -144,10 +146,10 @@ async def test_a_corrupted_tensor_in_shared_memory_fails_the_fetch_naming_it(sto
 
 
 async def test_corruption_in_a_later_chunk_read_on_a_thread_pool_is_caught(store, monkeypatch):
-    monkeypatch.setattr(shm_weights, "_CHUNK", 1000)
-    monkeypatch.setattr(shm_weights, "_HASH_STEP", 96)
-    monkeypatch.setattr(shm_weights, "_THREADED_BYTES", 0)
-    monkeypatch.setattr(shm_weights, "_IO_THREADS", 3)
+    monkeypatch.setattr(weight_checksums, "_CHUNK", 1000)
+    monkeypatch.setattr(weight_checksums, "_HASH_STEP", 96)
+    monkeypatch.setattr(weight_checksums, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(weight_checksums, "_IO_THREADS", 3)
     weights = {"a": torch.randn(777), "b": torch.randn(5000)}
     manifest = await store.publish(weights, version=71)
     assert len(manifest.entries["b"].checksums) == 20  # 20,000 bytes in pieces of 1,000
@@ -159,15 +161,15 @@ async def test_corruption_in_a_later_chunk_read_on_a_thread_pool_is_caught(store
 
 
 def test_a_reader_without_the_publishers_hash_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(shm_weights, "xxhash", None)
+    monkeypatch.setattr(weight_checksums, "xxhash", None)
     with pytest.raises(WeightChecksumError, match="needs the xxhash package in the reading process: pip install xxhash"):
-        shm_weights.hash_function("xxh3_64")
+        weight_checksums.hash_function("xxh3_64")
     with pytest.raises(ValueError, match=r"checksum='md5': must be 'xxh3_64' or 'crc32'"):
-        shm_weights.hash_function("md5")
+        weight_checksums.hash_function("md5")
 
 
 async def test_a_corrupted_tensor_in_torchstore_fails_the_fetch_naming_it(store):
-    from forge.weight_store import ts
+    from forge.weights.store import ts
 
     remote = WeightStore("test-remote-corrupt", transport="torchstore")
     await remote.publish(_state_dict(4), version=4)
