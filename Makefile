@@ -37,23 +37,22 @@ $(STAMP): pyproject.toml overrides.txt overrides-cpu.txt overrides-cuda.txt
 grpo: $(STAMP)
 	$(PY) -m apps.grpo --config configs/grpo_tiny.yaml $(ARGS)
 
-# Each test module that starts Monarch processes runs in its own pytest process, so one module's
-# runtime state (meshes, the torchstore controller, late replies) cannot leak into the next; the
-# rest run together. When a Monarch module fails, its failed tests run once more (the whole module if pytest
-# named none) and fail the suite only if they fail again: Monarch can miss its deadlines on a busy 2-core host
-# (forge.compat 13, docs/reliability.md); the retry is printed, never silent. `make test ARGS=...` runs pytest
-# once with your arguments instead. The slowest tests are printed (--durations): the suite must stay under 45 min.
-# A module counts when it spawns actors or a weight store, names an app as a command ("apps.grpo" followed by a
-# quote or space), or imports an app's entry point; importing an app's config or helpers alone does not.
-MONARCH_TESTS := $(shell grep -rlE "as_actor|as_service|start_weight_store|apps\.(grpo|examples|server|gateway)[^._a-z]|apps\.(grpo|examples|server|gateway)\.(main|launch|runtime|client)" tests --include='test_*.py' | sort)
+# Each test module marked `monarch` (it starts Monarch processes, a weight store or an app) runs in its own pytest
+# process, so one module's runtime state (meshes, the torchstore controller, late replies) cannot leak into the
+# next; the rest run together. When a Monarch module fails, its failed tests run once more (the whole module if
+# pytest named none) and fail the suite only if they fail again: Monarch can miss its deadlines on a busy 2-core
+# host (forge.compat 13, docs/reliability.md); the retry is printed, never silent. `make test ARGS=...` runs pytest
+# once with your arguments instead. The slowest tests are printed (--durations).
 SHELL := /bin/bash
 
 test: $(STAMP)
 ifeq ($(strip $(ARGS)),)
 	@status=0; retried=""; log=$$(mktemp); trap 'rm -f $$log' EXIT; \
+	modules=$$($(PY) -m pytest --collect-only -q -m monarch tests 2>/dev/null | sed -n 's/::.*//p' | sort -u); \
+	if [ -z "$$modules" ]; then echo "no test module is marked monarch: collection failed?"; exit 1; fi; \
 	echo "== pytest (no Monarch processes)"; \
-	$(PY) -m pytest --durations=15 tests $(addprefix --ignore=,$(MONARCH_TESTS)) || status=1; \
-	for module in $(MONARCH_TESTS); do \
+	$(PY) -m pytest --durations=15 -m "not monarch" tests || status=1; \
+	for module in $$modules; do \
 		echo "== pytest $$module"; \
 		$(PY) -m pytest -rfE --durations=3 $$module 2>&1 | tee $$log; \
 		if [ $${PIPESTATUS[0]} -ne 0 ]; then \

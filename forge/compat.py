@@ -42,7 +42,7 @@ to 0.7.0 are listed after the table with the check that retired them.
     store call) bounces after 30 s to the sending          process from its pid within a second anyway (2), and
     process's comm actor; its supervision event has no     a job outlives the replica; can go when a generator
     coordinator in the controller, which panics ("could    replica SIGKILLed mid-run never aborts the controller
-    not propagate supervision event: coordinator port      with the variable unset (tests/apps/test_grpo_faults)
+    not propagate supervision event: coordinator port      with the variable unset (tests/apps/grpo/test_faults)
     is not set") and aborts the job
 17  the default transport is unix sockets (enabled on      `enable_tcp_transport` before the first Monarch call
     the first Monarch call): a proc mesh on a remote host  (forge.hosts.host_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
@@ -96,7 +96,7 @@ to 0.7.0 are listed after the table with the check that retired them.
     worker, OpenTelemetry) that call getenv, which is not  JOB_ENVIRONMENT and FORGE_JOB_ID at the top of this
     safe against a concurrent setenv: a controller died    module, a host agent's in its worker's own environment
     of SIGSEGV in telemetry-worker, in libc, right after   (forge.hosts.agent); left: a mesh process's RANK etc.
-    start (dmesg; test_grpo_faults, once in a fresh-clone  (ProcAgent.set_environment, once, after start-up) and a
+    start (dmesg; grpo test_faults, once  in a fresh-clone  (ProcAgent.set_environment, once, after start-up) and a
     `make test`; /tmp/envrace*.py stress loops, 1.9M      multi-host controller's transport and secret; can go
     writes and 20 starts, did not reproduce it)            when Monarch's threads read no environment once started
 31  torch 2.9-2.13 (not Monarch): a TCPStore server listens on  vLLM's worker imports actors/engines/vllm_worker.py (its

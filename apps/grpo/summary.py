@@ -2,7 +2,7 @@
 
 Every episode played is trained, still held by the replay buffer, or dropped with a counted reason:
 `generated == trained + held_in_buffer + dropped_too_old + dropped_buffer_full + dropped_zero_variance
-+ dropped_environment_failure` (tests/apps/test_grpo.py checks it on whole runs; an episode whose environment failed is
++ dropped_environment_failure` (tests/apps/grpo/test_main.py checks it on whole runs; an episode whose environment failed is
 never trained, nor is the rest of its group when fewer than 2 are left: apps/grpo/rollouts.py, GroupSelector). The
 summary is printed and written to `run_dir/summary.json`.
 

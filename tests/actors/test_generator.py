@@ -15,6 +15,8 @@ from forge.weights.store import WeightStore
 from tests.support import assert_kept_sets_replay
 from forge.weights.startup import start_weight_store
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

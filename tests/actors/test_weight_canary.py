@@ -17,6 +17,8 @@ from rl.tiny_model import build_tiny_checkpoint
 from forge.weights.store import WeightStore
 from forge.weights.startup import start_weight_store
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 PROMPT, COMPLETION = [5, 12, 7, 20, 9], [14, 3, 8, 1]
 
 

@@ -25,6 +25,8 @@ from rl.types import Episode, TrainBatch
 from forge.weights.store import WeightStore
 from forge.weights.startup import start_weight_store
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -3,7 +3,11 @@ and apps.sft's import no torchtitan or peft (the trainer's and the reference mod
 
 from __future__ import annotations
 
+import pytest
+
 from tests.blocked_imports import import_with_blocked
+
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
 
 
 def test_the_grpo_and_sft_controllers_import_no_torchtitan_or_peft():

@@ -14,6 +14,8 @@ from forge.config import load_config, validate
 from rl.tasks.arithmetic import ArithmeticTask
 from tests.support import job_processes
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "example_best_of_n.yaml"
 RESULT_LINE = re.compile(r"^(\S+) \(answer (-?\d+)\): best (.+) reward ([\d.]+) \| mean ([\d.]+) over (\d+)$", re.M)

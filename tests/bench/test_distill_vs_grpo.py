@@ -3,10 +3,14 @@ metrics.jsonl's row k+1 (the app logs a step's metrics before evaluating), the s
 
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
 from bench.distill_vs_grpo import first_step_at, read_run, seconds_to
+
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
 
 
 def fake_run(folder: Path, evals: dict[int, float], steps: int, start: float, end: float) -> Path:

@@ -16,6 +16,8 @@ from apps.grpo.config_reference import REGENERATE, reference
 from forge.config import parse_args
 from tests.docs.snippets import DOCS
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 
 def test_the_page_is_the_rendered_reference():
     assert (DOCS / "configuration.md").read_text() == reference(), f"docs/configuration.md is stale: run {REGENERATE}"

@@ -16,10 +16,10 @@ from tests.docs.snippets import DOCS, FENCE, python_blocks
 ROOT = DOCS.parent
 # The program blocks of each page, in page order, and the test that runs each.
 RUN_BY = {
-    "serving.md": ["tests/apps/test_server.py::test_the_serving_docs_client_snippet_runs_against_the_server",
-                   "tests/apps/test_server_lora.py::test_the_serving_docs_lora_snippet_runs_against_the_server",
-                   "tests/apps/test_server_tinker.py::test_the_serving_docs_tinker_snippet_runs_against_the_server",
-                   "tests/apps/test_gateway.py::test_the_serving_docs_gateway_snippet_runs_against_the_gateway"],
+    "serving.md": ["tests/apps/server/test_service.py::test_the_serving_docs_client_snippet_runs_against_the_server",
+                   "tests/apps/server/test_lora.py::test_the_serving_docs_lora_snippet_runs_against_the_server",
+                   "tests/apps/server/test_tinker_sdk.py::test_the_serving_docs_tinker_snippet_runs_against_the_server",
+                   "tests/apps/gateway/test_gateway.py::test_the_serving_docs_gateway_snippet_runs_against_the_gateway"],
     "interactive.md": [],  # a REPL transcript only: replayed below
     # Prose, tables, shell commands and YAML only.
     **{page: [] for page in ("architecture.md", "benchmarks.md", "configuration.md", "distillation.md", "eval.md",

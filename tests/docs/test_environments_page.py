@@ -15,6 +15,8 @@ import pytest
 
 from tests.docs.snippets import DOCS, python_blocks
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 PAGE = "environments.md"
 EXAMPLES = DOCS / "examples"
 ROOT = DOCS.parent

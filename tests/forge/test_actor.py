@@ -10,6 +10,8 @@ from forge.metrics import drain_local, merge_partials
 from forge.provisioner import Provisioner, get_provisioner
 from tests.support import EchoActor, SyncEndpointActor
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 
 async def test_two_process_actor_gets_distributed_environment_and_setup():
     actor = await EchoActor.options(procs=2, mesh_name="env").as_actor(tag="env")

@@ -12,6 +12,8 @@ import pytest
 
 from forge import compat
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 PROBE = """
 import json, os, sys
 before = dict(os.environ)

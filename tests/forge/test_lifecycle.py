@@ -12,6 +12,8 @@ import pytest
 
 from tests.support import WatchedProcess, job_processes
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Each mode is one way a job ends. The script prints "ready" once it is where the test acts on it.

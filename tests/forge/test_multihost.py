@@ -38,6 +38,8 @@ from forge.job_auth import SECRET_VARIABLE
 from forge.job import job_id
 from forge.weights.startup import relays, start_weight_store
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 _UNAVAILABLE = namespaces_unavailable()
 if _UNAVAILABLE is None:
     relaunch_as_controller_host()  # at collection, before any test ran: nothing is lost

@@ -12,6 +12,8 @@ from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
 from tests.support import EchoActor
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 
 @pytest.fixture(scope="module")
 async def service():

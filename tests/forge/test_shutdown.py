@@ -18,6 +18,8 @@ import pytest
 from forge.weights.store import SHM_DIR
 from tests.support import job_processes
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 PRELUDE = """
 import asyncio, os, signal, sys, time
 from forge.actor import ForgeActor, endpoint

@@ -16,6 +16,8 @@ from forge.weights.segment import HEADER
 from forge.weights.store import SHM_DIR, SharedMemoryError, WeightStore, WeightVersionError, job_id
 from forge.weights.startup import start_weight_store
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 
 @pytest.fixture(scope="module")
 async def store():

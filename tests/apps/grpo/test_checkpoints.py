@@ -1,7 +1,7 @@
 """JobCheckpoints: whole or absent, the newest `keep` kept, the newest complete one resumed, corruption named.
 
 The trainer here is a stand-in for the actor's two endpoints (write / read a folder); the real trainer's
-checkpoints are exercised by tests/apps/test_grpo.py (kill and resume) and test_grpo_faults.py (a corrupt one).
+checkpoints are exercised by tests/apps/grpo/test_main.py (kill and resume) and test_faults.py (a corrupt one).
 """
 
 import re

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("torch", "monarch", "torchtitan", "transformers", "torchstore", "vllm")
 

@@ -10,6 +10,8 @@ import pytest
 from apps.grpo.cli import load_job_config
 from forge.config import ConfigError
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 ROOT = Path(__file__).resolve().parents[3]
 DISTILL = str(ROOT / "configs/distill_tiny.yaml")
 

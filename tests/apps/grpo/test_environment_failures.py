@@ -26,6 +26,8 @@ from forge.metrics import drain_local
 from rl.tasks import TaskConfig
 from rl.types import Completion, SamplingParams
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 SLEEPY = "tests.rl.environments.openenv_sleepy:SleepyEnvironment"
 
 

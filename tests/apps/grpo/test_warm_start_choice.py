@@ -1,10 +1,13 @@
 """Which warm start apps.grpo runs for a task (pure: the warm start itself is replaced)."""
 
+import pytest
 from types import SimpleNamespace
 
 from apps.grpo import rollouts
 from apps.warm_start.config import WarmStartConfig
 from rl.tasks.config import TaskConfig
+
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
 
 
 def _cfg(task: TaskConfig, enabled: bool = True) -> SimpleNamespace:

@@ -11,6 +11,8 @@ import pytest
 
 from apps.http.main import _stopped
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,6 +1,6 @@
 """apps.server.client against a fake server (httpx.MockTransport): no processes, no network.
 
-What the real server does with these requests is tested over HTTP in tests/apps/test_server.py.
+What the real server does with these requests is tested over HTTP in tests/apps/server/test_service.py.
 """
 
 import asyncio
@@ -24,6 +24,8 @@ from apps.server.client import (
     SamplingParams,
     ServiceClient,
 )
+
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
 
 
 class FakeServer:

@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 6
 

@@ -4,6 +4,8 @@ at once; a host with too many stranded threads, or one that crashed, is replaced
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import sys
 import time
@@ -16,6 +18,8 @@ from rl.environments.protocol import StepResult
 from rl.environments.rollout import run_episodes
 from forge.metrics import drain_local
 from rl.types import Completion, SamplingParams
+
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the host process gets these classes by value
 

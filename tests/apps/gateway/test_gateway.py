@@ -41,9 +41,9 @@ from apps.app_config import load_app_config
 from rl.tiny_model import DEFAULT_MODEL_ARGS, build_tokenizer
 from rl.types import Completion, Episode, TrainBatch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ADMIN = "test-admin-key-0123"
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.monarch, pytest.mark.timeout(600)]
 
 
 # --- pieces without processes ------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def gateway(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gateway")
     command = [sys.executable, "-m", "apps.gateway", "--config", "configs/gateway_tiny.yaml", f"http.port={free_port()}",
                f"run_dir={run_dir}", f"rl.admin_api_key={ADMIN}", "replay_buffer.batch_size=32",
-               "replay_buffer.max_policy_age=1", "warm_start.max_steps=20"]  # as in test_server.py
+               "replay_buffer.max_policy_age=1", "warm_start.max_steps=20"]  # as in server/test_service.py
     proc, base_url = start_http_app(command, run_dir / "gateway.log", ROOT)
     yield {"url": base_url, "proc": proc, "run_dir": run_dir}
     code = stop_http_app(proc)
