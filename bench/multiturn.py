@@ -152,6 +152,11 @@ def print_vllm_rows(name: str, on: list[dict[str, float]], off: list[dict[str, f
               f"{a['tokens_per_s'] / b['tokens_per_s']:>5.2f}x")
 
 
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator; nan when a tiny run's reading rounds to zero (process CPU time ticks in 10 ms)."""
+    return numerator / denominator if denominator > 0 else float("nan")
+
+
 def print_hf_rows(name: str, on: list[dict[str, float]], off: list[dict[str, float]]) -> None:
     print(f"\n{name}: hf engine, KV reuse on vs off (off/on > 1: reuse saves time; on/off > 1: it adds tokens/s)")
     print(f"{'turn':>4} {'prompt tok':>10} {'cached on':>9} {'off':>4} | {'prefill s on':>12} {'off':>6} {'off/on':>6} | "
@@ -159,10 +164,10 @@ def print_hf_rows(name: str, on: list[dict[str, float]], off: list[dict[str, flo
           f"{'tok/s on':>8} {'off':>5} {'on/off':>6}")
     for turn, (a, b) in enumerate(zip(on, off), start=1):
         print(f"{turn:>4} {a['prompt_tokens']:>10.0f} {a['cached_share']:>9.0%} {b['cached_share']:>4.0%} | "
-              f"{a['prefill_s']:>12.3f} {b['prefill_s']:>6.3f} {b['prefill_s'] / a['prefill_s']:>5.2f}x | "
-              f"{a['wall_s']:>9.2f} {b['wall_s']:>6.2f} {b['wall_s'] / a['wall_s']:>5.2f}x | "
-              f"{a['cpu_s']:>8.2f} {b['cpu_s']:>6.2f} {b['cpu_s'] / a['cpu_s']:>5.2f}x | "
-              f"{a['tokens_per_s']:>8.0f} {b['tokens_per_s']:>5.0f} {a['tokens_per_s'] / b['tokens_per_s']:>5.2f}x")
+              f"{a['prefill_s']:>12.3f} {b['prefill_s']:>6.3f} {ratio(b['prefill_s'], a['prefill_s']):>5.2f}x | "
+              f"{a['wall_s']:>9.2f} {b['wall_s']:>6.2f} {ratio(b['wall_s'], a['wall_s']):>5.2f}x | "
+              f"{a['cpu_s']:>8.2f} {b['cpu_s']:>6.2f} {ratio(b['cpu_s'], a['cpu_s']):>5.2f}x | "
+              f"{a['tokens_per_s']:>8.0f} {b['tokens_per_s']:>5.0f} {ratio(a['tokens_per_s'], b['tokens_per_s']):>5.2f}x")
 
 
 def print_table(name: str, figures: dict[str, list[dict[str, float]]], engine: str = "vllm") -> None:

@@ -18,6 +18,7 @@ def test_later_turns_reuse_kept_kv_only_with_it_on(capsys) -> None:
     assert on[2]["cached_share"] >= (prompt + 1 + observation) / (prompt + 2 * (generated + observation))
     for turn in on + off:
         assert 0 < turn["prefill_s"] == turn["last_first_token_s"] < turn["wall_s"]
-        assert turn["tokens_per_s"] > 0 and turn["cpu_s"] > 0
+        assert turn["tokens_per_s"] > 0 and turn["cpu_s"] >= 0  # one tiny turn can take under a 10 ms CPU tick
+    assert sum(turn["cpu_s"] for turn in on + off) > 0
     out = capsys.readouterr().out
     assert "tiny: hf engine, KV reuse on vs off" in out and "all turns:" in out
