@@ -8,7 +8,8 @@
 
 Keys and metadata live in torchstore (its controller is reachable from every process of the job). Publishing
 streams: one tensor at a time is cast to the readers' dtype (on its own rank, before any copy), gathered to rank
-0 alone, and written, so the publisher never holds more than one extra tensor. The tensor bytes take one of two
+0 alone, and its pieces written and hashed on a pool of threads (forge/weights/publisher.py) while the next one is
+gathered, so the publisher holds a bounded number of extra pieces. The tensor bytes take one of two
 paths:
 - "shm" (one host; forge/weights/segment.py, which needs no Monarch): the publisher writes every tensor once into
   one shared-memory segment in /dev/shm, after checking that /dev/shm has room for all of it; a version whose
@@ -23,7 +24,7 @@ paths:
 With transport="auto" a version goes through shared memory, and readers on another host fall back to
 torchstore when the publisher also put it there (`cross_host=True`).
 
-Several hosts (FORGE_WEIGHT_RELAY=1, set by the provisioner in every process of a multi-host job): the publisher
+Several hosts (FORGE_MULTI_HOST=1, set by the provisioner in every process of a multi-host job): the publisher
 writes its own host's segment (and, where torchstore has RDMA, puts the version into torchstore once); one relay per
 host (forge/weights/relay.py) copies it into its host's /dev/shm -- streamed from the publisher host's segment over
 TCP, or from torchstore with RDMA -- and advertises it under that host's keys.
@@ -31,19 +32,20 @@ Without RDMA the stages overlap: the publisher announces the version (`incoming`
 before writing it; the relays start streaming its pieces as they are written, announce their host's copy, and that
 host's readers read each piece as it lands. A reader returns the version only once all of it arrived and every
 piece matched the checksums in the publisher's final manifest (segment.SegmentRead): never half a version.
-Readers then see their host's newest version (`latest_version`: complete or arriving), read it from their host's
-shared memory, and record how many versions their host's complete copy is behind the newest published one (metric
+Readers learn of a version through one path, `latest_version` / `wait_for_version`: their host's newest version,
+complete or arriving, never one whose bytes cannot yet be read on their host. They read it from their host's shared
+memory, and record how many versions their host's complete copy is behind the newest published one (metric
 `weights/host_versions_behind`).
 
-Every tensor's checksums (a hash per 32 MB, forge/weights/segment.py) are taken once at publish and kept in the manifest; `fetch` checks
+Every tensor's checksums (a hash per 32 MB, forge/weights/checksums.py) are taken once at publish and kept in the manifest; `fetch` checks
 what it read against them on either path and raises WeightChecksumError, naming the tensor and the version,
 instead of returning weights that differ from what was published.
 
 Each version records `weights/published_bytes`.
 
 Segments are named `forge-<job>-<namespace>-v<version>` where <job> is the controller's pid
-(FORGE_JOB_ID): `delete` removes one, `remove_job_segments` (run at shutdown, and for dead jobs at
-start-up) removes whatever a crash left behind.
+(FORGE_JOB_ID): `delete` removes one, `remove_job_segments` (registered with the runtime's clean-up,
+forge/job.py: run when the job ends, and for dead jobs when a controller starts) removes whatever a crash left behind.
 """
 
 from __future__ import annotations
