@@ -22,7 +22,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--seed", type=int, default=0); p.add_argument("--steps", type=int, default=40)
 p.add_argument("--lr", type=float, default=1e-3); p.add_argument("--reward-coef", type=float, default=1.0)
 p.add_argument("--clip", type=float, default=0.2); p.add_argument("--teacher-t", type=float, default=None)
-p.add_argument("--eval-every", type=int, default=10); p.add_argument("--lag", type=int, default=0); p.add_argument("--kw", default="")
+p.add_argument("--eval-every", type=int, default=10); p.add_argument("--lag", type=int, default=0); p.add_argument("--group", type=int, default=0); p.add_argument("--kw", default="")
 a = p.parse_args()
 cfg, _ = load_job_config(["--config", "configs/distill_tiny.yaml", f"seed={a.seed}"])
 task = make_task(cfg); T = cfg.trainer.temperature; TT = a.teacher_t or T
@@ -34,6 +34,8 @@ eng = HFEngine.from_model(S, HFEngine(student).tokenizer, seed=a.seed)
 tok = eng.tokenizer; pad = tok.pad_token_id
 opt = torch.optim.AdamW(S.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0)
 rng = random.Random(a.seed); params = sampling_params(cfg, task)
+if a.group: params.n = a.group
+prompts_per_step = 1024 // params.n
 held = task.held_out()[:500]
 kw = eval(f"dict({a.kw})"); DEBUG = kw.pop("DEBUG", 0)
 def acc(): S.eval(); r = greedy_accuracy(S, tok, held, task.reward, cfg.rollout.max_tokens, task.stop_token_ids); return r
@@ -41,7 +43,7 @@ print(f"seed {a.seed} start held-out {acc():.3f} teacher held-out {greedy_accura
 t0 = time.time(); queue = []
 for step in range(1, a.steps + 1):
     S.eval()
-    probs = task.sample_prompts(64, rng)
+    probs = task.sample_prompts(prompts_per_step, rng)
     outs = eng.generate([q.prompt for q in probs], params)
     packed = []
     for gi, (q, g) in enumerate(zip(probs, outs)):
