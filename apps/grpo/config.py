@@ -179,6 +179,9 @@ class TeacherSection:
     """`engine: hf` or `vllm`: the engine's own arguments, as `generator.engine_args`."""
     chunk_rows: int = 4
     """`engine: titan`: rows per forward pass."""
+    kl_check_steps: int = 20
+    """Every this many steps the run checks that the reverse KL to the teacher has fallen (the mean of the last 5
+    steps at least 10% under the first 5's) and prints a warning line when it has not; 0: no check."""
 
     def __post_init__(self) -> None:
         if self.model == "":
@@ -193,6 +196,8 @@ class TeacherSection:
             raise ValueError(f"warm_start_accuracy={self.warm_start_accuracy}: must be in (0, 1]")
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows={self.chunk_rows}: must be >= 1")
+        if not isinstance(self.kl_check_steps, int) or self.kl_check_steps < 0:
+            raise ValueError(f"kl_check_steps={self.kl_check_steps!r}: must be an int >= 0 (0: no check)")
 
     @property
     def on_engine(self) -> bool:

@@ -28,6 +28,7 @@ from actors.replay_buffer import ReplayBufferClient
 from actors.weight_canary import check_weight_sync
 from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
+from apps.grpo.kl_watch import ReverseKLWatch
 from apps.grpo.launch import make_task, start_actors
 from apps.grpo.rollouts import (EPISODE_BITS, GroupSelector, evaluate, held_out_score, make_rollout, sampling_params,
                                 teacher_model, warm_started_model)
@@ -110,6 +111,7 @@ class GRPOJob:
         logger = MetricLogger.from_config(cfg.metrics, total_steps=cfg.steps,
                                           jsonl_default=Path(cfg.run_dir) / "metrics.jsonl")
         start_step, loop_start, loop_cpu = self.step, time.perf_counter(), time.process_time()
+        kl_watch = ReverseKLWatch(cfg.teacher.kl_check_steps if cfg.teacher.model is not None else 0)
         try:
             while self.step < cfg.steps and not self.interrupted:
                 step_start, step_cpu = time.perf_counter(), time.process_time()
@@ -129,6 +131,7 @@ class GRPOJob:
                     batch, result, trained_on, stats, waited, time.perf_counter() - step_start,
                     time.process_time() - step_cpu))
                 self.summary.step_logged(record, memory=get_provisioner().memory_rss)
+                kl_watch.step(self.step, record.get("reverse_kl"))
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
                     await self.evaluate(f"step {self.step}")
                 if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:

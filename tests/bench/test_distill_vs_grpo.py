@@ -8,7 +8,7 @@ import pytest
 import json
 from pathlib import Path
 
-from bench.distill_vs_grpo import first_step_at, read_run, seconds_to
+from bench.distill_vs_grpo import first_step_at, read_run, seconds_to, verdict
 
 pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
 
@@ -38,3 +38,17 @@ def test_the_first_step_at_a_target_is_the_first_evaluation_at_or_above_it():
     assert first_step_at(curve, 0.5) == 10
     assert first_step_at(curve, 0.7) == 30
     assert first_step_at(curve, 0.71) is None
+
+
+def row(distill_at: int | None, grpo_at: int | None, grpo_steps: int = 150) -> dict:
+    return {"distill": {"at": distill_at}, "grpo": {"at": grpo_at, "steps": grpo_steps}}
+
+
+def test_the_goals_need_every_seed_at_the_target_and_a_median_third_of_grpos_steps():
+    assert verdict([row(30, 120), row(40, 110), row(20, 100)])[0]  # ratios 0.25, 0.36, 0.2: median 0.25
+    ok, line = verdict([row(30, 120), row(60, 110), row(50, 100)])  # median 0.5
+    assert not ok and "median distillation / GRPO steps 0.50" in line
+    ok, line = verdict([row(10, 120), row(None, 110), row(10, 100)])  # one seed never reaches it
+    assert not ok and "on 2 of 3 seeds" in line
+    # GRPO not reaching the target in its 150 steps counts as needing more: 40 / 151.
+    assert verdict([row(40, None)])[0]
