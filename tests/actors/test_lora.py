@@ -375,14 +375,12 @@ if __name__ == "__main__":
 def test_adapters_start_from_their_seed_under_activation_checkpointing(checkpoint: Path) -> None:
     """On several ranks activation checkpointing wraps the blocks before the adapters are initialised: the
     wrapper's names must still reach the adapters (they stayed at zero, so A = B = 0 never trained)."""
-    from torchtitan.distributed.activation_checkpoint import apply_ac
-
     from actors.lora import CHECKPOINT_WRAPPER_PREFIX, init_adapters
-    from actors.model_builder import build_job_config
+    from actors.model_builder import apply_activation_checkpointing
 
     trainer = TitanTrainer(lora_config(checkpoint))
     initial = named(trainer, True)
-    apply_ac(trainer.model, build_job_config(dtype="float32", activation_checkpoint="full").activation_checkpoint)
+    apply_activation_checkpointing(trainer.model, "full")
     with torch.no_grad():
         for param in trainer.model.parameters():
             if param.requires_grad:
