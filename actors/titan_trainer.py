@@ -74,6 +74,29 @@ class AdapterSettings(Stateful):
                                      f"with ({'; '.join(differ)}): set them as they were to resume")
 
 
+class OptimizerState(Stateful):
+    """torchtitan's optimizers in a checkpoint. Their `state_dict()` creates missing optimizer state with a
+    zero-learning-rate step (torchtitan 0.3.0's `init_optim_state`), which counts as Adam's first step: saved before
+    any training step, the live optimizer would then take its first real step with the second step's bias
+    correction. Saved so, the step counts go back to 0: zero moments at step 0 are Adam's fresh state."""
+
+    def __init__(self, optimizers: OptimizersContainer) -> None:
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        fresh = not any(optimizer.state for optimizer in self.optimizers)
+        state = self.optimizers.state_dict()
+        if fresh:
+            for optimizer in self.optimizers:
+                for param_state in optimizer.state.values():
+                    if torch.is_tensor(param_state.get("step")):
+                        param_state["step"].zero_()  # the saved dict holds these very tensors
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizers.load_state_dict(state_dict)
+
+
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """The batch with every tensor on `device`."""
     values = {f.name: getattr(batch, f.name) for f in fields(batch)}
@@ -367,7 +390,8 @@ class TitanTrainer:
         # state dict taken earlier (torchtitan's ModelWrapper caches one) can hold stale shards.
         # With LoRA the base is the frozen source checkpoint: only the adapters are saved.
         model = get_model_state_dict(self.model)
-        parts = {"optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+        parts = {"optimizer": OptimizerState(self.optimizers), "lr_scheduler": self.lr_schedulers,
+                 "train_state": self.train_state}
         if self.config.lora is not None:
             model = lora.adapter_state(model)
             parts["lora"] = AdapterSettings(self.config.lora)

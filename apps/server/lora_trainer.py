@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from actors import checkpoint, lora as lora_layers
 from actors.lora_config import LoRAConfig
-from actors.titan_trainer import TrainState
+from actors.titan_trainer import OptimizerState, TrainState
 from actors.trainer import TrainerActor
 from apps.server.adapter_sampler import AdapterSampler
 from apps.server.training_actor import ServerTrainer
@@ -153,7 +153,8 @@ class SharedBaseLoRATrainer(ServerTrainer):
     # -- checkpoints and export of the active session ----------------------------------------------
     def _checkpoint_states(self) -> dict[str, Any]:
         session = self._session
-        states = {**self._adapter_state(), "optimizer": _SingleAdapterNames(session.optimizers, session.name),
+        states = {**self._adapter_state(), "optimizer": _SingleAdapterNames(OptimizerState(session.optimizers),
+                                                                          session.name),
                   "lr_scheduler": session.lr_schedulers, "train_state": session.train_state}
         if self._model_only:
             for key in checkpoint.OPTIMIZER_PARTS:

@@ -315,6 +315,20 @@ def test_resume_gives_the_uninterrupted_run(checkpoint: Path, tmp_path: Path) ->
     assert_same_weights(resumed.hf_state_dict(), uninterrupted.hf_state_dict(), atol=0)
 
 
+def test_a_checkpoint_saved_before_the_first_step_changes_no_step(checkpoint: Path, tmp_path: Path) -> None:
+    # torchtitan 0.3.0 creates missing optimizer state for a checkpoint with a zero-lr step: Adam's first step.
+    config = trainer_config(checkpoint, weight_decay=0.1)
+    saved, unsaved = TitanTrainer(config), TitanTrainer(config)
+    path = saved.save_checkpoint(tmp_path / "ckpt")
+    saved.train_step(make_batch(4))
+    unsaved.train_step(make_batch(4))
+    assert_same_weights(saved.hf_state_dict(), unsaved.hf_state_dict(), atol=0)
+    resumed = TitanTrainer(config)
+    resumed.load_checkpoint(path)
+    resumed.train_step(make_batch(4))
+    assert_same_weights(resumed.hf_state_dict(), unsaved.hf_state_dict(), atol=0)
+
+
 def torchtitan_0_2_name(key: str) -> str:
     """A torchtitan 0.3.0 key under the name torchtitan 0.2.0 gave it (written out here, not with actors.checkpoint's
     map): the unembedding was `output`, and q, k and v sat directly under `attention`."""
