@@ -163,7 +163,8 @@ class SharedBaseLoRATrainer(ServerTrainer):
 
     def load_checkpoint(self, path: str | Path) -> None:
         states = self._checkpoint_states()
-        checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
+        renamed, _ = checkpoint.in_checkpoint_names(states, Path(path))  # a save_state of forge on torchtitan 0.2.0
+        checkpoint.load(renamed, Path(path), rank=self.rank, world_size=self.world_size)
         name = self._session.name
         adapter = {_renamed(k, lora_layers.ADAPTER_NAME, name): v for k, v in states.items()
                    if checkpoint.is_model_key(k)}
