@@ -122,8 +122,8 @@ to 0.7.0 are listed after the table with the check that retired them.
     attention backend is flex, flex_flash or varlen;       attention, `SDPAttention` (actors/model_builder.py): SDPA
     "sdpa" raises ("no longer supported for language       on torchtitan's (B, L, N, H) layout, causal or within a
     models"), and FlexAttention has no backward pass on   packed batch's `DocumentMask`; it imports no Monarch, so it
-    CPU (docs/stack.md)                                    lives there; can go when a backend torchtitan accepts
-                                                           trains on CPU and tests/actors/test_packing.py and
+    CPU (torch 2.13.0, eager and compiled: "does not      lives there; can go when a backend torchtitan accepts
+    support backward on CPU")                              trains on CPU and tests/actors/test_packing.py and
                                                            test_trainer.py pass with it in SDPAttention's place
 41  torchtitan 0.3.0 (not Monarch): apply_fsdp_to_decoder  the trainer forces FSDP's plain SUM where the process
     sets FSDP's gradient divide factor to 1, which FSDP    group is gloo (`sum_gradients_over_gloo`,
