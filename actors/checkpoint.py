@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.config import TORCH_DTYPE_MAP
 
 CHECKSUMS_FILE = "checksums.json"
@@ -29,6 +32,66 @@ def is_model_key(key: str) -> bool:
     """Whether `key` of a trainer checkpoint (a state-dict key, or a flattened one like `optimizer.state.x`) holds
     the model's weights rather than one of the TRAINER_PARTS saved beside them."""
     return key.split(".")[0] not in TRAINER_PARTS
+
+
+# torchtitan 0.3.0 renamed the modules of forge's models: the unembedding `output` is `lm_head`, and q, k and v
+# moved under `attention.qkv_linear`. A checkpoint written by forge on torchtitan 0.2.0 holds the old names, in its
+# model keys, its LoRA adapter keys and its optimizer state's keys (`optimizer.state.<param>.exp_avg`).
+_RENAMED = ((re.compile(r"(^|\.)lm_head\."), r"\1output."),
+            (re.compile(r"\.attention\.qkv_linear\.(w[qkv])\."), r".attention.\1."))
+_LEGACY_KEY = re.compile(r"(^|\.)output\.|\.attention\.w[qkv]\.")
+
+
+def legacy_name(key: str) -> str:
+    """The name torchtitan 0.2.0 gave what `key` (a torchtitan 0.3.0 checkpoint key) names."""
+    for pattern, old in _RENAMED:
+        key = pattern.sub(old, key)
+    return key
+
+
+def current_name(key: str) -> str:
+    """The inverse of `legacy_name`: a torchtitan 0.2.0 checkpoint key under torchtitan 0.3.0's names."""
+    key = re.sub(r"(^|\.)output\.", r"\1lm_head.", key)
+    return re.sub(r"\.attention\.(w[qkv])\.", r".attention.qkv_linear.\1.", key)
+
+
+def is_legacy(path: Path) -> bool:
+    """Whether the DCP checkpoint at `path` was written under torchtitan 0.2.0's names (forge before torchtitan
+    0.3.0). False where there is no checkpoint metadata: loading it reports what is missing."""
+    if not (path / ".metadata").is_file():
+        return False
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(_LEGACY_KEY.search(key) for key in keys)
+
+
+def names_in(path: Path) -> Callable[[str], str]:
+    """How the checkpoint at `path` names a torchtitan 0.3.0 key: itself, or its 0.2.0 name."""
+    return legacy_name if is_legacy(path) else (lambda key: key)
+
+
+class LegacyNames(Stateful):
+    """A stateful part (the optimizer) whose state-dict keys a torchtitan 0.2.0 checkpoint holds under the old
+    module names: loads them into the part under the new ones."""
+
+    def __init__(self, part: Any) -> None:
+        self.part = part
+
+    def state_dict(self) -> dict[str, Any]:
+        return {legacy_name(k): v for k, v in self.part.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.part.load_state_dict({current_name(k): v for k, v in state_dict.items()})
+
+
+def in_checkpoint_names(states: dict[str, Any], path: Path) -> tuple[dict[str, Any], Callable[[str], str]]:
+    """`states` (model keys at the top level, then stateful parts) as the checkpoint at `path` names them, and the
+    renaming used: a torchtitan 0.2.0 checkpoint gets its old model keys and an optimizer that reads old names."""
+    if not is_legacy(path):
+        return states, lambda key: key
+    renamed = {legacy_name(k) if is_model_key(k) else k: v for k, v in states.items()}
+    if "optimizer" in renamed:
+        renamed["optimizer"] = LegacyNames(renamed["optimizer"])
+    return renamed, legacy_name
 
 
 def save(states: dict[str, Any], path: Path, *, rank: int, world_size: int) -> str:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from forge.distributed import DataParallel
 
 if TYPE_CHECKING:
-    from torchtitan.protocols import BaseModelArgs
+    from torchtitan.models.common import Decoder
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -55,8 +55,9 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(logp.exp() * logp).sum(-1)
 
 
-def check_input_ids(input_ids: torch.Tensor, model_args: BaseModelArgs) -> None:
-    """Raise a ValueError unless input_ids is a long [B, T] tensor the model can take."""
+def check_input_ids(input_ids: torch.Tensor, model_args: Decoder.Config) -> None:
+    """Raise a ValueError unless input_ids is a long [B, T] tensor the model (torchtitan's configuration of it) can
+    take."""
     max_len, vocab = model_args.max_seq_len, model_args.vocab_size
     if input_ids.dim() != 2 or input_ids.dtype != torch.long or not 2 <= input_ids.shape[1] <= max_len:
         raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}; must be a long "

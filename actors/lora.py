@@ -1,6 +1,6 @@
 """LoRA on the trainer's torchtitan model, with peft's layers, and the adapter in Hugging Face / peft names.
 
-    targets = titan_targets(lora, state_dict_adapter)     # ["attention.wq", "output", ...]: via the adapter's names
+    targets = titan_targets(lora, state_dict_adapter)     # ["attention.qkv_linear.wq", "lm_head", ...]: via the adapter's names
     inject(model, lora, targets)                          # on the meta model, before FSDP: peft's LoRA layers
     ...                                                   # load the base, then init_adapters(model, seed)
     adapter_hf = to_peft_names(adapter_state(get_model_state_dict(model)), state_dict_adapter)  # "model.layers.0...q_proj.lora_A.weight"
@@ -39,7 +39,8 @@ CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # torch's activation-
 
 
 def titan_targets(lora: LoRAConfig, adapter: BaseStateDictAdapter) -> list[str]:
-    """The torchtitan module suffixes (e.g. "attention.wq") of the HF modules `lora.target_modules` names."""
+    """The torchtitan module suffixes (e.g. "attention.qkv_linear.wq") of the HF modules `lora.target_modules` names.
+    One per projection: forge builds q, k and v unfused (actors/model_builder.py)."""
     targets = []
     for name in lora.target_modules:
         # At most one "{}" (the layer): a dense layer's module or lm_head, not a mixture-of-experts' per-expert one.

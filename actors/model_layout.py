@@ -10,7 +10,8 @@ from typing import Any
 
 # The HF `model_type` each family's torchtitan model and state-dict adapter reproduce.
 HF_MODEL_TYPES = {"qwen3": "qwen3", "llama3": "llama"}
-# The config.json keys torchtitan's model arguments are made from (a missing one is a KeyError naming it).
+# The config.json keys torchtitan's model configuration is made from (a missing one is a KeyError naming it); the
+# RoPE base is `rope_theta` too, read by `rope_settings` from where the config's transformers version put it.
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "rms_norm_eps",
                  "max_position_embeddings", "intermediate_size")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -49,7 +50,7 @@ def check_hf_config(family: str, hf_config: dict[str, Any]) -> None:
             raise ValueError(f"config.json rope_scaling={rope_scaling!r}: torchtitan's qwen3 supports only None")
         return
     if hf_config.get("tie_word_embeddings", False):
-        raise ValueError("config.json tie_word_embeddings=True: torchtitan's llama3 has no weight tying")
+        raise ValueError("config.json tie_word_embeddings=True: forge's llama3 has no weight tying")
     dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or dim // n_heads
     if head_dim != dim // n_heads:
@@ -66,10 +67,12 @@ def check_hf_config(family: str, hf_config: dict[str, Any]) -> None:
 def check_parallel_layout(hf_config: dict[str, Any], world_size: int, tensor_parallel_degree: int = 1) -> None:
     """Whether the model can be sharded over `world_size` ranks (FSDP, times TP)."""
     if hf_config.get("tie_word_embeddings", False) and world_size > 1:
-        # parallelize_fn ties on the meta device and the tie does not survive materialization
-        # (pytorch/torchtitan#2252): the output layer would train as a separate, stale copy.
+        # torchtitan 0.2.0's parallelize_fn tied on the meta device and the tie did not survive materialization
+        # (pytorch/torchtitan#2252): the output layer trained as a separate, stale copy. 0.3.0 re-ties in
+        # init_states; until a sharded tied run is tested against one rank, forge keeps refusing it.
         raise ValueError(f"config.json tie_word_embeddings=True with world_size={world_size}: "
-                         "torchtitan 0.2.0 cannot shard tied embeddings; use one rank or an untied checkpoint")
+                         "forge does not shard tied embeddings (untested on torchtitan 0.3.0); use one rank or an "
+                         "untied checkpoint")
     if world_size % tensor_parallel_degree:
         raise ValueError(f"world_size={world_size}: must be a multiple of "
                          f"tensor_parallel_degree={tensor_parallel_degree}")

@@ -40,7 +40,7 @@ class ReferenceModel:
 
     def __init__(self, config: ReferenceConfig, *, rank: int = 0, world_size: int = 1) -> None:
         # Imported here, in the model's processes: torchtitan and peft would add seconds to every controller's start.
-        from actors.model_builder import build_job_config, build_model, parallel_dims, resolve_model_path
+        from actors.model_builder import ModelSettings, build_model, parallel_dims, resolve_model_path
 
         self.config = config
         self.device = local_device(config.device)
@@ -48,7 +48,7 @@ class ReferenceModel:
         self.model, self.model_args, _ = build_model(
             resolve_model_path(config.model_path), config.family, device=self.device,
             param_dtype=getattr(torch, config.dtype), parallel_dims=dims,
-            job_config=build_job_config(dtype=config.dtype), init_checkpoint=config.init_checkpoint)
+            settings=ModelSettings(dtype=config.dtype), init_checkpoint=config.init_checkpoint)
         self.model.requires_grad_(False)
         self.model.eval()
         self.dp = DataParallel.of(dims)

@@ -19,15 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.config import JobConfig
+from torch.distributed.tensor import DTensor
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.distributed import utils as titan_dist
-from torchtitan.protocols.train_spec import get_train_spec
 
 from actors import checkpoint, lora
 from actors.logprobs import check_input_ids, draws_dropout, score_rows, token_entropy, token_logprobs, without_dropout
 from actors.lora_config import LoRAConfig
-from actors.model_builder import (DocumentMask, build_job_config, build_model, document_attention, parallel_dims,
-                                  resolve_model_path)
+from actors.model_builder import DocumentMask, ModelSettings, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import CheckpointMismatch, TrainerConfig
 from forge.distributed import DataParallel, gather_to_rank0, local_device
 from losses.rules import PI_OLD_PARAMS, uses_old_logprobs
@@ -75,6 +74,29 @@ class AdapterSettings(Stateful):
                                      f"with ({'; '.join(differ)}): set them as they were to resume")
 
 
+class OptimizerState(Stateful):
+    """torchtitan's optimizers in a checkpoint. Their `state_dict()` creates missing optimizer state with a
+    zero-learning-rate step (torchtitan 0.3.0's `init_optim_state`), which counts as Adam's first step: saved before
+    any training step, the live optimizer would then take its first real step with the second step's bias
+    correction. Saved so, the step counts go back to 0: zero moments at step 0 are Adam's fresh state."""
+
+    def __init__(self, optimizers: OptimizersContainer) -> None:
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        fresh = not any(optimizer.state for optimizer in self.optimizers)
+        state = self.optimizers.state_dict()
+        if fresh:
+            for optimizer in self.optimizers:
+                for param_state in optimizer.state.values():
+                    if torch.is_tensor(param_state.get("step")):
+                        param_state["step"].zero_()  # the saved dict holds these very tensors
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizers.load_state_dict(state_dict)
+
+
 def to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """The batch with every tensor on `device`."""
     values = {f.name: getattr(batch, f.name) for f in fields(batch)}
@@ -112,34 +134,36 @@ class TitanTrainer:
         self._correction_params = {k: v for k, v in config.loss_params.items() if k in PI_OLD_PARAMS}
         self.model_path = resolve_model_path(config.model_path)
         self.parallel_dims = parallel_dims(world_size, tp)
-        job = build_job_config(dtype=config.dtype, tensor_parallel_degree=tp,
-                               activation_checkpoint=config.activation_checkpoint)
-        self._set_optimizer_config(job)
+        settings = ModelSettings(dtype=config.dtype, tensor_parallel_degree=tp,
+                                 activation_checkpoint=config.activation_checkpoint)
+        # model_args: torchtitan's model configuration (max_seq_len, vocab_size, enable_weight_tying).
         self.model, self.model_args, self.adapter = build_model(
             self.model_path, config.family, device=self.device, param_dtype=torch.float32,
-            parallel_dims=self.parallel_dims, job_config=job, init_checkpoint=config.init_checkpoint, lora=config.lora)
+            parallel_dims=self.parallel_dims, settings=settings, init_checkpoint=config.init_checkpoint,
+            lora=config.lora)
         self.model.train()
-        spec = get_train_spec(config.family)
-        # torchtitan's optimizers take the parameters that require grad: with LoRA, the adapters alone.
-        self.optimizers = spec.build_optimizers_fn([self.model], job.optimizer, self.parallel_dims)
-        self.lr_schedulers = spec.build_lr_schedulers_fn(self.optimizers, job.lr_scheduler, job.training.steps)
+        self.optimizers, self.lr_schedulers = self._build_optimizers()
         self.train_state = TrainState()
         self.dp = DataParallel.of(self.parallel_dims)
-        # FSDP casts to the compute dtype itself; a single device needs autocast (torchtitan's choice).
-        self._autocast = (contextlib.nullcontext() if config.dtype == "float32" else
-                          titan_dist.maybe_enable_amp(self.parallel_dims, config.dtype, self.device.type))
+        # FSDP casts to the compute dtype itself; a single device needs autocast (torchtitan 0.2.0's choice).
+        self._autocast = (contextlib.nullcontext() if config.dtype == "float32" or self.parallel_dims.fsdp_enabled
+                          else torch.autocast(self.device.type, dtype=getattr(torch, config.dtype)))
 
-    def _set_optimizer_config(self, job: JobConfig) -> None:
+    def _build_optimizers(self) -> tuple[OptimizersContainer, LRSchedulersContainer]:
+        """torchtitan's AdamW over the parameters that require grad (with LoRA, the adapters alone) and its LR
+        schedule: linear warmup, then constant or a decay to 0 at max_steps."""
         c = self.config
-        job.optimizer.name = "AdamW"
-        job.optimizer.lr, job.optimizer.eps, job.optimizer.weight_decay = c.lr, c.eps, c.weight_decay
-        job.optimizer.beta1, job.optimizer.beta2 = c.betas
-        job.optimizer.implementation = "fused" if self.device.type == "cuda" else "foreach"
-        job.lr_scheduler.warmup_steps = c.warmup_steps
+        adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                 optimizer_kwargs=dict(lr=c.lr, betas=tuple(c.betas), eps=c.eps,
+                                                       weight_decay=c.weight_decay))
+        implementation = "fused" if self.device.type == "cuda" else "foreach"
+        optimizers = OptimizersContainer.Config(param_groups=[adamw], implementation=implementation).build(
+            model_parts=[self.model])
         # decay_ratio=0: no decay phase (constant after warmup); None: decay from warmup to max_steps.
-        job.lr_scheduler.decay_ratio = 0.0 if c.lr_decay == "constant" else None
-        job.lr_scheduler.decay_type = "linear" if c.lr_decay == "constant" else c.lr_decay
-        job.training.steps = c.max_steps
+        schedule = LRSchedulersContainer.Config(warmup_steps=c.warmup_steps,
+                                                decay_ratio=0.0 if c.lr_decay == "constant" else None,
+                                                decay_type="linear" if c.lr_decay == "constant" else c.lr_decay)
+        return optimizers, schedule.build(optimizers=optimizers, training_steps=c.max_steps)
 
     @property
     def step(self) -> int:
@@ -164,16 +188,15 @@ class TitanTrainer:
         if document_ids is not None:  # the padding is a document of its own
             masks = DocumentMask.of(F.pad(document_ids[:, :-1], (0, pad), value=-1).to(inputs.device))
         with self._autocast:
-            logits = self.model(inputs, attention_masks=masks)[:, : targets.shape[1]]
+            logits = self.model(inputs, attention_masks=masks)
+        if isinstance(logits, DTensor):  # TP shards the vocabulary; the log-probs need all of it on each rank
+            logits = logits.full_tensor()
+        logits = logits[:, : targets.shape[1]]
         # Under top-k/top-p the behaviour policy is the truncated distribution: renormalise over the same kept sets.
         temperature = self.config.temperature if temperature is None else temperature
         logprobs = token_logprobs(logits, targets, temperature, kept_token_ids)
         entropy = token_entropy(logits, temperature) if with_entropy else None
         return logprobs, entropy
-
-    def _attention(self, document_ids: torch.Tensor | None) -> contextlib.AbstractContextManager:
-        """Attention within documents for a packed batch (over its forward and backward passes), else as built."""
-        return document_attention(self.model) if document_ids is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
@@ -206,7 +229,7 @@ class TitanTrainer:
             return self._forward(ids, kept_rows, with_entropy=False, temperature=temperature,
                                  document_ids=documents)[0]
 
-        with without_dropout(self.model), self._attention(document_ids):
+        with without_dropout(self.model):
             return score_rows(score, rows, self.config.micro_batch_size, self.dp, kept)
 
     # -- training ---------------------------------------------------------------------------------
@@ -261,46 +284,46 @@ class TitanTrainer:
         TrainerConfig.temperature). Returns the loss output, the batch's log-probs [B, T-1] (detached) and, if
         asked, the token entropies.
         """
-        with self._attention(batch.document_ids):  # held over the backward passes, which may recompute the forward
-            start, stop = self.dp.rows(batch.num_sequences)
-            size = self.config.micro_batch_size
-            micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
-            # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each
-            # micro-batch's random state is kept so that its recomputation below draws the same dropout masks.
-            keep_graph = len(micro) == 1
-            parts, rng_states = [], []
-            with torch.set_grad_enabled(keep_graph):
-                for mb in micro:
-                    rng_states.append(_rng_state(self.device))
-                    parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy,
-                                               temperature=temperature, document_ids=mb.document_ids))
-            local_logprobs = torch.cat([lp for lp, _ in parts])
-            entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
-            logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
+        start, stop = self.dp.rows(batch.num_sequences)
+        size = self.config.micro_batch_size
+        micro = [batch.slice(s, min(s + size, stop)) for s in range(start, stop, size)]
+        # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each
+        # micro-batch's random state is kept so that its recomputation below draws the same dropout masks.
+        keep_graph = len(micro) == 1
+        parts, rng_states = [], []
+        with torch.set_grad_enabled(keep_graph):
+            for mb in micro:
+                rng_states.append(_rng_state(self.device))
+                parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy,
+                                           temperature=temperature, document_ids=mb.document_ids))
+        local_logprobs = torch.cat([lp for lp, _ in parts])
+        entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
+        logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
 
-            if old_is_current:
-                old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids, temperature,
-                                            batch.document_ids).to(self.device)
-                                if draws_dropout(self.model) else logprobs.detach())
-            pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
-            out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
-            if not out.loss.requires_grad:
-                name = getattr(loss_fn, "__name__", repr(loss_fn))
-                raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
-            (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
-            # FSDP averages gradients over data-parallel ranks, but each rank's share is already exact: undo it.
-            local_grad = loss_grad[start : start + local_logprobs.shape[0]] * self.dp.degree
-            if keep_graph:
-                local_logprobs.backward(local_grad)
-            else:
-                offset = 0
-                for mb, rng in zip(micro, rng_states):
-                    _set_rng_state(self.device, rng)
-                    mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
-                                                   temperature=temperature, document_ids=mb.document_ids)
-                    mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
-                    offset += mb.num_sequences
-            return out, logprobs.detach(), entropy
+        if old_is_current:
+            old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids, temperature,
+                                        batch.document_ids).to(self.device)
+                            if draws_dropout(self.model) else logprobs.detach())
+        pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
+        out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
+        if not out.loss.requires_grad:
+            name = getattr(loss_fn, "__name__", repr(loss_fn))
+            raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
+        (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
+        # Each rank's share of the gradient is exact, and torchtitan 0.3.0's FSDP sums them over the data-parallel
+        # ranks (its apply_fsdp_to_decoder sets the divide factor to 1; 0.2.0 averaged, which forge undid here).
+        local_grad = loss_grad[start : start + local_logprobs.shape[0]]
+        if keep_graph:
+            local_logprobs.backward(local_grad)
+        else:
+            offset = 0
+            for mb, rng in zip(micro, rng_states):
+                _set_rng_state(self.device, rng)
+                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
+                                               temperature=temperature, document_ids=mb.document_ids)
+                mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
+                offset += mb.num_sequences
+        return out, logprobs.detach(), entropy
 
     def _optimizer_step(self, batch: TrainBatch, old_logprobs: torch.Tensor | None) -> tuple[dict[str, float],
                                                                                           torch.Tensor]:
@@ -335,8 +358,7 @@ class TitanTrainer:
         state = get_model_state_dict(self.model)
         if self.config.lora is not None:
             return lora.to_peft_names(lora.adapter_state(state), self.adapter, scaling=self.config.lora.scaling)
-        if getattr(self.model_args, "enable_weight_tying", False):
-            state.pop("output.weight")  # shares the embedding's storage; HF checkpoints leave lm_head out too
+        # A tied lm_head shares the embedding's storage: the adapter leaves it out, as HF checkpoints do.
         return self.adapter.to_hf(state)
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -368,7 +390,8 @@ class TitanTrainer:
         # state dict taken earlier (torchtitan's ModelWrapper caches one) can hold stale shards.
         # With LoRA the base is the frozen source checkpoint: only the adapters are saved.
         model = get_model_state_dict(self.model)
-        parts = {"optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+        parts = {"optimizer": OptimizerState(self.optimizers), "lr_scheduler": self.lr_schedulers,
+                 "train_state": self.train_state}
         if self.config.lora is not None:
             model = lora.adapter_state(model)
             parts["lora"] = AdapterSettings(self.config.lora)
@@ -384,13 +407,16 @@ class TitanTrainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore everything `save_checkpoint` saved; the next step is the one the saved run took next.
         Raises FileNotFoundError for an incomplete folder, RuntimeError for a corrupt one and CheckpointMismatch
-        (a RuntimeError too) for LoRA adapters saved under other settings."""
+        (a RuntimeError too) for LoRA adapters saved under other settings. A checkpoint written by forge on torchtitan
+        0.2.0 (the old module names) loads through the key map of actors.checkpoint (`in_checkpoint_names`)."""
         if self.config.lora is not None:  # the adapters' settings first: refused before any tensor loads
             settings = AdapterSettings(self.config.lora)
             checkpoint.load({"lora": settings}, Path(path), rank=self.rank, world_size=self.world_size)
             settings.check_loaded()
         states = self._checkpoint_states()
-        checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
+        renamed, _ = checkpoint.in_checkpoint_names(states, Path(path))
+        checkpoint.load(renamed, Path(path), rank=self.rank, world_size=self.world_size)
+        # DCP loaded into the tensors themselves, which `states` holds under the model's own names.
         set_model_state_dict(self.model, {k: v for k, v in states.items() if checkpoint.is_model_key(k)},
                              options=StateDictOptions(strict=self.config.lora is None))
 

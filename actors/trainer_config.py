@@ -50,7 +50,8 @@ class TrainerConfig(ModelConfig):
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (GPUs)."""
     activation_checkpoint: str = "none"
-    """TorchTitan's activation checkpointing: none, selective or full (GPUs)."""
+    """TorchTitan's activation checkpointing: none, selective (per op: torchtitan 0.3's SelectiveAC; 0.2's was every
+    second block) or full (GPUs)."""
     torch_threads: int = 0
     """CPU threads per trainer process on device=cpu (0: torch's default, one per core; the tiny configs: 1, the
     generator has the other core)."""

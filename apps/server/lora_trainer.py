@@ -27,12 +27,10 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.protocols.train_spec import get_train_spec
 
 from actors import checkpoint, lora as lora_layers
 from actors.lora_config import LoRAConfig
-from actors.model_builder import build_job_config
-from actors.titan_trainer import TrainState
+from actors.titan_trainer import OptimizerState, TrainState
 from actors.trainer import TrainerActor
 from apps.server.adapter_sampler import AdapterSampler
 from apps.server.training_actor import ServerTrainer
@@ -88,8 +86,6 @@ class SharedBaseLoRATrainer(ServerTrainer):
         self.model.requires_grad_(False)
         # TitanTrainer built an optimizer over the whole model; each session brings its own over its adapter.
         self.optimizers = self.lr_schedulers = None
-        self._job = build_job_config(dtype=config.dtype, activation_checkpoint=config.activation_checkpoint)
-        self._set_optimizer_config(self._job)
         self.sessions: dict[str, AdapterSession] = {}
         self._active: str | None = None
 
@@ -102,10 +98,8 @@ class SharedBaseLoRATrainer(ServerTrainer):
         name = adapter_name(session_id)
         lora_layers.inject(self.model, lora, lora_layers.titan_targets(lora, self.adapter), adapter_name=name)
         lora_layers.init_adapters(self.model, seed, adapter_name=name)
-        spec = get_train_spec(self.config.family)
         # Only this adapter requires grad right after `inject`: the optimizer takes exactly its parameters.
-        optimizers = spec.build_optimizers_fn([self.model], self._job.optimizer, self.parallel_dims)
-        schedulers = spec.build_lr_schedulers_fn(optimizers, self._job.lr_scheduler, self._job.training.steps)
+        optimizers, schedulers = self._build_optimizers()
         self.sessions[session_id] = AdapterSession(name, lora, optimizers, schedulers, TrainState())
         self._active = None  # `inject` changed which parameters require grad
         return {"adapter_parameters": sum(p.numel() for o in optimizers.optimizers for g in o.param_groups
@@ -159,7 +153,8 @@ class SharedBaseLoRATrainer(ServerTrainer):
     # -- checkpoints and export of the active session ----------------------------------------------
     def _checkpoint_states(self) -> dict[str, Any]:
         session = self._session
-        states = {**self._adapter_state(), "optimizer": _SingleAdapterNames(session.optimizers, session.name),
+        states = {**self._adapter_state(), "optimizer": _SingleAdapterNames(OptimizerState(session.optimizers),
+                                                                          session.name),
                   "lr_scheduler": session.lr_schedulers, "train_state": session.train_state}
         if self._model_only:
             for key in checkpoint.OPTIMIZER_PARTS:
@@ -168,7 +163,8 @@ class SharedBaseLoRATrainer(ServerTrainer):
 
     def load_checkpoint(self, path: str | Path) -> None:
         states = self._checkpoint_states()
-        checkpoint.load(states, Path(path), rank=self.rank, world_size=self.world_size)
+        renamed, _ = checkpoint.in_checkpoint_names(states, Path(path))  # a save_state of forge on torchtitan 0.2.0
+        checkpoint.load(renamed, Path(path), rank=self.rank, world_size=self.world_size)
         name = self._session.name
         adapter = {_renamed(k, lora_layers.ADAPTER_NAME, name): v for k, v in states.items()
                    if checkpoint.is_model_key(k)}
@@ -186,8 +182,7 @@ class SharedBaseLoRATrainer(ServerTrainer):
         """The frozen base in Hugging Face names: the model's own tensors, no copy."""
         state = {lora_layers.base_key(k): v for k, v in get_model_state_dict(self.model).items()
                  if ".lora_A." not in k and ".lora_B." not in k}
-        if getattr(self.model_args, "enable_weight_tying", False):
-            state.pop("output.weight")  # the embedding's storage; the HF model ties lm_head itself
+        # A tied lm_head is the embedding's storage: the adapter leaves it out, and the HF model ties it itself.
         return self.adapter.to_hf(state)
 
 

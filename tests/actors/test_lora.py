@@ -25,7 +25,7 @@ from tests.blocked_imports import import_with_blocked
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_trainer import assert_same_weights, hf_logprobs, make_batch, recording, run_ranks, \
-    trainer_config  # noqa: E402
+    torchtitan_0_2_name, trainer_config  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}
 
@@ -116,6 +116,31 @@ def test_resume_restores_adapters_and_optimizer_exactly(checkpoint: Path, tmp_pa
     keys = FileSystemReader(saved).read_metadata().state_dict_metadata.keys()
     model_keys = [k for k in keys if not k.startswith(("optimizer", "lr_scheduler", "train_state", "lora."))]
     assert model_keys and all(".lora_" in k for k in model_keys)
+
+
+def test_adapters_of_forge_on_torchtitan_0_2_resume(checkpoint: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from actors.checkpoint import save
+    from actors.lora import adapter_state
+    from actors.titan_trainer import AdapterSettings
+
+    trainer = TitanTrainer(lora_config(checkpoint))
+    trainer.train_step(make_batch(8))
+    # What forge on torchtitan 0.2.0 saved: adapters and optimizer state under the old module names.
+    adapters = {torchtitan_0_2_name(k): v for k, v in adapter_state(get_model_state_dict(trainer.model)).items()}
+    optimizer = {torchtitan_0_2_name(k): v for k, v in trainer.optimizers.state_dict().items()}
+    saved = save({**adapters, "optimizer": optimizer, "lr_scheduler": trainer.lr_schedulers.schedulers[0].state_dict(),
+                  "train_state": trainer.train_state.state_dict(),
+                  "lora": AdapterSettings(trainer.config.lora).state_dict()}, tmp_path / "old", rank=0, world_size=1)
+    keys = FileSystemReader(saved).read_metadata().state_dict_metadata.keys()
+    assert {"layers.0.attention.wq.lora_A.default.weight", "output.lora_B.default.weight"} <= set(keys)
+    second = trainer.train_step(make_batch(9))
+    resumed = TitanTrainer(lora_config(checkpoint))
+    resumed.load_checkpoint(saved)
+    assert resumed.train_step(make_batch(9))["loss"] == second["loss"]
+    assert_same_weights(named(resumed, True), named(trainer, True), atol=0)
 
 
 def test_resume_with_other_lora_settings_is_refused_naming_them(checkpoint: Path, tmp_path: Path) -> None:
@@ -375,14 +400,12 @@ if __name__ == "__main__":
 def test_adapters_start_from_their_seed_under_activation_checkpointing(checkpoint: Path) -> None:
     """On several ranks activation checkpointing wraps the blocks before the adapters are initialised: the
     wrapper's names must still reach the adapters (they stayed at zero, so A = B = 0 never trained)."""
-    from torchtitan.distributed.activation_checkpoint import apply_ac
-
     from actors.lora import CHECKPOINT_WRAPPER_PREFIX, init_adapters
-    from actors.model_builder import build_job_config
+    from actors.model_builder import apply_activation_checkpointing
 
     trainer = TitanTrainer(lora_config(checkpoint))
     initial = named(trainer, True)
-    apply_ac(trainer.model, build_job_config(dtype="float32", activation_checkpoint="full").activation_checkpoint)
+    apply_activation_checkpointing(trainer.model, "full")
     with torch.no_grad():
         for param in trainer.model.parameters():
             if param.requires_grad:

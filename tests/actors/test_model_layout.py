@@ -11,6 +11,7 @@ QWEN3 = {"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 2, "num
          "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
          "max_position_embeddings": 256, "intermediate_size": 384, "tie_word_embeddings": False}
 LLAMA3 = {**QWEN3, "model_type": "llama"}
+NO_THETA = {k: v for k, v in QWEN3.items() if k != "rope_theta"}
 
 
 @pytest.mark.parametrize("family, config, error, message", [
@@ -22,6 +23,12 @@ LLAMA3 = {**QWEN3, "model_type": "llama"}
     ("llama3", {**LLAMA3, "rope_scaling": {"rope_type": "yarn"}}, ValueError, r"supports None or rope_type 'llama3'"),
     ("llama3", {**LLAMA3, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, KeyError, r"rope_scaling.low_freq"),
     ("qwen3", {k: v for k, v in QWEN3.items() if k != "rope_theta"}, KeyError, r"rope_theta"),
+    # transformers 5 writes the RoPE settings under rope_parameters.
+    ("qwen3", {**NO_THETA, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, ValueError,
+     r"torchtitan's qwen3 supports only None"),
+    ("llama3", {**NO_THETA, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3",
+                                                                       "factor": 8.0}}, KeyError,
+     r"rope_scaling.low_freq"),
 ])
 def test_a_config_torchtitan_cannot_reproduce_is_refused(family, config, error, message):
     with pytest.raises(error, match=message):
@@ -30,6 +37,11 @@ def test_a_config_torchtitan_cannot_reproduce_is_refused(family, config, error, 
 
 def test_the_models_it_can_build_pass():
     check_hf_config("qwen3", QWEN3)
+    assert rope_settings({**NO_THETA, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}) == (1e6, None)
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 128}
+    check_hf_config("llama3", {**NO_THETA, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, **llama31}})
+    assert rope_settings({**NO_THETA, "rope_parameters": {"rope_theta": 5e5, **llama31}}) == (5e5, llama31)
     check_hf_config("llama3", {**LLAMA3, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                           "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 128}})

@@ -1,4 +1,4 @@
-"""Packed rows in the trainer (rl.types.TrainBatch.document_ids, actors.model_builder.document_attention): a packed
+"""Packed rows in the trainer (rl.types.TrainBatch.document_ids, actors.model_builder.DocumentMask): a packed
 batch gives the loss, the gradients and the log-probs of the same examples one per row, and leaves the model as
 built for every other batch."""
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from actors.model_builder import DocumentAttention
+from actors.model_builder import SDPAttention
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from apps.sft.data import Example, train_batch
@@ -96,9 +96,9 @@ def test_the_model_attends_causally_again_after_a_packed_batch(checkpoint: Path)
     before = model.logprobs(unpacked)
     model.train_step(train_batch(examples(6, seed=4), PAD, pack_to=32))  # a step changes the weights: compare after
     model.logprobs(train_batch(examples(6, seed=4), PAD, pack_to=32))
-    attention = [m for m in model.model.modules() if hasattr(m, "use_flex_attn")]
-    assert attention and not any(m.use_flex_attn or isinstance(m.inner_attention, DocumentAttention)
-                                 for m in attention)
+    # The mask goes with each forward pass (its attention_masks): nothing in the model is swapped or left behind.
+    attention = [m for m in model.model.modules() if hasattr(m, "inner_attention")]
+    assert attention and all(isinstance(m.inner_attention, SDPAttention) for m in attention)
     assert not torch.equal(model.logprobs(unpacked), before)  # sanity: the packed step trained the model
 
 

@@ -45,7 +45,7 @@ def test_chunked_logprobs_equal_whole_batch_and_transformers(checkpoint: Path) -
 def test_logits_exist_only_one_chunk_of_rows_at_a_time(checkpoint: Path) -> None:
     reference = ReferenceModel(ReferenceConfig(model_path=str(checkpoint), chunk_rows=2))
     logits_shapes = []
-    reference.model.output.register_forward_hook(lambda module, args, out: logits_shapes.append(tuple(out.shape)))
+    reference.model.lm_head.register_forward_hook(lambda module, args, out: logits_shapes.append(tuple(out.shape)))
     reference.logprobs(sequences(rows=5, length=14))
     assert logits_shapes == [(2, 13, VOCAB), (2, 13, VOCAB), (1, 13, VOCAB)]
 

@@ -315,6 +315,69 @@ def test_resume_gives_the_uninterrupted_run(checkpoint: Path, tmp_path: Path) ->
     assert_same_weights(resumed.hf_state_dict(), uninterrupted.hf_state_dict(), atol=0)
 
 
+def test_a_checkpoint_saved_before_the_first_step_changes_no_step(checkpoint: Path, tmp_path: Path) -> None:
+    # torchtitan 0.3.0 creates missing optimizer state for a checkpoint with a zero-lr step: Adam's first step.
+    config = trainer_config(checkpoint, weight_decay=0.1)
+    saved, unsaved = TitanTrainer(config), TitanTrainer(config)
+    path = saved.save_checkpoint(tmp_path / "ckpt")
+    saved.train_step(make_batch(4))
+    unsaved.train_step(make_batch(4))
+    assert_same_weights(saved.hf_state_dict(), unsaved.hf_state_dict(), atol=0)
+    resumed = TitanTrainer(config)
+    resumed.load_checkpoint(path)
+    resumed.train_step(make_batch(4))
+    assert_same_weights(resumed.hf_state_dict(), unsaved.hf_state_dict(), atol=0)
+
+
+def torchtitan_0_2_name(key: str) -> str:
+    """A torchtitan 0.3.0 key under the name torchtitan 0.2.0 gave it (written out here, not with actors.checkpoint's
+    map): the unembedding was `output`, and q, k and v sat directly under `attention`."""
+    key = key.replace("attention.qkv_linear.", "attention.")
+    return "output." + key.removeprefix("lm_head.") if key.startswith("lm_head.") else key.replace(".lm_head.",
+                                                                                                     ".output.")
+
+
+def save_as_torchtitan_0_2(trainer: TitanTrainer, path: Path) -> str:
+    """The checkpoint forge on torchtitan 0.2.0 wrote for the trainer's state: model and optimizer keys under the old
+    module names, and the LR schedule as its whole LambdaLR state dict (0.2.0's container saved its first
+    scheduler's)."""
+    from actors.checkpoint import save
+
+    model = {torchtitan_0_2_name(k): v for k, v in get_model_state_dict(trainer.model).items()}
+    optimizer = {torchtitan_0_2_name(k): v for k, v in trainer.optimizers.state_dict().items()}
+    states = {**model, "optimizer": optimizer, "lr_scheduler": trainer.lr_schedulers.schedulers[0].state_dict(),
+              "train_state": trainer.train_state.state_dict()}
+    return save(states, path, rank=0, world_size=1)
+
+
+def test_a_checkpoint_of_forge_on_torchtitan_0_2_resumes(checkpoint: Path, tmp_path: Path) -> None:
+    from apps.eval.weights import check_fits, load_weights
+
+    first, second = make_batch(4), make_batch(5)
+    config = trainer_config(checkpoint, warmup_steps=3, weight_decay=0.1, micro_batch_size=2)
+    uninterrupted = TitanTrainer(config)
+    uninterrupted.train_step(first)
+    saved = save_as_torchtitan_0_2(uninterrupted, tmp_path / "old")
+    keys = FileSystemReader(saved).read_metadata().state_dict_metadata.keys()
+    assert {"output.weight", "layers.0.attention.wq.weight", "optimizer.state.output.weight.exp_avg",
+            "optimizer.state.layers.1.attention.wv.weight.exp_avg_sq", "lr_scheduler.base_lrs"} <= set(keys)
+    assert not any("lm_head" in key or "qkv_linear" in key for key in keys)
+    at_save = uninterrupted.hf_state_dict()
+    expected = uninterrupted.train_step(second)
+
+    resumed = TitanTrainer(config)
+    resumed.load_checkpoint(saved)
+    assert (resumed.step, resumed.policy_version) == (1, 1)
+    metrics = resumed.train_step(second)  # the same Adam moments, step count and LR schedule as the saved run
+    assert metrics["loss"] == expected["loss"] and metrics["lr"] == expected["lr"]
+    assert_same_weights(resumed.hf_state_dict(), uninterrupted.hf_state_dict(), atol=0)
+    # As an init_checkpoint (weights only), and in apps.eval (HF names on the base model).
+    started = TitanTrainer(trainer_config(checkpoint, init_checkpoint=saved))
+    assert_same_weights(started.hf_state_dict(), at_save, atol=0)
+    check_fits(saved, str(checkpoint))
+    assert_same_weights(load_weights(saved, str(checkpoint)), at_save, atol=0)
+
+
 def test_a_checkpoints_model_keys_are_the_models_and_the_rest_trainer_parts(checkpoint: Path, tmp_path: Path) -> None:
     # apps.eval reads a checkpoint's model alone by is_model_key: a stateful part saved under another name would be
     # taken for weights there (and here, on load).

@@ -69,8 +69,8 @@ QWEN3_1_7B, QWEN3_8B = ROOT / "configs/qwen3_1_7b.yaml", ROOT / "configs/qwen3_8
 LAYOUT_REFUSALS = [
     # Qwen3-1.7B ties its embeddings: the trainer's own check (actors.model_layout.check_parallel_layout).
     (QWEN3_1_7B, "resources.trainer_procs=2",
-     r"resources.trainer_procs=2: config.json tie_word_embeddings=True with world_size=2: torchtitan 0.2.0 cannot "
-     r"shard tied embeddings; use one rank or an untied checkpoint"),
+     r"resources.trainer_procs=2: config.json tie_word_embeddings=True with world_size=2: forge does not shard tied "
+     r"embeddings \(untested on torchtitan 0.3.0\); use one rank or an untied checkpoint"),
     (QWEN3_1_7B, "resources.reference_procs=2", r"resources.reference_procs=2: config.json tie_word_embeddings=True"),
     (QWEN3_8B, "trainer.tensor_parallel_degree=3",
      r"resources.trainer_procs=3: tensor_parallel_degree=3: must divide config.json num_attention_heads=32"),
