@@ -25,7 +25,8 @@ def rope_settings(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | No
     if parameters is not None:
         if "rope_theta" not in parameters:
             raise KeyError("rope_parameters.rope_theta")
-        scaling = None if parameters.get("rope_type", "default") == "default" else dict(parameters)
+        scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
+        scaling = None if scaling.get("rope_type", "default") == "default" else scaling
         return float(parameters["rope_theta"]), scaling
     if "rope_theta" not in hf_config:
         raise KeyError("rope_theta")

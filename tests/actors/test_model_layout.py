@@ -67,7 +67,7 @@ def test_rope_is_read_from_transformers_5s_rope_parameters_and_from_the_older_to
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
     assert rope_settings({"rope_theta": 5e5, "rope_scaling": scaling}) == (5e5, scaling)
-    assert rope_settings({"rope_parameters": {"rope_theta": 5e5, **scaling}}) == (5e5, {"rope_theta": 5e5, **scaling})
+    assert rope_settings({"rope_parameters": {"rope_theta": 5e5, **scaling}}) == (5e5, scaling)
     assert rope_settings({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}) == (1e6, None)
     with pytest.raises(KeyError, match="rope_parameters.rope_theta"):
         rope_settings({"rope_parameters": {"rope_type": "default"}})
