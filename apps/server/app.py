@@ -46,8 +46,10 @@ from forge.provisioner import get_provisioner
 
 # Every error status the API answers (docs/serving.md, "Error codes"), in its OpenAPI schema.
 _ERRORS = {code: {"model": ErrorResponse, "description": why} for code, why in {
+    400: "a Tinker-protocol request the SDK's schema refuses, naming the field (Tinker's `user` error category)",
     401: "missing or wrong API key",
     404: "unknown session (the message says why it is gone) or checkpoint",
+    410: "a Tinker session that has finished (the SDK stops its heartbeat)",
     409: "a seq_id already run, refused or given up after a gap; chunks that disagree",
     422: "a field at fault: [{loc, msg, input}] naming it, or a message",
     429: "max_sessions or max_lora_sessions reached",
@@ -184,6 +186,6 @@ def build_app(service: TrainingService) -> FastAPI:
     app.include_router(api)
     # The Tinker protocol (the `tinker` SDK), over the same service; its requests on the paths both protocols use
     # are told apart by their bodies (tinker_routes.TinkerPaths).
-    build_tinker_routes(app, service.tinker, authorized)
+    build_tinker_routes(app, service.tinker, authorized, _ERRORS)
     app.add_middleware(TinkerPaths)
     return app

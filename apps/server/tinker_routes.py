@@ -90,8 +90,10 @@ def _dump(model: BaseModel) -> dict:
     return model.model_dump(mode="json", exclude_none=True)
 
 
-def build_tinker_routes(app: FastAPI, tinker: TinkerService, authorized: Callable) -> None:
-    api = APIRouter(prefix="/api/v1", dependencies=[Depends(authorized)], tags=["tinker"])
+def build_tinker_routes(app: FastAPI, tinker: TinkerService, authorized: Callable,
+                        responses: dict[int | str, dict[str, Any]]) -> None:
+    """Tinker's routes on `app`; `responses`: the error answers every /api/v1 operation documents."""
+    api = APIRouter(prefix="/api/v1", dependencies=[Depends(authorized)], tags=["tinker"], responses=responses)
     shared = APIRouter(prefix=TINKER_PREFIX, dependencies=[Depends(authorized)], include_in_schema=False)
 
     # -- client start-up and sessions ------------------------------------------------------------------
