@@ -95,7 +95,10 @@ def run_forge(seed: int, steps: int, eval_every: int, overrides: list[str]) -> d
             continue
         evals.append({"step": at, "train_s": sum(s for k, s in step_s.items() if k <= at),
                       "accuracy": float(percent) / 100, "reward": reward.get(at, math.nan)})
-    return {"evals": evals}
+    mean = lambda key: sum(row.get(key, math.nan) for row in rows) / len(rows)  # noqa: E731
+    stats = {"step_s": mean("step_s"), "wait_s": mean("train/wait_s"), "clip_fraction": mean("clip_fraction"),
+             "version_lag": mean("train/version_lag"), "last_reward": rows[-1].get("reward/mean", math.nan)}
+    return {"evals": evals, "stats": stats}
 
 
 def time_to(evals: list[dict], target: float) -> float:
@@ -134,7 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--runners", nargs="+", default=["trl", "forge-sync", "forge"],
-                        choices=["trl", "forge-sync", "forge"])
+                        help="trl, forge-sync, forge, or the name of a --variant")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE ...",
+                        help="a forge runner with these overrides of the default, e.g. "
+                             "'tis2:+trainer.loss_params.tis_cap=2.0' (then name it in --runners)")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--trl-python", help="python of an environment with TRL (default: make .cache/trl-venv)")
@@ -142,6 +148,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--forge-overrides", nargs="*", default=[], help="key=value for both forge runners")
     parser.add_argument("--json", help="write every run's evaluations here")
     args = parser.parse_args(argv)
+    variants = {"forge-sync": ["replay_buffer.max_policy_age=0"], "forge": []}
+    for spec in args.variant:
+        name, _, overrides = spec.partition(":")
+        variants[name] = overrides.split()
+    unknown = [name for name in args.runners if name != "trl" and name not in variants]
+    if unknown:
+        parser.error(f"--runners {unknown}: not trl, forge-sync, forge nor a --variant name ({', '.join(variants)})")
     python = trl_python(args.trl_python) if "trl" in args.runners else None
     results = {}
     for seed in args.seeds:
@@ -153,14 +166,36 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name] = run_trl(python, model, seed, args.steps, args.eval_every, args.trl_threads)
                 print(f"  trl {runs[name]['versions']}", flush=True)
             else:
-                sync = ["replay_buffer.max_policy_age=0"] if name == "forge-sync" else []
-                runs[name] = run_forge(seed, args.steps, args.eval_every, sync + args.forge_overrides)
+                runs[name] = run_forge(seed, args.steps, args.eval_every, variants[name] + args.forge_overrides)
             print(f"  {name}: " + " ".join(f"{e['step']}:{e['accuracy']:.1%}@{e['train_s']:.0f}s"
                                            for e in runs[name]["evals"]), flush=True)
+            if "stats" in runs[name]:
+                print("    " + ", ".join(f"{k} {v:.3f}" for k, v in runs[name]["stats"].items()), flush=True)
         results[seed] = runs
         print_seed(seed, runs)
+    if len(results) > 1:
+        print_summary(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def print_summary(results: dict[int, dict[str, dict]]) -> None:
+    """Across seeds: mean accuracy at each step (min-max), and the mean time to each target with TRL's over it."""
+    names = list(next(iter(results.values())))
+    print(f"\n== seeds {', '.join(map(str, results))}: mean held-out accuracy at equal steps [min, max]")
+    steps = sorted({e["step"] for runs in results.values() for run in runs.values() for e in run["evals"]})
+    print(f"{'step':>6} " + " ".join(f"{n:>22}" for n in names))
+    for step in steps:
+        cells = []
+        for name in names:
+            values = [e["accuracy"] for runs in results.values() for e in runs[name]["evals"] if e["step"] == step]
+            cells.append(f"{sum(values) / len(values):.1%} [{min(values):.1%}, {max(values):.1%}]" if values else "-")
+        print(f"{step:>6} " + " ".join(f"{c:>22}" for c in cells))
+    print("== mean training seconds to reach the accuracy (TRL's over each runner's; nan: a seed never reached it)")
+    for target in TARGETS:
+        times = {n: sum(time_to(runs[n]["evals"], target) for runs in results.values()) / len(results) for n in names}
+        base = times.get("trl", math.nan)
+        print(f"{target:>7.0%}: " + "  ".join(f"{n} {t:.1f}s (x{base / t:.2f})" for n, t in times.items()))
 
 
 if __name__ == "__main__":
