@@ -85,6 +85,7 @@ def run_forge(seed: int, steps: int, eval_every: int, overrides: list[str]) -> d
             raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-2000:]}"
                                f"{done.stderr[-2000:]}")
         rows = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+        wall_s = json.loads((Path(folder) / "summary.json").read_text()).get("wall_s", math.nan)
     step_s = {row["step"]: row["step_s"] for row in rows}
     reward = {row["step"]: row.get("reward/mean", math.nan) for row in rows}
     evals = []
@@ -97,7 +98,8 @@ def run_forge(seed: int, steps: int, eval_every: int, overrides: list[str]) -> d
                       "accuracy": float(percent) / 100, "reward": reward.get(at, math.nan)})
     mean = lambda key: sum(row.get(key, math.nan) for row in rows) / len(rows)  # noqa: E731
     stats = {"step_s": mean("step_s"), "wait_s": mean("train/wait_s"), "clip_fraction": mean("clip_fraction"),
-             "version_lag": mean("train/version_lag"), "last_reward": rows[-1].get("reward/mean", math.nan)}
+             "version_lag": mean("train/version_lag"), "last_reward": rows[-1].get("reward/mean", math.nan),
+             "wall_s": wall_s}
     return {"evals": evals, "stats": stats}
 
 
