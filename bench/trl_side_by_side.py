@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="trl, forge-sync, forge, or the name of a --variant")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE ...",
                         help="a forge runner with these overrides of the default, e.g. "
-                             "'tis2:+trainer.loss_params.tis_cap=2.0' (then name it in --runners)")
+                             "'no-tis:trainer.loss_params.tis_cap=null' (then name it in --runners)")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--trl-python", help="python of an environment with TRL (default: make .cache/trl-venv)")
