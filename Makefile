@@ -18,7 +18,7 @@ endif
 UV_VERSION := 0.13.9
 ARGS ?=
 
-.PHONY: install grpo test bench
+.PHONY: install grpo test bench bench-trl
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ $(STAMP): pyproject.toml overrides.txt overrides-cpu.txt overrides-cuda.txt
 
 grpo: $(STAMP)
 	$(PY) -m apps.grpo --config configs/grpo_tiny.yaml $(ARGS)
+
+# forge's default job against TRL's GRPOTrainer, 3 seeds (docs/benchmarks.md); TRL goes into .cache/trl-venv, never
+# into .venv. Long: run it under the shared lock on a shared host.
+bench-trl: $(STAMP)
+	$(PY) bench/trl_side_by_side.py $(ARGS)
 
 # Each test module marked `monarch` (it starts Monarch processes, a weight store or an app) runs in its own pytest
 # process, so one module's runtime state (meshes, the torchstore controller, late replies) cannot leak into the

@@ -46,7 +46,9 @@ class ReplayBuffer:
     - Episodes in one batch are distinct. `sample_order="random"`: chosen uniformly at random with a seeded
       RNG (the same seed and calls give the same batches, also across `state_dict` / `load_state_dict`).
       `"oldest"`: the oldest usable episodes first (by `oldest_policy_version`, then insertion order), so
-      episodes are trained before they age past the bound: an asynchronous job wastes no generation.
+      episodes are trained before they age past the bound: an asynchronous job wastes no generation. With
+      `shuffle_batch` those episodes come in a seeded random order, so the trainer's minibatches (contiguous row
+      slices) each mix all the batch's groups instead of holding a few whole groups.
     - An episode leaves the buffer after it has been handed out `max_resample_count` times. That is
       normal use, not a loss: it is counted in `stats["consumed"]`, not among the drops.
     - Drops are counted by reason, never silently lost: "too_old" (past the age bound when `sample` or
@@ -82,12 +84,13 @@ class ReplayBuffer:
         max_resample_count: int = 1,
         seed: int = 0,
         sample_order: str = "random",
+        shuffle_batch: bool = False,
         on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         try:  # the config's checks are the buffer's
             ReplayBufferConfig(batch_size=batch_size, max_policy_age=max_policy_age, dp_size=dp_size,
                                max_buffer_size=max_buffer_size, max_resample_count=max_resample_count, seed=seed,
-                               sample_order=sample_order)
+                               sample_order=sample_order, shuffle_batch=shuffle_batch)
         except ValueError as e:
             raise ValueError(f"ReplayBuffer.{e}") from None
         if on_drop is not None and not callable(on_drop):
@@ -99,6 +102,7 @@ class ReplayBuffer:
         self.max_buffer_size = max_buffer_size
         self.max_resample_count = max_resample_count
         self.sample_order = sample_order
+        self.shuffle_batch = shuffle_batch
         self._on_drop = on_drop
         self._rng = random.Random(seed)
         self._entries: list[_Entry] = []  # kept in insertion order so sampling is reproducible
@@ -212,6 +216,8 @@ class ReplayBuffer:
             by_age = sorted(range(len(self._entries)),
                             key=lambda i: (self._entries[i].oldest_policy_version, self._entries[i].seq))
             picked = by_age[: self.batch_size]
+            if self.shuffle_batch:  # which episodes stays by age; their order mixes the groups across minibatches
+                self._rng.shuffle(picked)
         for index in picked:
             self._entries[index].times_sampled += 1
         batch = _gather_rows([self._entries[index] for index in picked])

@@ -31,6 +31,10 @@ class ReplayBufferConfig:
     sample_order: str = "random"
     """`random` (seeded) or `oldest` (oldest usable episodes first, so none ages out while held; the shipped GRPO
     configs)."""
+    shuffle_batch: bool = False
+    """With `sample_order: oldest`: hand the chosen episodes out in a seeded random order, so each of the trainer's
+    `minibatches` (contiguous slices of the batch) holds part of every group rather than a few whole groups, as TRL
+    shuffles a generation batch before splitting it into optimizer steps (`random` order mixes them already)."""
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, "an int >= 1")
@@ -46,6 +50,8 @@ class ReplayBufferConfig:
         check_int("max_resample_count", self.max_resample_count, 1, "an int >= 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: must be an int")
+        if not isinstance(self.shuffle_batch, bool):
+            raise ValueError(f"shuffle_batch={self.shuffle_batch!r}: must be true or false")
         if self.sample_order not in SAMPLE_ORDERS:
             raise ValueError(f"sample_order={self.sample_order!r}: must be one of {', '.join(SAMPLE_ORDERS)}")
 

@@ -264,7 +264,11 @@ class TitanTrainer:
             per_slice.append(metrics)
             train_logprobs.append(logprobs if scored is None else scored[s : s + size])
         self.lr_schedulers.step()
-        mismatch = mismatch_metrics(torch.cat(train_logprobs), batch, lags, **self._correction_params)
+        # Unless pi_old was scored, only the first slice's log-probs precede every optimizer step: later slices are
+        # scored after the earlier slices' updates, and that drift would read as a generator/trainer mismatch.
+        before = rows if scored is not None else size
+        mismatch = mismatch_metrics(torch.cat(train_logprobs)[:before], batch.slice(0, before), lags[:before],
+                                    **self._correction_params)
         self.train_state.step += 1
         self.train_state.policy_version += 1
         metrics = {key: sum(m[key] for m in per_slice) / count for key in per_slice[0]}

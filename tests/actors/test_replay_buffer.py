@@ -138,6 +138,19 @@ def test_oldest_order_trains_stale_episodes_before_they_age_out():
     assert any(b.stats["dropped_too_old"] > 0 for b in lossy)
 
 
+def test_shuffle_batch_keeps_the_oldest_episodes_in_a_seeded_order():
+    def batches(seed: int, shuffle: bool) -> list[list[int]]:
+        buffer = ReplayBuffer(batch_size=8, max_policy_age=1, sample_order="oldest", shuffle_batch=shuffle, seed=seed)
+        buffer.add([make_episode(i, [2 if i < 8 else 3]) for i in range(16)])
+        return [ids(buffer.sample(3))[0], ids(buffer.sample(4))[0]]
+
+    plain = batches(0, shuffle=False)
+    assert plain == [list(range(8)), list(range(8, 16))]  # by age, then insertion: whole groups of 4 together
+    shuffled = batches(0, shuffle=True)
+    assert [sorted(b) for b in shuffled] == plain and shuffled != plain  # the same episodes, mixed
+    assert batches(0, shuffle=True) == shuffled and batches(1, shuffle=True) != shuffled
+
+
 def test_buffer_full_drops_oldest_version_then_earliest_insertion():
     drops = []
     buffer = ReplayBuffer(
@@ -166,6 +179,7 @@ def test_buffer_full_drops_oldest_version_then_earliest_insertion():
         (dict(seed=1.5), "seed=1.5: must be an int"),
         (dict(on_drop=3), "on_drop=3: must be None or a callable"),
         (dict(sample_order="newest"), "sample_order='newest': must be one of random, oldest"),
+        (dict(shuffle_batch=1), "shuffle_batch=1: must be true or false"),
     ],
 )
 def test_invalid_arguments_name_field_and_value(kwargs, message):

@@ -639,3 +639,14 @@ def test_trainer_logprobs_replay_the_generators_kept_sets(checkpoint: Path) -> N
         # Over the full vocabulary the trainer would measure another policy.
         batch.kept_token_ids = None
         assert bool((trainer.logprobs(batch)[on_response] < expected - 1e-3).all())
+
+
+def test_mismatch_metrics_ignore_the_drift_of_earlier_minibatches(checkpoint: Path) -> None:
+    # Behaviour log-probs from the trainer's own weights: no mismatch, however far the minibatches move the weights.
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", lr=3e-2, minibatches=2))
+    batch = make_batch(20)
+    batch.behaviour_logprobs = trainer.logprobs(batch)
+    batch.policy_versions = torch.where(batch.response_mask > 0, 0, -1).long()
+    metrics = trainer.train_step(batch)
+    assert metrics["mismatch/all/abs_logp_diff"] < 1e-5
+    assert (trainer.logprobs(batch) - batch.behaviour_logprobs).abs().max() > 1e-3  # the weights did move

@@ -359,7 +359,7 @@ def test_asking_for_gpus_on_a_cpu_host_fails_naming_the_layout():
 
 def test_dr_grpo_runs_with_mean_centred_advantages_and_the_rollout_corrections_parse():
     cfg, _ = load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "trainer.loss=dr_grpo",
-                              "rollout.normalize_advantages=false", "+trainer.loss_params.tis_cap=5.0",
+                              "rollout.normalize_advantages=false", "trainer.loss_params.tis_cap=5.0",
                               "+trainer.loss_params.token_mask_band=[0.5,5.0]", "+trainer.loss_params.seq_mask_band=[0.9,1.1]"])
     assert cfg.trainer.loss_params == {"clip_eps": 0.2, "tis_cap": 5.0, "token_mask_band": [0.5, 5.0],
                                        "seq_mask_band": [0.9, 1.1]}
