@@ -27,7 +27,7 @@ install: $(STAMP)
 # --compile-bytecode: uv writes no .pyc unless asked, and where PYTHONDONTWRITEBYTECODE is set every process
 # would compile torch, transformers and vLLM again.
 $(STAMP): pyproject.toml overrides.txt overrides-cpu.txt overrides-cuda.txt
-	@echo "forge: creating $(VENV) and installing the pinned stack (first run only: a few minutes, ~7.5 GB)"
+	@echo "forge: creating $(VENV) and installing the pinned stack (first run only: about 1-2 minutes with a warm uv cache, ~4.4 GB)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -e '.[dev]' '$(VLLM)' $(OVERRIDES) $(TORCH_SOURCE)
