@@ -30,7 +30,7 @@ def lora_engine_args(rank: int, target_modules: list[str]) -> dict[str, Any]:
 def engine_arg_names() -> frozenset[str]:
     """The field names of vLLM's `AsyncEngineArgs` (what `engine_args` may hold), without importing vLLM.
 
-    Importing `vllm.engine.arg_utils` pulls in vLLM's whole stack (~15 s on a loaded 2-core host), too slow for
+    Importing `vllm.engine.arg_utils` pulls in vLLM's whole stack (seconds), too slow for
     a config check before anything spawns; the dataclass fields are read from its source text instead
     (tests/actors/engines/test_vllm_args.py checks they equal `dataclasses.fields`).
     """

@@ -17,7 +17,7 @@ from forge.lifecycle import run_job
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-STARTUP_TIMEOUT_S = 600.0  # spawning the actors; Monarch start-up on a loaded 2-core host has taken minutes
+STARTUP_TIMEOUT_S = 600.0  # spawning the actors: Monarch start-up on a loaded small host can take minutes
 
 
 class Service(Protocol):

@@ -11,8 +11,8 @@ keys; that host's generators read it there like on the trainer's host, checking 
 A relay learns of a new version from the other hosts' SegmentServers: each follows its host's shared-memory folder
 (inotify) and tells every other relay when a segment of the job starts, completes or goes there (`watch`), so an
 idle relay costs no CPU; it also polls torchstore every second for what no event announces (the namespaces, a
-version published without a segment on its host, a lost event). An idle 2-host job (relays, torchstore, Monarch's
-host processes, the controller) took ~0.34 of a core of this 2-core host with relays polling every 50 ms; ~0.1 so.
+version published without a segment on its host, a lost event). Events rather than fast polling keep an idle
+job's relays off the cores (docs/benchmarks.md has the figures).
 
 The stream is pipelined: the publisher announces a version before writing it (`WeightStore.incoming`), the relay
 starts at once and the server sends each piece as soon as the publisher marked it ready (written and checksummed);
@@ -275,10 +275,9 @@ def receive_segment(address: tuple[str, int], manifest: Manifest, writer: Segmen
 
 class _Splicer:
     """Moves a connection's bytes into a segment's file through a pipe (splice): in the kernel, through no mapping.
-    Receiving 1 GB into a mapping of the new segment took ~0.95 core-s on this 2-core host, through splice ~0.65
-    (a raw recv into a touched buffer: ~0.4): mapping it is 262144 page faults (~0.33 s; MAP_POPULATE only moves them
-    before the first byte), after allocating its blocks (~0.1 s), which a mapping needs to fail on a full /dev/shm
-    instead of dying of SIGBUS. Written through the file, a full /dev/shm is an error (ENOSPC) anyway."""
+    Cheaper than receiving into a mapping of the segment, which costs a page fault per page and needs the file's
+    blocks allocated first so that a full /dev/shm fails instead of raising SIGBUS; written through the file, a full
+    /dev/shm is an error (ENOSPC)."""
 
     def __init__(self, connection: socket.socket) -> None:
         self.connection, self.timeout = connection, connection.gettimeout()

@@ -277,9 +277,8 @@ class SegmentWriter:
 class _Mapping:
     """A writable shared mapping of a segment file, all its pages mapped at once (MAP_POPULATE), kept by the process
     that wrote a version into the file for the next version it writes into the same file (a deleted version's, reused
-    as the spare). 1 GB of bf16 written with its checksums, two files alternating, on this loaded 2-core host:
-    0.21-0.26 s through kept mappings, 0.31-0.37 s with pwrite; mapping a file again costs ~0.05 s per GB
-    (MAP_POPULATE builds its page tables), faulting it in page by page ~0.4 s."""
+    as the spare): writing through a kept mapping is faster than pwrite, and mapping the file again would rebuild
+    its page tables each version."""
 
     def __init__(self, fd: int, length: int) -> None:
         self.map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -469,9 +468,8 @@ class SegmentRead:
 
             pieces = [((name, i, manifest.entries[name]), view) for name, buffer in self.staged.items()
                       for i, view in enumerate(_chunks(_bytes_of(buffer)))]
-            # A segment still arriving comes no faster than the link: one thread per reader keeps up (1 GB read and
-            # hashed: ~0.3 core-s), and more only contend with the stream for the cores (2 readers of a 1 GB stream
-            # on this 2-core host: 1.83 -> 1.62 core-s, 1.02 -> 0.90 s with one thread each).
+            # A segment still arriving comes no faster than the link: one thread per reader keeps up with it, and
+            # more would only take cores from the stream.
             _run_io(read, pieces, manifest.nbytes, threads=1 if arriving else _sums._IO_THREADS)
             progress.wait_until_complete()  # and the file was not recycled while we read it
         finally:

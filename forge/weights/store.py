@@ -434,9 +434,8 @@ async def _keys_with_prefix(prefix: str) -> list[str]:
 
 async def get_if_exists(key: str):
     """The value at `key`, or None when there is none: one call to torchstore (its `get` raises KeyError for a
-    missing key), not two (exists, then get). Readers and relays poll these keys every 50 ms, and each call costs
-    CPU in the caller, torchstore's controller and its storage volume: on a 2-core host, two idle relays and the
-    controller took ~0.5 of a core polling with two calls per key."""
+    missing key), not two (exists, then get). Readers and relays poll these keys, and each call costs CPU in the
+    caller, torchstore's controller and its storage volume."""
     try:
         return await ts.get(key)
     except KeyError:
