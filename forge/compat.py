@@ -71,7 +71,7 @@ to 0.7.0 are listed after the table with the check that retired them.
     (`_ActorFilter` edits `record.msg` in place)           ProcAgent for the processes of a mesh)
 29  torchstore 0.1.2 calls Monarch 0.7's deprecated        pytest ignores that one warning (pyproject.toml); can go
     `is_rdma_available` on every transfer (4,011           with 27
-    DeprecationWarnings in tests/forge/test_weight_store)
+    DeprecationWarnings in tests/forge/weights/test_store)
 30  Monarch 0.7 starts threads at import (telemetry-       forge's variables are written before Monarch is imported:
     worker, OpenTelemetry) that call getenv, which is      JOB_ENVIRONMENT and FORGE_JOB_ID at the top of this module, a host
     not safe against a concurrent setenv: a controller     agent's in its worker's own environment (forge.hosts.agent); left:
