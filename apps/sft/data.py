@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from forge import compat
 from rl.types import TrainBatch
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -157,6 +156,14 @@ def read_jsonl(path: str | Path, field: str) -> list[tuple[str, Any]]:
     return rows
 
 
+def json_dataset_options() -> dict[str, Any]:
+    """`load_dataset("json", ...)` options (forge.compat 42): the mixed-type field check of datasets >= 4.7 off, as it
+    fails on a blank line; nothing on a release without that check."""
+    from datasets.packaged_modules.json.json import JsonConfig
+
+    return {"on_mixed_types": None} if "on_mixed_types" in JsonConfig.__dataclass_fields__ else {}
+
+
 def read_dataset(path: str, config: str | None, split: str, field: str) -> list[tuple[str, Any]]:
     """A `datasets` dataset's rows: a local data file (.jsonl, .json, .parquet, .csv), a folder or a hub id."""
     from datasets import load_dataset
@@ -165,7 +172,7 @@ def read_dataset(path: str, config: str | None, split: str, field: str) -> list[
     try:
         if Path(path).is_file():
             builder = Path(path).suffix.lstrip(".").replace("jsonl", "json")
-            options = compat.json_dataset_options() if builder == "json" else {}
+            options = json_dataset_options() if builder == "json" else {}
             dataset = load_dataset(builder, data_files=path, split="train", **options)
         else:
             dataset = load_dataset(path, config, split=split)
