@@ -14,7 +14,7 @@
    Bytes are the controller's actor messages both ways, each measured as Monarch pickles it (`flatten`), in a pass of
    their own; CPU is the controller's `time.process_time()` per step, the mean of `--steps` steps after one warm-up.
 2. The tiny job (`configs/grpo_tiny.yaml`, no warm start or evaluation, `--job-steps` steps): this checkout against
-   `--old-rev` checked out into a temporary git worktree and run with the same Python, alternated `--job-repeats`
+   `--old-rev` unpacked into a temporary folder (git archive) and run with the same Python, alternated `--job-repeats`
    times; steps/s and controller CPU per step from each run's summary.json. `--job-steps 0` skips it.
 Ratios are new / old.
 """
@@ -181,17 +181,16 @@ def tiny_job(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="controller_path_") as scratch:
         old = Path(scratch) / "old"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), args.old_rev],
-                       check=True, capture_output=True)
-        try:
-            if (ROOT / ".cache").exists():  # the tiny model, built once
-                (old / ".cache").symlink_to(ROOT / ".cache")
-            for repeat in range(args.job_repeats):
-                for path, checkout in (("old", old), ("new", ROOT)):
-                    runs[path].append(run_job(checkout, Path(scratch) / f"{path}{repeat}", args.job_steps))
-                    print(f"  tiny job {path} #{repeat}: {runs[path][-1]}", flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
+        old.mkdir()
+        # The old revision's files only (git archive): the repository's worktrees and index are left alone.
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old_rev], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        if (ROOT / ".cache").exists():  # the tiny model, built once
+            (old / ".cache").symlink_to(ROOT / ".cache")
+        for repeat in range(args.job_repeats):
+            for path, checkout in (("old", old), ("new", ROOT)):
+                runs[path].append(run_job(checkout, Path(scratch) / f"{path}{repeat}", args.job_steps))
+                print(f"  tiny job {path} #{repeat}: {runs[path][-1]}", flush=True)
     return runs
 
 
