@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import torch
 
 from actors.replay_buffer import ReplayBufferActor
@@ -86,9 +87,13 @@ def synthetic_episodes(count: int, prompt_tokens: int, completion_tokens: int, v
 
 
 def message_bytes(*values: Any) -> int:
-    """What these values weigh as one actor message (Monarch's pickler)."""
-    _, buffer = flatten(values, lambda _: False)
-    return len(buffer.freeze())
+    """What these values weigh as one actor message (Monarch's pickler; an actor mesh, which Monarch's message
+    pickling carries by reference, weighed as cloudpickle writes it)."""
+    try:
+        _, buffer = flatten(values, lambda _: False)
+        return len(buffer.freeze())
+    except Exception:
+        return len(cloudpickle.dumps(values))
 
 
 class Controller:
