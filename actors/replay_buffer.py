@@ -5,25 +5,28 @@
 
 The buffer also decides how much rollout work may be under way (`reserve`): it counts what it holds and what rollouts
 have reserved but not yet delivered, so nothing is generated that would be too old to train when it arrives.
+
+The actor is where episodes and batches meet other actors without the job's controller: `add` has the scorer (the
+reference model or the teacher) score the episodes it is given, and the trainer's ranks fetch the batch `next_batch`
+sampled (`batch`), so the controller moves only handles, versions and counts (apps/grpo/scheduler.py drives both).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from actors.replay_buffer_config import ReplayBufferConfig, check_int
-from forge.actor import ForgeActor, endpoint
+from forge.actor import ForgeActor, endpoint, rank0
 from forge.metrics import record_metric
 from rl.types import Episode, EpisodeBatch, TrainBatch
 
-__all__ = ["ReplayBuffer", "ReplayBufferActor", "ReplayBufferClient", "ReplayBufferConfig"]
+__all__ = ["HandedBatch", "ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
 
 DROP_REASONS = ("too_old", "buffer_full")
 
@@ -51,11 +54,10 @@ class ReplayBuffer:
       slices) each mix all the batch's groups instead of holding a few whole groups.
     - An episode leaves the buffer after it has been handed out `max_resample_count` times. That is
       normal use, not a loss: it is counted in `stats["consumed"]`, not among the drops.
-    - Drops are counted by reason, never silently lost: "too_old" (past the age bound when `sample` or
-      `evict` runs) and "buffer_full" (`add` went over `max_buffer_size`; the oldest episodes go first,
+    - Drops are counted by reason, never silently lost: "too_old" (past the age bound when `sample` runs) and "buffer_full" (`add` went over `max_buffer_size`; the oldest episodes go first,
       by lowest `oldest_policy_version`, ties by insertion order). `on_drop(reason, count)` is called for
       each non-empty drop so the actor can forward counts to metrics.
-    - Trainer versions never decrease: `sample` / `evict` with a version below the last one seen is an error.
+    - Trainer versions never decrease: `sample` with a version below the last one seen is an error.
 
     Rollout capacity (`reserve` / `add(..., reserved=n)`): a rollout about to generate episodes with policy version v
     reserves room for them first, and settles the reservation when it delivers them (fewer when some were dropped on
@@ -79,7 +81,6 @@ class ReplayBuffer:
         *,
         batch_size: int,
         max_policy_age: int,
-        dp_size: int = 1,
         max_buffer_size: int | None = None,
         max_resample_count: int = 1,
         seed: int = 0,
@@ -88,7 +89,7 @@ class ReplayBuffer:
         on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         try:  # the config's checks are the buffer's
-            ReplayBufferConfig(batch_size=batch_size, max_policy_age=max_policy_age, dp_size=dp_size,
+            ReplayBufferConfig(batch_size=batch_size, max_policy_age=max_policy_age,
                                max_buffer_size=max_buffer_size, max_resample_count=max_resample_count, seed=seed,
                                sample_order=sample_order, shuffle_batch=shuffle_batch)
         except ValueError as e:
@@ -98,7 +99,6 @@ class ReplayBuffer:
 
         self.batch_size = batch_size
         self.max_policy_age = max_policy_age
-        self.dp_size = dp_size
         self.max_buffer_size = max_buffer_size
         self.max_resample_count = max_resample_count
         self.sample_order = sample_order
@@ -184,30 +184,11 @@ class ReplayBuffer:
             self._entries = [e for e in self._entries if id(e) not in drop]
             self._count_drop("buffer_full", overflow)
 
-    def evict(self, policy_version: int) -> int:
-        """Drop the episodes too old to train the policy at `policy_version`; return how many."""
-        self._check_version(policy_version)
-        min_version = policy_version - self.max_policy_age
-        kept = [e for e in self._entries if e.oldest_policy_version >= min_version]
-        dropped = len(self._entries) - len(kept)
-        self._entries = kept
-        self._count_drop("too_old", dropped)
-        return dropped
-
-    def sample(self, policy_version: int) -> list[list[Episode]] | None:
-        """Evict, then return `dp_size` slices of `batch_size // dp_size` distinct episodes each.
-
-        Returns None (and hands nothing out) when fewer than `batch_size` usable episodes are held.
-        """
-        batch = self.sample_batch(policy_version)
-        if batch is None:
-            return None
-        episodes, per_rank = batch.unpack(), self.batch_size // self.dp_size
-        return [episodes[rank * per_rank : (rank + 1) * per_rank] for rank in range(self.dp_size)]
-
-    def sample_batch(self, policy_version: int) -> EpisodeBatch | None:
-        """`sample`, packed: its slices one after another in one EpisodeBatch (each rank takes its contiguous rows)."""
-        self.evict(policy_version)
+    def sample(self, policy_version: int) -> EpisodeBatch | None:
+        """Drop what is too old to train `policy_version`, then return `batch_size` distinct episodes in one packed batch
+        (each data-parallel rank of the trainer takes its contiguous rows). Returns None (and hands nothing out) when
+        fewer than `batch_size` usable episodes are held."""
+        self._evict(policy_version)
         if len(self._entries) < self.batch_size:
             return None
         if self.sample_order == "random":
@@ -227,6 +208,13 @@ class ReplayBuffer:
         self._counts["consumed"] += len(consumed)
         self._next_batch_version = policy_version + 1  # one batch per trainer version
         return batch
+
+    def _evict(self, policy_version: int) -> None:
+        self._check_version(policy_version)
+        min_version = policy_version - self.max_policy_age
+        kept = [e for e in self._entries if e.oldest_policy_version >= min_version]
+        self._count_drop("too_old", len(self._entries) - len(kept))
+        self._entries = kept
 
     def state_dict(self) -> dict:
         """Plain Python values only (episodes as dicts), so `torch.save(..., weights_only=True)` works."""
@@ -294,15 +282,30 @@ def _gather_rows(entries: list[_Entry]) -> EpisodeBatch:
     return joined.select(order)
 
 
+@dataclass(frozen=True)
+class HandedBatch:
+    """What the job's controller learns of a batch the buffer handed out: a few numbers, not its tensors (the trainer
+    fetches those from the buffer actor: `ReplayBufferActor.batch`)."""
+
+    policy_version: int  # the version it was sampled for: the trainer asks for it by this
+    episodes: int
+    reward_mean: float
+    version_lag_mean: float  # policy_version minus each episode's oldest token's version, averaged
+    stats: dict[str, int]  # the buffer's counters once it was sampled (ReplayBuffer.stats)
+
+
 class ReplayBufferActor(ForgeActor):
-    """The replay buffer as an actor: rollouts `reserve` room and `add`, the training loop `sample`s (through a
-    `ReplayBufferClient` in a job's controller)."""
+    """The replay buffer as an actor: rollouts `reserve` room and `add` (scored on the way by the scorer they name), the
+    training loop has a batch sampled (`next_batch`) and the trainer's ranks fetch it (`batch`)."""
 
     def __init__(self, config: ReplayBufferConfig | dict | None = None, **overrides) -> None:
         torch.set_num_threads(1)  # its tensor work is gathers and scatters: extra threads only spin-wait (OpenMP)
         if isinstance(config, dict) or config is None:
             config = ReplayBufferConfig(**{**(config or {}), **overrides})
-        self.buffer = ReplayBuffer(**asdict(config), on_drop=self._on_drop)
+        settings = asdict(config)
+        del settings["dp_size"]  # the trainer's ranks split a batch themselves
+        self.buffer = ReplayBuffer(**settings, on_drop=self._on_drop)
+        self.handed: tuple[int, TrainBatch] | None = None  # the last batch sampled, until the next one
 
     def _on_drop(self, reason: str, count: int) -> None:
         record_metric(f"buffer/dropped_{reason}", count, "sum")
@@ -315,31 +318,42 @@ class ReplayBufferActor(ForgeActor):
         return granted
 
     @endpoint
-    async def add(self, episodes: EpisodeBatch | None, reserved: int = 0) -> int:
-        """Store a packed batch of episodes (see `ReplayBuffer.add`); None: none came for the `reserved` room."""
+    async def add(self, episodes: EpisodeBatch | None, reserved: int = 0, scorer: Any = None, pad_id: int = 0) -> int:
+        """Store a packed batch of episodes (see `ReplayBuffer.add`); None: none came for the `reserved` room.
+        `scorer`: an actor whose `logprobs(episodes, pad_id)` gives their `ref_logprobs` (the reference model or the
+        distillation teacher), asked here so the episodes and their log-probs never pass through the caller."""
         if not isinstance(episodes, EpisodeBatch) and not (episodes is None and reserved):
             raise ValueError(f"ReplayBufferActor.add: episodes must be a rl.types.EpisodeBatch "
                              f"(EpisodeBatch.pack(episodes)), or None with reserved > 0; got {type(episodes).__name__}")
+        if scorer is not None and episodes is not None:
+            episodes.ref_logprobs = rank0(await scorer.logprobs.call(episodes, pad_id))
         self.buffer.add(episodes if episodes is not None else [], reserved)
         record_metric("buffer/size", len(self.buffer), "max")
         return len(self.buffer)
 
     @endpoint
-    async def sample(self, policy_version: int, pad_id: int) -> TrainBatch | None:
-        """The next batch for `policy_version` as padded tensors (None: not enough usable episodes yet). The
-        episodes leave the buffer as a few tensors, not as Python lists per episode, so the controller that passes
-        them on to the trainer pickles and unpickles a handful of buffers per step."""
-        episodes = self.buffer.sample_batch(policy_version)  # the ranks' shards are contiguous rows
+    async def next_batch(self, policy_version: int, pad_id: int) -> HandedBatch | None:
+        """Sample the batch to train `policy_version` and keep it, as padded tensors, for the trainer's ranks to fetch
+        (`batch`); return what the caller needs to know of it (None: not enough usable episodes yet)."""
+        episodes = self.buffer.sample(policy_version)  # the ranks' shards are contiguous rows
         if episodes is None:
             return None
+        batch = TrainBatch.from_episodes(episodes, pad_id)
+        self.handed = (policy_version, batch)
         ages = (policy_version - episodes.oldest_policy_versions()).double()
         record_metric("buffer/sampled_age_mean", float(ages.mean()))
         record_metric("buffer/sampled_age_max", float(ages.max()), "max")
-        return TrainBatch.from_episodes(episodes, pad_id)
+        return HandedBatch(policy_version, batch.num_sequences, float(batch.rewards.mean()), float(ages.mean()),
+                           self.buffer.stats)
 
     @endpoint
-    async def evict(self, policy_version: int) -> int:
-        return self.buffer.evict(policy_version)
+    async def batch(self, policy_version: int) -> TrainBatch:
+        """The batch `next_batch` sampled for `policy_version` (every trainer rank fetches the same one)."""
+        if self.handed is None or self.handed[0] != policy_version:
+            sampled = "none" if self.handed is None else f"policy_version={self.handed[0]}"
+            raise ValueError(f"ReplayBufferActor.batch: policy_version={policy_version} has no batch sampled "
+                             f"(the last one sampled: {sampled}); call next_batch first")
+        return self.handed[1]
 
     @endpoint
     async def stats(self) -> dict[str, int]:
@@ -352,91 +366,3 @@ class ReplayBufferActor(ForgeActor):
     @endpoint
     async def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state)
-
-
-class ReplayBufferClient:
-    """A job controller's side of the buffer actor, where rollouts and training meet: the rollout side starts groups as
-    far as the buffer grants room for them (`fill`), the training side waits for a batch (`next_batch`), and each wakes
-    the other when it may have changed what the other waits for. Group sizes, the concurrency bound and the newest
-    policy version (`published`) live here, so a job's loops only say what to generate and what to train."""
-
-    def __init__(self, actor: Any, *, pad_id: int, group_size: int, max_groups_in_flight: int) -> None:
-        self.actor, self.pad_id, self.group_size = actor, pad_id, group_size
-        self.max_groups_in_flight, self.groups_in_flight = max_groups_in_flight, 0
-        self.version = self.last_version = 0  # the newest published policy version; the job's last batch's version
-        self.stopped = False
-        # Each has one waiter, which clears it before it looks: whatever happens after that sets it again.
-        self._room, self._arrived = asyncio.Event(), asyncio.Event()
-
-    def published(self, version: int, steps_left: int) -> None:
-        """Policy `version` is published: groups start with it from now on; `steps_left`: the batches the job still
-        trains (nothing is generated that only a later batch could train)."""
-        self.version, self.last_version = version, version + steps_left - 1
-        self._room.set()
-
-    def stop(self) -> None:
-        """`fill` and `next_batch` return at once, now and from now on."""
-        self.stopped = True
-        self._room.set()
-        self._arrived.set()
-
-    async def run(self, make_groups: Callable[[int, int], Awaitable[None]], training: Awaitable[None]) -> None:
-        """`training` (which drains the buffer with `next_batch`) while `fill(make_groups)` fills it, until `training`
-        ends; a `make_groups` that fails ends both with its error. `fill` ends first only when stopped: the training
-        step in progress then finishes."""
-        rollouts, training = asyncio.ensure_future(self.fill(make_groups)), asyncio.ensure_future(training)
-        try:
-            done, _ = await asyncio.wait([training, rollouts], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()
-            await training
-        finally:
-            self.stop()
-            for task in [training, rollouts]:
-                task.cancel()
-            await asyncio.gather(training, rollouts, return_exceptions=True)
-
-    async def fill(self, make_groups: Callable[[int, int], Awaitable[None]]) -> None:
-        """Until `stop`: whenever the buffer grants room (`ReplayBuffer.reserve`) for prompt groups with the newest
-        version, within `max_groups_in_flight`, start `make_groups(count, version)`, which must end with `add`. A
-        `make_groups` that fails ends this with its error."""
-        running: set[asyncio.Future] = set()
-        try:
-            while not self.stopped:
-                self._room.clear()
-                for task in [t for t in running if t.done()]:
-                    running.discard(task)
-                    task.result()
-                wanted, version = self.max_groups_in_flight - self.groups_in_flight, self.version
-                granted = wanted and await self.actor.reserve.call_one(version, wanted, self.group_size,
-                                                                       self.last_version)
-                if granted:
-                    self.groups_in_flight += granted
-                    task = asyncio.ensure_future(make_groups(granted, version))
-                    task.add_done_callback(lambda _: self._room.set())
-                    running.add(task)
-                else:
-                    await self._room.wait()
-        finally:
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-
-    async def add(self, episodes: EpisodeBatch | None, groups: int) -> None:
-        """Deliver the episodes made for `groups` granted groups (fewer, or None, when groups or episodes were dropped
-        on the way: the rest of their room is released), in one call."""
-        await self.actor.add.call_one(episodes, reserved=groups * self.group_size)
-        self.groups_in_flight -= groups
-        self._arrived.set()
-        self._room.set()
-
-    async def next_batch(self) -> TrainBatch | None:
-        """The next batch for the newest version, once the buffer holds one; None once stopped."""
-        while not self.stopped:
-            self._arrived.clear()
-            batch = await self.actor.sample.call_one(self.version, self.pad_id)
-            self._room.set()  # a batch handed out, or stale episodes evicted: rollouts may have room
-            if batch is not None:
-                return batch
-            await self._arrived.wait()
-        return None

@@ -104,11 +104,20 @@ class TrainerActor(ForgeActor):
         then start publishing the new weights as the next policy version, which it returns with the step's metrics.
         `publish_s` is how long the last completed publish took, `publish_wait_s` how long this step waited for it
         after its own work."""
+        return await self._train(batch)
+
+    async def _train(self, batch: TrainBatch) -> TrainStepResult:
         metrics = await self._compute(self.trainer.train_step, batch)
         waited = time.perf_counter()
         await self._start_publish()
         metrics.update(publish_s=self.publisher.last_publish_s, publish_wait_s=time.perf_counter() - waited)
         return TrainStepResult(self.trainer.policy_version, metrics)
+
+    @endpoint
+    async def train_from(self, buffer: Any, policy_version: int) -> TrainStepResult:
+        """`train_step` on the batch the replay buffer actor `buffer` sampled for `policy_version`: each rank fetches it
+        from the buffer itself, so the caller passes a handle and a version, not the batch's tensors."""
+        return await self._train(await buffer.batch.call_one(policy_version))
 
     @endpoint
     async def wait_published(self) -> int:

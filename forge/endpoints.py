@@ -67,6 +67,11 @@ class ActorHandle:
             return _EndpointHandle(attribute)
         return attribute
 
+    def __reduce__(self) -> tuple:
+        # Passed to another actor's endpoint, a handle stays one there (its calls raise the endpoints' errors too);
+        # without this, unpickling would look `__setstate__` up through `__getattr__` before `_mesh` exists.
+        return ActorHandle, (self._mesh,)
+
     def __repr__(self) -> str:
         return f"ActorHandle({self._mesh!r})"
 

@@ -6,9 +6,9 @@
            -> TorchTitan trainer -> publish version v+1 -> generators prefetch and swap it in.
 
 Around the algorithm: apps/grpo/cli.py reads and checks the command line before this module's heavy imports,
-launch.py starts the model and the actors, rollouts.py plays and scores groups and says which are trained, the
-replay buffer's client (actors/replay_buffer.py) bounds the rollout work by the buffer's room and wakes each side,
-checkpoints.py and summary.py save and report the run, and forge.lifecycle owns signals, actor failures, the exit
+launch.py starts the model and the actors, rollouts.py plays and scores groups and says which are trained,
+scheduler.py runs the rollout loop and the training loop concurrently (the buffer's room bounds the rollout work; the
+trainer fetches each batch from the buffer), checkpoints.py and summary.py save and report the run, and forge.lifecycle owns signals, actor failures, the exit
 code and the clean-up.
 """
 
@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from actors.replay_buffer import ReplayBufferClient
 from actors.weight_canary import check_weight_sync
 from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
@@ -32,6 +31,7 @@ from apps.grpo.kl_watch import ReverseKLWatch
 from apps.grpo.launch import make_task, start_actors
 from apps.grpo.rollouts import (EPISODE_BITS, GroupSelector, evaluate, held_out_score, make_rollout, sampling_params,
                                 teacher_model, warm_started_model)
+from apps.grpo.scheduler import RolloutScheduler, TrainedStep
 from apps.grpo.summary import EpisodeCounters, RunSummary, step_record
 from forge.actor import rank0
 from forge.lifecycle import run_job
@@ -48,7 +48,7 @@ class GRPOJob:
         self.selector = GroupSelector(cfg.rollout, EpisodeCounters())  # which groups are trained; episode accounting
         self.summary = RunSummary(held_out_score=held_out_score(cfg, self.task))
         self.step = self.version = 0
-        self.buffer: ReplayBufferClient | None = None  # once the actors run
+        self.scheduler: RolloutScheduler | None = None  # once the actors run
         self.interrupted: str | None = None  # the signal that asked the job to stop early
 
     def request_stop(self, reason: str) -> None:
@@ -56,8 +56,8 @@ class GRPOJob:
         print(f"stopping after the current step{' and saving a checkpoint' if self.cfg.checkpoint.final else ''}",
               file=sys.stderr, flush=True)
         self.interrupted = reason
-        if self.buffer is not None:
-            self.buffer.stop()
+        if self.scheduler is not None:
+            self.scheduler.stop()
 
     async def run(self, resume: bool) -> None:
         cfg, wall_start = self.cfg, time.perf_counter()
@@ -70,25 +70,42 @@ class GRPOJob:
         torch.set_num_threads(1)
         self.actors = await start_actors(cfg, model_path, teacher_path)
         self.rollout = await make_rollout(cfg, self.task, self.actors)  # single-turn or multi-turn groups
-        r = cfg.rollout
-        self.buffer = ReplayBufferClient(self.actors.buffer, pad_id=self.actors.pad_id, group_size=r.group_size,
-                                         max_groups_in_flight=r.concurrency)
+        self.scheduler = RolloutScheduler(self.actors.buffer, self.actors.trainer, self.actors.scorer,
+                                          pad_id=self.actors.pad_id, group_size=cfg.rollout.group_size,
+                                          max_groups_in_flight=cfg.rollout.concurrency)
         if resumed:
             await self.restore(*resumed)
         self.version = rank0(await self.actors.trainer.publish_weights.call())
         await self.actors.generators.update_weights.fanout(self.version)
         if cfg.eval.at_start and not self.interrupted:
             self.summary.accuracy_start = await self.evaluate("start")
-        self.buffer.published(self.version, steps_left=cfg.steps - self.step)
-        await self.buffer.run(make_groups=self.make_groups, training=self.training_loop())
+        await self.train()
         if cfg.eval.at_end and not self.interrupted:
             self.summary.accuracy_end = await self.evaluate("end")
         await self.finish(wall_start)
 
-    # --- rollout -> reward -> group advantages -> buffer ------------------------------------------------
-    async def make_groups(self, count: int, version: int) -> None:
-        """`count` prompts' groups, generated with policy `version` or newer, scored, given their advantages and
-        handed to the buffer (called as far as it has room for them: ReplayBufferClient.fill)."""
+    # --- rollouts fill the buffer while the trainer drains it -----------------------------------------------------
+    async def train(self) -> None:
+        """The asynchronous part of the job (apps/grpo/scheduler.py): groups are generated and scored into the replay
+        buffer (`generate`) while the trainer trains on batches from it, each step logged (`after_step`)."""
+        cfg = self.cfg
+        self.logger = MetricLogger.from_config(cfg.metrics, total_steps=cfg.steps,
+                                               jsonl_default=Path(cfg.run_dir) / "metrics.jsonl")
+        self.kl_watch = ReverseKLWatch(cfg.teacher.kl_check_steps if cfg.teacher.model is not None else 0)
+        start_step, loop_start, loop_cpu = self.step, time.perf_counter(), time.process_time()
+        if self.interrupted:  # a signal during the start-up
+            self.scheduler.stop()
+        self.scheduler.published(self.version, steps_left=cfg.steps - self.step)
+        try:
+            await self.scheduler.run(generate=self.generate, steps=cfg.steps - self.step, on_step=self.after_step)
+        finally:
+            self.logger.close()
+        self.summary.train_s, self.summary.steps_this_run = time.perf_counter() - loop_start, self.step - start_step
+        self.summary.controller_cpu_s = time.process_time() - loop_cpu
+
+    async def generate(self, count: int, version: int) -> EpisodeBatch | None:
+        """`count` prompts' groups, generated with policy `version` or newer, scored and given their advantages: the
+        episodes of the groups to train (None: none), for the scheduler to add to the buffer."""
         problems = self.task.sample_prompts(count, self.rng)
         played = await self.rollout.play_groups(problems, sampling_params(self.cfg, self.task), version)
         packed = []
@@ -98,48 +115,29 @@ class GRPOJob:
                                              normalize_std=self.cfg.rollout.normalize_advantages)
             group_id = self.rng.getrandbits(62 - EPISODE_BITS)  # its episode ids travel as int64
             packed.append(group.to_episodes(group_id, advantages.tolist()))
-        episodes = EpisodeBatch.cat(packed) if packed else None
-        if episodes is not None:
-            if self.actors.scorer is not None:  # the reference model's log-probs, or the teacher's
-                episodes.ref_logprobs = rank0(await self.actors.scorer.logprobs.call(episodes, self.actors.pad_id))
-            self.selector.counters.generated += len(episodes)  # counted as sent: a job stopped before counts none
-        await self.buffer.add(episodes, count)
+        if not packed:
+            return None
+        episodes = EpisodeBatch.cat(packed)
+        self.selector.counters.generated += len(episodes)  # counted as sent: a job stopped before counts none
+        return episodes
 
-    # --- train -> publish -------------------------------------------------------------------------------
-    async def training_loop(self) -> None:
+    async def after_step(self, step: TrainedStep) -> None:
+        """A training step is done (its version being published): count it, log it, evaluate and checkpoint when due."""
         cfg = self.cfg
-        logger = MetricLogger.from_config(cfg.metrics, total_steps=cfg.steps,
-                                          jsonl_default=Path(cfg.run_dir) / "metrics.jsonl")
-        start_step, loop_start, loop_cpu = self.step, time.perf_counter(), time.process_time()
-        kl_watch = ReverseKLWatch(cfg.teacher.kl_check_steps if cfg.teacher.model is not None else 0)
-        try:
-            while self.step < cfg.steps and not self.interrupted:
-                step_start, step_cpu = time.perf_counter(), time.process_time()
-                batch = await self.buffer.next_batch()
-                if batch is None:
-                    break
-                waited, trained_on = time.perf_counter() - step_start, self.version
-                result = rank0(await self.actors.trainer.train_step.call(batch))  # and publishes its new version
-                self.step, self.version = self.step + 1, result.version
-                self.buffer.published(self.version, steps_left=cfg.steps - self.step)  # groups start with it
-                self.selector.new_step()
-                self.selector.counters.trained += batch.num_sequences
-                if cfg.canary.every and self.step % cfg.canary.every == 0:
-                    result.metrics["canary/logprob_diff"] = await self.check_weight_sync()
-                stats = await self.actors.buffer.stats.call_one()
-                record = logger.log(self.step, await get_provisioner().collect_metrics(), step_record(
-                    batch, result, trained_on, stats, waited, time.perf_counter() - step_start,
-                    time.process_time() - step_cpu))
-                self.summary.step_logged(record, memory=get_provisioner().memory_rss)
-                kl_watch.step(self.step, record.get("reverse_kl"))
-                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
-                    await self.evaluate(f"step {self.step}")
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
-                    await self.save_checkpoint()
-        finally:
-            logger.close()
-        self.summary.train_s, self.summary.steps_this_run = time.perf_counter() - loop_start, self.step - start_step
-        self.summary.controller_cpu_s = time.process_time() - loop_cpu
+        self.step, self.version = self.step + 1, step.result.version
+        self.selector.new_step()
+        self.selector.counters.trained += step.batch.episodes
+        if cfg.canary.every and self.step % cfg.canary.every == 0:
+            step.result.metrics["canary/logprob_diff"] = await self.check_weight_sync()
+        record = self.logger.log(self.step, await get_provisioner().collect_metrics(), step_record(
+            step.batch, step.result, step.waited_s, time.perf_counter() - step.started,
+            time.process_time() - step.cpu_started))
+        self.summary.step_logged(record, memory=get_provisioner().memory_rss)
+        self.kl_watch.step(self.step, record.get("reverse_kl"))
+        if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.steps:
+            await self.evaluate(f"step {self.step}")
+        if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+            await self.save_checkpoint()
 
     async def check_weight_sync(self) -> float:
         """The trainer and every generator replica score the first held-out prompt and its answer

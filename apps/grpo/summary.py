@@ -184,13 +184,10 @@ class RunSummary:
 
 
 
-def step_record(batch: Any, result: Any, trained_on: int, buffer_stats: dict[str, int], waited_s: float,
-                step_s: float, cpu_s: float) -> dict[str, float]:
-    """A training step's own metrics, beside what the processes recorded: `batch` (a TrainBatch) trained at version
-    `trained_on` into `result` (a TrainStepResult), after `waited_s` waiting for it, in `step_s` (the controller's
-    CPU: `cpu_s`)."""
-    return {"reward/mean": float(batch.rewards.mean()),
-            "train/version_lag": float((trained_on - batch.oldest_policy_versions()).double().mean()),
-            "buffer/dropped_too_old": float(buffer_stats["dropped_too_old"]), "train/wait_s": waited_s,
-            "train/episodes_per_s": batch.num_sequences / step_s, "step_s": step_s, "controller/cpu_s": cpu_s,
+def step_record(batch: Any, result: Any, waited_s: float, step_s: float, cpu_s: float) -> dict[str, float]:
+    """A training step's own metrics, beside what the processes recorded: `batch` (the buffer's HandedBatch) trained
+    into `result` (a TrainStepResult), after `waited_s` waiting for it, in `step_s` (the controller's CPU: `cpu_s`)."""
+    return {"reward/mean": batch.reward_mean, "train/version_lag": batch.version_lag_mean,
+            "buffer/dropped_too_old": float(batch.stats["dropped_too_old"]), "train/wait_s": waited_s,
+            "train/episodes_per_s": batch.episodes / step_s, "step_s": step_s, "controller/cpu_s": cpu_s,
             "policy_version": float(result.version), **result.metrics}

@@ -1,19 +1,17 @@
-"""ReplayBuffer: the age bound, conservation of episodes, slicing, reproducibility and checkpointing."""
+"""ReplayBuffer: the age bound, conservation of episodes, rollout capacity, reproducibility and checkpointing."""
 
-import asyncio
 import io
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.replay_buffer import ReplayBuffer, ReplayBufferClient, ReplayBufferConfig
+from actors.replay_buffer import ReplayBuffer, ReplayBufferConfig
 from rl.types import Episode, EpisodeBatch, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +30,8 @@ def make_episode(episode_id: int, policy_versions: list[int]) -> Episode:
     )
 
 
-def ids(batch: list[list[Episode]]) -> list[list[int]]:
-    return [[e.episode_id for e in shard] for shard in batch]
+def ids(batch: EpisodeBatch) -> list[int]:
+    return batch.episode_ids.tolist()
 
 
 def held_ids(buffer: ReplayBuffer) -> list[int]:
@@ -46,16 +44,16 @@ def test_max_policy_age_zero_is_strictly_on_policy():
     # id 2 has one token from version 0: its oldest token decides, so it is stale at version 1.
     buffer.add([make_episode(0, [0]), make_episode(1, [1, 1]), make_episode(2, [0, 1]), make_episode(3, [1])])
     batch = buffer.sample(policy_version=1)
-    assert sorted(ids(batch)[0]) == [1, 3]
+    assert sorted(ids(batch)) == [1, 3]
     assert buffer.stats["dropped_too_old"] == 2
     assert drops == [("too_old", 2)]
 
 
 def test_age_bound_is_inclusive_at_v_minus_k():
     buffer = ReplayBuffer(batch_size=1, max_policy_age=2)
-    buffer.add([make_episode(0, [2, 5]), make_episode(1, [3, 5])])
-    assert buffer.evict(5) == 1
-    assert held_ids(buffer) == [1]
+    buffer.add([make_episode(0, [2, 5]), make_episode(1, [3, 5]), make_episode(2, [4])])
+    assert ids(buffer.sample(5)) in ([1], [2])  # 0 is too old for version 5; 3 (= 5 - 2) is not
+    assert buffer.stats["dropped_too_old"] == 1 and len(buffer) == 1
 
 
 def test_sample_returns_none_and_keeps_episodes_when_short():
@@ -66,21 +64,19 @@ def test_sample_returns_none_and_keeps_episodes_when_short():
     assert buffer.stats["sampled"] == 0
 
 
-def test_dp_slicing_gives_each_rank_distinct_episodes():
-    buffer = ReplayBuffer(batch_size=6, max_policy_age=0, dp_size=3)
+def test_a_sample_holds_distinct_episodes_that_leave_the_buffer():
+    buffer = ReplayBuffer(batch_size=6, max_policy_age=0)
     buffer.add([make_episode(i, [0]) for i in range(10)])
     batch = ids(buffer.sample(0))
-    assert [len(shard) for shard in batch] == [2, 2, 2]
-    flat = [i for shard in batch for i in shard]
-    assert len(set(flat)) == 6
-    assert len(buffer) == 4 and not set(flat) & set(held_ids(buffer))
+    assert len(batch) == len(set(batch)) == 6
+    assert len(buffer) == 4 and not set(batch) & set(held_ids(buffer))
 
 
 def test_episode_is_resampled_up_to_max_resample_count():
     buffer = ReplayBuffer(batch_size=2, max_policy_age=0, max_resample_count=2)
     buffer.add([make_episode(0, [0]), make_episode(1, [0])])
-    assert sorted(ids(buffer.sample(0))[0]) == [0, 1]
-    assert sorted(ids(buffer.sample(0))[0]) == [0, 1]
+    assert sorted(ids(buffer.sample(0))) == [0, 1]
+    assert sorted(ids(buffer.sample(0))) == [0, 1]
     assert buffer.sample(0) is None
     assert buffer.stats == {
         "added": 2, "sampled": 4, "consumed": 2, "held": 0, "dropped_too_old": 0, "dropped_buffer_full": 0
@@ -92,21 +88,20 @@ def run_script(buffer: ReplayBuffer, first_version: int = 0) -> list:
     out = []
     for version in range(first_version, first_version + 3):
         buffer.add([make_episode(10 * version + i, [max(0, version - i % 2)]) for i in range(10)])
-        out.append(ids(buffer.sample(version)))
-        out.append(ids(buffer.sample(version)))
+        out += [ids(buffer.sample(version)), ids(buffer.sample(version))]
     return out
 
 
 def test_same_seed_same_batches_and_other_seed_differs():
     def make(seed):
-        return ReplayBuffer(batch_size=4, max_policy_age=1, dp_size=2, max_resample_count=2, seed=seed)
+        return ReplayBuffer(batch_size=4, max_policy_age=1, max_resample_count=2, seed=seed)
 
     assert run_script(make(7)) == run_script(make(7))
     assert run_script(make(7)) != run_script(make(8))
 
 
 def test_state_dict_round_trip_continues_identically():
-    kwargs = dict(batch_size=4, max_policy_age=1, dp_size=2, max_resample_count=2, max_buffer_size=12, seed=3)
+    kwargs = dict(batch_size=4, max_policy_age=1, max_resample_count=2, max_buffer_size=12, seed=3)
     original = ReplayBuffer(**kwargs)
     run_script(original)
     # Through torch.save with weights_only=True, as a checkpoint would go.
@@ -127,8 +122,8 @@ def test_state_dict_round_trip_continues_identically():
 def test_oldest_order_trains_stale_episodes_before_they_age_out():
     buffer = ReplayBuffer(batch_size=2, max_policy_age=1, sample_order="oldest")
     buffer.add([make_episode(0, [1]), make_episode(1, [2]), make_episode(2, [1, 2]), make_episode(3, [2])])
-    assert ids(buffer.sample(2)) == [[0, 2]]  # version-1 episodes first, in insertion order
-    assert ids(buffer.sample(3)) == [[1, 3]]  # what is left is still within the bound: nothing dropped
+    assert ids(buffer.sample(2)) == [0, 2]  # version-1 episodes first, in insertion order
+    assert ids(buffer.sample(3)) == [1, 3]  # what is left is still within the bound: nothing dropped
     assert buffer.stats["dropped_too_old"] == 0
     # The random order on the same calls hands out a version-2 episode first and loses a version-1 one.
     lossy = [ReplayBuffer(batch_size=2, max_policy_age=1, seed=seed) for seed in range(20)]
@@ -142,7 +137,7 @@ def test_shuffle_batch_keeps_the_oldest_episodes_in_a_seeded_order():
     def batches(seed: int, shuffle: bool) -> list[list[int]]:
         buffer = ReplayBuffer(batch_size=8, max_policy_age=1, sample_order="oldest", shuffle_batch=shuffle, seed=seed)
         buffer.add([make_episode(i, [2 if i < 8 else 3]) for i in range(16)])
-        return [ids(buffer.sample(3))[0], ids(buffer.sample(4))[0]]
+        return [ids(buffer.sample(3)), ids(buffer.sample(4))]
 
     plain = batches(0, shuffle=False)
     assert plain == [list(range(8)), list(range(8, 16))]  # by age, then insertion: whole groups of 4 together
@@ -172,8 +167,6 @@ def test_buffer_full_drops_oldest_version_then_earliest_insertion():
         (dict(batch_size=0), "batch_size=0: must be an int >= 1"),
         (dict(batch_size=True), "batch_size=True: must be an int >= 1"),
         (dict(max_policy_age=-1), "max_policy_age=-1: must be an int >= 0"),
-        (dict(dp_size=0), "dp_size=0: must be an int >= 1"),
-        (dict(dp_size=3), "dp_size=3: must divide batch_size=4"),
         (dict(max_buffer_size=3), "max_buffer_size=3: must be None or an int >= batch_size=4"),
         (dict(max_resample_count=0), "max_resample_count=0: must be an int >= 1"),
         (dict(seed=1.5), "seed=1.5: must be an int"),
@@ -203,16 +196,16 @@ def test_invalid_calls_are_rejected():
         buffer.add([make_episode(7, [])])
     with pytest.raises(ValueError, match="policy_version=-1: must be an int >= 0"):
         buffer.sample(-1)
-    buffer.evict(3)
+    assert buffer.sample(3) is None
     with pytest.raises(ValueError, match="policy_version=2 is below the last one seen"):
-        buffer.evict(2)
+        buffer.sample(2)
 
 
-# An operation: ("add", token lags per episode), ("sample", version step) or ("evict", version step).
+# An operation: ("add", token lags per episode) or ("sample", version step).
 operations = st.lists(
     st.one_of(
         st.tuples(st.just("add"), st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3), max_size=6)),
-        st.tuples(st.sampled_from(["sample", "evict"]), st.integers(0, 2)),
+        st.tuples(st.just("sample"), st.integers(0, 2)),
     ),
     max_size=25,
 )
@@ -220,12 +213,10 @@ operations = st.lists(
 
 @st.composite
 def configs(draw):
-    dp_size = draw(st.integers(1, 3))
-    batch_size = dp_size * draw(st.integers(1, 3))
+    batch_size = draw(st.integers(1, 9))
     max_buffer_size = draw(st.one_of(st.none(), st.integers(batch_size, batch_size + 8)))
     return dict(
         batch_size=batch_size,
-        dp_size=dp_size,
         max_policy_age=draw(st.integers(0, 3)),
         max_buffer_size=max_buffer_size,
         max_resample_count=draw(st.integers(1, 3)),
@@ -253,19 +244,13 @@ def test_age_bound_and_conservation_hold_for_any_call_sequence(config, ops):
             buffer.add(episodes)
         else:
             version += arg
-            too_old_before = buffer.stats["dropped_too_old"]
-            if op == "evict":
-                assert buffer.evict(version) == buffer.stats["dropped_too_old"] - too_old_before
-            else:
-                batch = buffer.sample(version)
-                if batch is not None:
-                    per_rank = config["batch_size"] // config["dp_size"]
-                    assert [len(shard) for shard in batch] == [per_rank] * config["dp_size"]
-                    flat = [e for shard in batch for e in shard]
-                    assert len({e.episode_id for e in flat}) == len(flat)
-                    # (1) the age bound holds for every episode handed out.
-                    assert all(e.oldest_policy_version >= version - k for e in flat)
-                    handed_out.update(e.episode_id for e in flat)
+            batch = buffer.sample(version)
+            if batch is not None:
+                flat = batch.unpack()
+                assert len({e.episode_id for e in flat}) == len(flat) == config["batch_size"]
+                # (1) the age bound holds for every episode handed out.
+                assert all(e.oldest_policy_version >= version - k for e in flat)
+                handed_out.update(e.episode_id for e in flat)
             assert all(min(e["episode"]["policy_versions"]) >= version - k for e in buffer.state_dict()["entries"])
 
         # (2) conservation: each added episode is held, consumed or dropped, exactly one of them.
@@ -300,7 +285,7 @@ def test_reserve_counts_in_flight_and_held_episodes_against_the_next_batch_at_ag
     assert buffer.in_flight == 0
     assert buffer.reserve(0, groups=5, group_size=2) == 1
     buffer.add([make_episode(2, [0]), make_episode(3, [0])], reserved=2)
-    assert sorted(ids(buffer.sample(0))[0]) == [0, 1, 2, 3]
+    assert sorted(ids(buffer.sample(0))) == [0, 1, 2, 3]
     # The trainer trains on version 0's batch: a rollout with version 0 would be too old for the next one.
     assert buffer.reserve(0, groups=1, group_size=2) == 0
     assert buffer.reserve(1, groups=5, group_size=2) == 2  # version 1 is published: one batch of room again
@@ -339,7 +324,7 @@ def test_a_group_delivered_short_still_lets_the_jobs_last_batch_fill():
 
 def test_a_version_too_old_for_every_batch_to_come_gets_no_room():
     buffer = ReplayBuffer(batch_size=2, max_policy_age=1)
-    buffer.evict(5)  # the trainer is at version 5: version 3 episodes could never be trained
+    assert buffer.sample(5) is None  # the trainer is at version 5: version 3 episodes could never be trained
     assert buffer.reserve(3, groups=4) == 0
     assert buffer.reserve(4, groups=4) == 2  # only the batch at version 5 can take version 4
     assert buffer.reserve(5, groups=4) == 2
@@ -410,7 +395,7 @@ def test_nothing_reserved_ages_out_and_in_flight_work_stays_within_the_age_bound
             batch = buffer.sample(version)
             training = batch is not None
             if training and age == 0:
-                assert all(e.oldest_policy_version == version for shard in batch for e in shard)
+                assert all(e.oldest_policy_version == version for e in batch.unpack())
             if not training and not pending:  # nothing on its way and no batch: there must be room to start one
                 assert buffer.reserve(version, groups=1, group_size=group_size) == 1
                 pending.append(version)
@@ -426,21 +411,20 @@ def test_episodes_held_packed_come_out_in_the_sampled_order_from_the_batches_the
     # Rollouts add packed groups; a sample gathers rows from several of them. The same seed over the same episodes
     # added in one call must give the same batches, row for row, and the trainer's tensors must match.
     arrivals = [[make_episode(10 * g + i, [g, g + i % 2]) for i in range(1 + g % 3)] for g in range(10)]
-    packed = ReplayBuffer(batch_size=8, max_policy_age=10, dp_size=2, seed=7)
-    listed = ReplayBuffer(batch_size=8, max_policy_age=10, dp_size=2, seed=7)
+    packed = ReplayBuffer(batch_size=8, max_policy_age=10, seed=7)
+    listed = ReplayBuffer(batch_size=8, max_policy_age=10, seed=7)
     for group in arrivals:
         packed.add(EpisodeBatch.pack(group))
     listed.add([e for group in arrivals for e in group])
     for version in (5, 6):
-        expected = listed.sample(version)
-        batch = packed.sample_batch(version)
-        assert [e.episode_id for e in batch.unpack()] == [e.episode_id for shard in expected for e in shard]
-        assert batch.unpack() == [e for shard in expected for e in shard]
+        expected = listed.sample(version).unpack()
+        batch = packed.sample(version)
+        assert batch.unpack() == expected
         train = TrainBatch.from_episodes(batch, pad_id=0)
-        assert train.rewards.tolist() == [e.reward for shard in expected for e in shard]
+        assert train.rewards.tolist() == [e.reward for e in expected]
     # What is left is held as before, and survives a checkpoint.
     assert held_ids(packed) == held_ids(listed)
-    restored = ReplayBuffer(batch_size=8, max_policy_age=10, dp_size=2, seed=7)
+    restored = ReplayBuffer(batch_size=8, max_policy_age=10, seed=7)
     restored.load_state_dict(packed.state_dict())
     assert held_ids(restored) == held_ids(listed) and len(restored) == 3
     restored.add(arrivals[0] + arrivals[1] + arrivals[2])
@@ -453,67 +437,3 @@ def test_a_packed_episode_without_generated_tokens_is_refused_by_id():
     with pytest.raises(ValueError, match=r"episode_id=8 has policy_versions=\[\]"):
         buffer.add(EpisodeBatch.pack([make_episode(7, [0]), make_episode(8, [])]))
     assert len(buffer) == 0
-
-
-# --- the controller's side: ReplayBufferClient ---------------------------------------------------------------------
-class InProcessBufferActor:
-    """The buffer actor's endpoints, `endpoint.call_one(...)`, on an in-process ReplayBuffer."""
-
-    def __init__(self, buffer: ReplayBuffer) -> None:
-        self.buffer, self.calls = buffer, Counter()
-        for name in ("reserve", "add", "sample"):
-            setattr(self, name, SimpleNamespace(call_one=getattr(self, f"_{name}")))
-
-    async def _reserve(self, *args):
-        self.calls["reserve"] += 1
-        return self.buffer.reserve(*args)
-
-    async def _add(self, episodes, reserved: int):
-        self.calls["add"] += 1
-        self.buffer.add(episodes if episodes is not None else [], reserved)
-
-    async def _sample(self, version: int, pad_id: int):
-        await asyncio.sleep(0)
-        batch = self.buffer.sample_batch(version)
-        return None if batch is None else TrainBatch.from_episodes(batch, pad_id)
-
-
-async def test_the_client_generates_what_the_buffer_has_room_for_and_trains_it_on_policy():
-    # Age 0, batches of 2 groups of 2: every batch is trained on the version that made it, each generating call is
-    # one call for all the groups granted at once, and one group dropped on the way (None) gives its room back.
-    actor = InProcessBufferActor(ReplayBuffer(batch_size=4, max_policy_age=0))
-    client = ReplayBufferClient(actor, pad_id=0, group_size=2, max_groups_in_flight=4)
-    made, ids = [], iter(range(1000))
-
-    async def make_groups(count: int, version: int) -> None:
-        made.append((count, version))
-        await asyncio.sleep(0.01)
-        episodes = [make_episode(next(ids), [version]) for _ in range(2 * count)]
-        await client.add(EpisodeBatch.pack(episodes) if len(made) != 2 else None, count)  # the 2nd call: all dropped
-
-    async def training() -> None:
-        for step in range(3):
-            batch = await client.next_batch()
-            assert batch.num_sequences == 4 and batch.oldest_policy_versions().tolist() == [step] * 4
-            client.published(step + 1, steps_left=2 - step)
-
-    client.published(0, steps_left=3)
-    await asyncio.wait_for(client.run(make_groups, training()), 10)
-    assert made[0] == (2, 0) and all(count <= 2 for count, _ in made)
-    assert client.stopped and await client.next_batch() is None
-    assert actor.calls["add"] == len(made) and actor.buffer.in_flight == 2 * client.groups_in_flight
-
-
-async def test_a_failing_make_groups_ends_the_run_with_its_error():
-    client = ReplayBufferClient(InProcessBufferActor(ReplayBuffer(batch_size=4, max_policy_age=0)), pad_id=0,
-                                group_size=2, max_groups_in_flight=4)
-
-    async def make_groups(count: int, version: int) -> None:
-        raise RuntimeError("no healthy generator left")
-
-    async def training() -> None:
-        await client.next_batch()  # never comes
-
-    client.published(0, steps_left=3)
-    with pytest.raises(RuntimeError, match="no healthy generator left"):
-        await asyncio.wait_for(client.run(make_groups, training()), 10)

@@ -96,30 +96,19 @@ class FakeRollout:
                 played([1.0, 0.0, 0.0, 0.0], [True, True, False, True])]
 
 
-class Buffer:
-    def __init__(self) -> None:
-        self.added = []
-
-    async def add(self, episodes, groups: int) -> None:
-        self.added.append((episodes, groups))
-
-
 def job_with(rollout) -> GRPOJob:
     job = GRPOJob.__new__(GRPOJob)
     job.cfg = SimpleNamespace(rollout=RolloutConfig(group_size=4, drop_zero_variance_groups=True))
     job.task = SimpleNamespace(sample_prompts=lambda n, rng: [SimpleNamespace(prompt="p")] * n, stop_token_ids=[])
-    job.rollout, job.rng, job.buffer = rollout, random.Random(0), Buffer()
+    job.rollout, job.rng = rollout, random.Random(0)
     job.selector = GroupSelector(job.cfg.rollout, EpisodeCounters())
-    job.actors = SimpleNamespace(scorer=None, pad_id=0)
     return job
 
 
 async def test_only_the_failed_episodes_are_dropped_while_two_or_more_of_their_group_are_left():
     job = job_with(FakeRollout())
     drain_local()
-    await job.make_groups(2, version=0)
-    ((episodes, groups),) = job.buffer.added
-    assert groups == 2  # both groups' reserved room is settled (the buffer releases what did not come)
+    episodes = await job.generate(2, version=0)  # the scheduler adds them, settling both groups' room
     assert episodes.rewards.tolist() == [1.0, 0.0, 1.0]  # the first group without its failed episode
     advantages = episodes.advantages.tolist()  # relative to the 3 left: the failure is not their baseline
     assert abs(sum(advantages)) < 1e-5 and advantages[0] == advantages[2] > 0 > advantages[1]
