@@ -27,6 +27,7 @@ from apps.eval.sources import ModelVersion
 from forge.config import load_callable, to_yaml
 from forge.metrics import MetricLogger
 from rl import tasks as rl_tasks
+from rl.tasks.protocol import MultiTurnTask, Task
 from rl.types import SamplingParams
 
 WEIGHTS = "eval"  # the weight store namespace the checkpoints are published to
@@ -139,7 +140,7 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
     return evaluation.report()
 
 
-async def task_samplers(cfg: EvalJobConfig, tasks: list[Any], generators: Any) -> list[Any]:
+async def task_samplers(cfg: EvalJobConfig, tasks: list[Task], generators: Any) -> list[Any]:
     """Each task's sampler on the generator service: a single-turn task's prompts as they are; a multi-turn task's
     episodes, its environments on threads here or, with `environment.isolated`, on a host process of their own."""
     from rl.environments.player import start_player
@@ -147,7 +148,7 @@ async def task_samplers(cfg: EvalJobConfig, tasks: list[Any], generators: Any) -
     tokenizer = None
     samplers: list[Any] = []
     for i, (task_cfg, task) in enumerate(zip(cfg.tasks, tasks)):
-        if not task_cfg.multi_turn:
+        if not isinstance(task, MultiTurnTask):
             samplers.append(GeneratorSampler(generators))
             continue
         if tokenizer is None:

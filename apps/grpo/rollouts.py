@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from apps.grpo.config import TEACHER_WARM_START, GRPOConfig, RolloutConfig
-from apps.grpo.launch import reward_function
+from apps.grpo.launch import JobActors, reward_function
 from apps.grpo.rewards import RewardHangError, RewardScorer
 from apps.grpo.summary import EpisodeCounters
 from forge.metrics import record_metric
@@ -32,6 +32,7 @@ from forge.service import NoHealthyReplicaError
 from rl.environments.player import EpisodePlayer, start_player
 from rl.environments.threads import EnvironmentsBlocked
 from rl.environments.trajectory import Trajectory
+from rl.tasks.protocol import MultiTurnTask, Task
 from rl.types import CompletionBatch, EpisodeBatch, SamplingParams
 from apps.warm_start.config import WarmStartConfig
 from apps.warm_start.multiturn import warm_start_multiturn
@@ -47,11 +48,7 @@ def episode_ids(group_id: int, n: int) -> list[int]:
     return [(group_id << EPISODE_BITS) + i for i in range(n)]
 
 
-def is_multi_turn(task: Any) -> bool:
-    return hasattr(task, "environment")
-
-
-def held_out_score(cfg: GRPOConfig, task: Any) -> str:
+def held_out_score(cfg: GRPOConfig, task: Task) -> str:
     """What the mean of held-out rewards is: "accuracy" when every reward is 0 or 1 (the task's `binary_rewards`;
     without one, forge's own tasks with their exact-match rewards), else "mean reward" (an environment's or a
     dataset's partial scores, or a user's reward function)."""
@@ -59,7 +56,7 @@ def held_out_score(cfg: GRPOConfig, task: Any) -> str:
     return "accuracy" if binary else "mean reward"
 
 
-def sampling_params(cfg: GRPOConfig, task: Any, *, greedy: bool = False) -> SamplingParams:
+def sampling_params(cfg: GRPOConfig, task: Task, *, greedy: bool = False) -> SamplingParams:
     """A training group's sampling (`rollout.*`), or with `greedy` an evaluation's (one greedy episode)."""
     r, stop = cfg.rollout, list(task.stop_token_ids)
     if greedy:
@@ -206,17 +203,17 @@ async def evaluate(rollout: SingleTurn | MultiTurn, problems: list, params: Samp
     return [None if g is None or g.failed[0] else g.rewards[0] for g in groups]
 
 
-async def make_rollout(cfg: GRPOConfig, task: Any, actors: Any) -> SingleTurn | MultiTurn:
+async def make_rollout(cfg: GRPOConfig, task: Task, actors: JobActors) -> SingleTurn | MultiTurn:
     """A single-turn task's rollout scores with the task's reward (or the user's, `task.reward`); a multi-turn task's
     starts its environment host first when `environment.isolated`."""
-    if not is_multi_turn(task):
+    if not isinstance(task, MultiTurnTask):
         reward, timeout_s = reward_function(cfg, task)
         return SingleTurn(actors.generators, RewardScorer(reward, timeout_s, name=f"task.reward={cfg.task.reward}"))
     return MultiTurn(await start_player(task, actors.tokenizer, cfg.environment, actors.generators,
                                         cfg.task.chat_template_kwargs))
 
 
-def warm_started_model(cfg: GRPOConfig, task: Any,
+def warm_started_model(cfg: GRPOConfig, task: Task,
                        settings: WarmStartConfig | None = None) -> tuple[str, float | None]:
     """`cfg.model`, first trained briefly on the task when `warm_start.enabled` (cached by its inputs): a multi-turn
     task on its correct episodes (apps.warm_start.multiturn), a single-turn task on its reference answers
@@ -225,7 +222,7 @@ def warm_started_model(cfg: GRPOConfig, task: Any,
     settings = cfg.warm_start if settings is None else settings
     if not settings.enabled:
         return cfg.model, None
-    if not is_multi_turn(task):
+    if not isinstance(task, MultiTurnTask):
         return warm_start_on_task(cfg.model, cfg.model_cache, task, settings, seed=cfg.seed,
                                   max_tokens=cfg.rollout.max_tokens)
     eval_problems = task.sample_prompts(settings.eval_prompts, random.Random(f"{cfg.seed}-warm-start-eval"))
@@ -238,7 +235,7 @@ def warm_started_model(cfg: GRPOConfig, task: Any,
     return str(path), accuracy
 
 
-def teacher_model(cfg: GRPOConfig, task: Any) -> tuple[str | None, float | None]:
+def teacher_model(cfg: GRPOConfig, task: Task) -> tuple[str | None, float | None]:
     """The distillation teacher's checkpoint (None without one) and, when forge trains it, its warm start's accuracy:
     `teacher.model: warm_start` is the task's warm start (`warm_started_model`) trained on to
     `teacher.warm_start_accuracy`, cached by its inputs like the student's."""
