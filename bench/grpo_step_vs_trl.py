@@ -38,6 +38,7 @@ from apps.grpo.config import GRPOConfig  # noqa: E402
 from apps.grpo.launch import make_task  # noqa: E402
 from apps.grpo.rollouts import warm_started_model  # noqa: E402
 from losses.advantages import group_advantages  # noqa: E402
+from rl.tasks.protocol import Task  # noqa: E402
 from rl.types import Episode, SamplingParams, TrainBatch  # noqa: E402
 
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     compare_samplers(model_path, task, problems, args.samples, r.max_tokens, temperature, args.seed)
 
 
-def compare_samplers(model_path: str, task, problems: list, samples: int, max_tokens: int, temperature: float,
+def compare_samplers(model_path: str, task: Task, problems: list, samples: int, max_tokens: int, temperature: float,
                      seed: int) -> None:
     """forge's engine and transformers' `generate` (TRL's sampler without vLLM) at the same weights: mean reward,
     completion length and share ending in EOS, with the standard error of the reward."""

@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 # name -> the module that defines it; loaded on first access (PEP 562). The loss functions themselves are not
 # among them: `losses.grpo` is the module once it has been imported, so a package attribute `grpo` could not stay
 # the function.
-_LAZY = {"LossFn": "losses.types", "LossOutput": "losses.types", "group_advantages": "losses.advantages",
-         "zero_variance_groups": "losses.advantages"}
+_LAZY = {"LossFn": "losses.types", "LossOutput": "losses.types", "group_advantages": "losses.advantages"}
 
 
 def get_loss(name: str | LossFn) -> LossFn:
@@ -47,4 +46,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["LOSSES", "LossFn", "LossOutput", "get_loss", "group_advantages", "zero_variance_groups"]
+__all__ = ["LOSSES", "LossFn", "LossOutput", "get_loss", "group_advantages"]

@@ -52,9 +52,3 @@ def group_advantages(
     # Rounding in the mean can leave ~1e-17 in an all-equal group; with eps=1e-6 that would become ~1e-11.
     return torch.where(zero_variance, 0, centred), zero_variance
 
-
-def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """The ids (sorted) of groups whose rewards are all equal: DAPO's dynamic sampling (arXiv:2503.14476)
-    drops them and samples more prompts, since their advantages are all zero."""
-    group, num_groups = _group_index(rewards, group_ids)
-    return torch.unique(group_ids[_zero_variance(rewards, group, num_groups)])

@@ -26,8 +26,8 @@ def dapo(
 
     Clip-higher (eps_high > eps_low) leaves room for low-probability tokens to grow; the token-level
     mean weighs every token equally, so long sequences are not down-weighted. No KL term. Dynamic
-    sampling (dropping groups whose rewards are all equal) happens before the loss: see
-    `losses.advantages.zero_variance_groups`. r_t and w_t (the rollout correction) as in `losses.grpo.grpo`.
+    sampling (dropping groups whose rewards are all equal) happens before the loss, where groups are chosen
+    (apps.grpo's `rollout.drop_zero_variance_groups`). r_t and w_t (the rollout correction) as in `losses.grpo.grpo`.
     """
     check_hyperparams("dapo", clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
                       token_mask_band=token_mask_band, seq_mask_band=seq_mask_band)

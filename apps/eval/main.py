@@ -21,12 +21,13 @@ from typing import Any
 from apps.eval.config import EvalJobConfig
 from apps.eval.evaluate import Progress, Reward, Sample, evaluate_task
 from apps.eval.report import VersionResult, failures_text, plot, table, write_json
-from apps.eval.samplers import EndpointSampler, EpisodeSampler, GeneratorSampler
+from apps.eval.samplers import EndpointSampler, RolloutSampler
 from apps.eval.scores import score_task
 from apps.eval.sources import ModelVersion
 from forge.config import load_callable, to_yaml
 from forge.metrics import MetricLogger
 from rl import tasks as rl_tasks
+from rl.tasks.protocol import MultiTurnTask, Task
 from rl.types import SamplingParams
 
 WEIGHTS = "eval"  # the weight store namespace the checkpoints are published to
@@ -139,16 +140,18 @@ async def evaluate_with_generators(cfg: EvalJobConfig, versions: list[ModelVersi
     return evaluation.report()
 
 
-async def task_samplers(cfg: EvalJobConfig, tasks: list[Any], generators: Any) -> list[Any]:
-    """Each task's sampler on the generator service: a single-turn task's prompts as they are; a multi-turn task's
-    episodes, its environments on threads here or, with `environment.isolated`, on a host process of their own."""
+async def task_samplers(cfg: EvalJobConfig, tasks: list[Task], generators: Any) -> list[RolloutSampler]:
+    """Each task's sampler on the generator service, through the rollout (rl.rollout): a single-turn task's prompts as
+    they are; a multi-turn task's episodes, its environments on threads here or, with `environment.isolated`, on a host
+    process of their own."""
     from rl.environments.player import start_player
+    from rl.rollout import MultiTurn, SingleTurn
 
     tokenizer = None
-    samplers: list[Any] = []
+    samplers: list[RolloutSampler] = []
     for i, (task_cfg, task) in enumerate(zip(cfg.tasks, tasks)):
-        if not task_cfg.multi_turn:
-            samplers.append(GeneratorSampler(generators))
+        if not isinstance(task, MultiTurnTask):
+            samplers.append(RolloutSampler(SingleTurn(generators)))
             continue
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -156,7 +159,7 @@ async def task_samplers(cfg: EvalJobConfig, tasks: list[Any], generators: Any) -
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         player = await start_player(task, tokenizer, cfg.environment, generators, task_cfg.chat_template_kwargs,
                                     mesh_name=f"environments-{i}")
-        samplers.append(EpisodeSampler(player, tokenizer))
+        samplers.append(RolloutSampler(MultiTurn(player), tokenizer))
     return samplers
 
 

@@ -1,5 +1,5 @@
-"""Where samples come from: forge's generator service (a prompt's completions, or a multi-turn task's episodes), or an
-OpenAI-compatible server over HTTP.
+"""Where an evaluation's samples come from: forge's generator service, through the rollout every app plays with
+(rl.rollout: a prompt's completions, or a multi-turn task's episodes), or an OpenAI-compatible server over HTTP.
 
 Each has `sample(problem, params) -> list[str | Scored | Exception]`: `params.n` samples of one problem, each a text,
 an episode its environment scored, or the error that sample failed with. A call that raises failed all n samples.
@@ -8,54 +8,43 @@ an episode its environment scored, or the error that sample failed with. A call 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from apps.eval.config import EndpointConfig
 from apps.eval.evaluate import Scored
-from rl.types import SamplingParams
+from rl.types import CompletionBatch, SamplingParams
 
-if TYPE_CHECKING:  # the player's module imports Monarch; an endpoint's evaluation starts no process of forge's
-    from rl.environments.player import EpisodePlayer
+if TYPE_CHECKING:  # the rollout's module imports Monarch; an endpoint's evaluation starts no process of forge's
+    from rl.rollout import Rollout
+    from rl.tasks.protocol import TaskProblem
 
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
-
-
-class GeneratorSampler:
-    """One `generate` request per prompt: the service routes it to a replica, which batches concurrent requests with
-    the same parameters into one engine call (an unseeded evaluation's prompts; a seeded prompt runs alone)."""
-
-    def __init__(self, generators: Any) -> None:
-        self.generators = generators
-
-    async def sample(self, problem: Any, params: SamplingParams) -> list[str | Exception]:
-        return [c.text for c in await self.generators.generate.route(problem.prompt, params)]
 
 
 class EnvironmentFailed(RuntimeError):
     """An episode's environment failed (its reset or a step raised or timed out): not the model's answer."""
 
 
-class EpisodeSampler:
-    """A multi-turn task's samples: `params.n` episodes of the problem, played together through the generator service
-    (rl.environments.player) and scored by their environments. A sample's text is everything after the first prompt,
-    the model's turns and the environment's replies, decoded. Seeded, episode j of prompt seed s is played with seed
-    s * n + j: one seed for the n copies of one prompt would play n equal episodes."""
+class RolloutSampler:
+    """One problem's `params.n` samples through `rollout` (rl.rollout.SingleTurn without a scorer, or MultiTurn): a
+    single-turn one's completions as texts (the evaluation scores them with its reward); a multi-turn one's episodes,
+    scored by their environments, each as the text after the first prompt (the model's turns and the environment's
+    replies) decoded with `tokenizer`, or EnvironmentFailed. The service routes each problem's call to a replica,
+    which batches concurrent calls with the same parameters into one engine call."""
 
-    def __init__(self, player: EpisodePlayer, tokenizer: Any) -> None:
-        self.player, self.tokenizer = player, tokenizer
+    def __init__(self, rollout: Rollout, tokenizer: Any = None) -> None:
+        self.rollout, self.tokenizer = rollout, tokenizer
 
-    async def sample(self, problem: Any, params: SamplingParams) -> list[Scored | Exception]:
-        one = replace(params, n=1)
-        if params.seed is None:
-            played = await self.player.play([problem] * params.n, one)
-        else:
-            played = [t for j in range(params.n)
-                      for t in await self.player.play([problem], replace(one, seed=params.seed * params.n + j))]
+    async def sample(self, problem: TaskProblem, params: SamplingParams) -> list[str | Scored | Exception]:
+        (group,) = await self.rollout.play_groups([problem], params)
+        if isinstance(group, Exception):
+            raise group
+        if isinstance(group.samples, CompletionBatch):
+            return list(group.samples.texts)
         return [EnvironmentFailed(t.error or "the environment failed") if t.failed else
-                Scored(self.tokenizer.decode(t.completion_ids), t.reward) for t in played]
+                Scored(self.tokenizer.decode(t.completion_ids), t.reward) for t in group.samples]
 
 
 class EndpointError(RuntimeError):

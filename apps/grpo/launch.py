@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from actors.engine_scorer import EngineScorer
 from actors.engines.vllm_args import lora_engine_args
@@ -22,17 +22,19 @@ from actors.trainer import TrainerActor
 from apps.grpo.config import GRPOConfig
 from forge.provisioner import get_provisioner
 from rl import tasks
+from rl.tasks.protocol import Task
 from forge.config import load_callable
+from forge.service import Service
 from forge.weights.startup import start_weight_store
 
 WEIGHTS = "policy"  # the weight store namespace the trainer publishes to and the generators follow
 
 
-def make_task(cfg: GRPOConfig):
+def make_task(cfg: GRPOConfig) -> Task:
     return tasks.make_task(cfg.task, seed=cfg.seed, model=cfg.model)
 
 
-def reward_function(cfg: GRPOConfig, task) -> tuple[Callable[[str, str], float], float | None]:
+def reward_function(cfg: GRPOConfig, task: Task) -> tuple[Callable[[str, str], float], float | None]:
     """The reward and its timeout: the user's `task.reward` on threads under `task.reward_timeout_s`, or the
     task's own exact-match reward inline (None: it cannot hang)."""
     if cfg.task.reward:
@@ -76,14 +78,17 @@ def spawn_scorer(cfg: GRPOConfig, model_path: str, teacher_path: str | None) -> 
 
 @dataclass
 class JobActors:
-    trainer: Any  # TrainerActor mesh: train_step, publish_weights, checkpoints, export_hf
-    buffer: Any  # ReplayBufferActor
-    generators: Any  # Service of Generator replicas
+    """The job's running parts. An actor mesh is typed as its actor class, as `ForgeActor.as_actor` returns it (its
+    endpoints are called through the mesh: `trainer.train_step.call(batch)`)."""
+
+    trainer: TrainerActor  # train_step, publish_weights, checkpoints, export_hf
+    buffer: ReplayBufferActor
+    generators: Service  # the Generator replicas
     # The mesh scoring every episode (its log-probs are the batch's ref_logprobs): the reference model (a
     # ReferenceActor) when reference.enabled, the teacher when teacher.model (a ReferenceActor, or an EngineScorer with
     # teacher.engine hf or vllm); None without either.
-    scorer: Any | None
-    tokenizer: Any  # the model's, for what the job encodes itself (the weight-sync canary)
+    scorer: ReferenceActor | EngineScorer | None
+    tokenizer: PreTrainedTokenizerBase  # the model's, for what the job encodes itself (the weight-sync canary)
     pad_id: int
 
 

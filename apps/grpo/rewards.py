@@ -19,10 +19,11 @@ import traceback
 from typing import Callable
 
 from forge.metrics import record_metric
+from rl.rollout import FatalRolloutError
 
 
-class RewardHangError(RuntimeError):
-    """Too many calls of the user's reward function are hung at once."""
+class RewardHangError(FatalRolloutError):
+    """Too many calls of the user's reward function are hung at once: the job's end (the rollout re-raises it)."""
 
 
 class RewardScorer:

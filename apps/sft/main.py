@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.eval.evaluate import Progress, Reward, evaluate_task
-from apps.eval.samplers import EpisodeSampler, GeneratorSampler
+from apps.eval.samplers import RolloutSampler
 from apps.eval.scores import score_task
 from apps.grpo.checkpoints import JobCheckpoints
 from apps.grpo.config import read_hf_config
@@ -34,6 +34,7 @@ from forge.actor import rank0
 from forge.lifecycle import run_job
 from forge.metrics import MetricLogger
 from rl.environments.player import start_player
+from rl.rollout import MultiTurn, SingleTurn
 from rl.types import SamplingParams, TrainBatch
 from forge.weights.startup import start_weight_store
 
@@ -94,13 +95,13 @@ class SFTJob:
         if self.generators is not None:
             self.sampler = await self.held_out_sampler()
 
-    async def held_out_sampler(self) -> GeneratorSampler | EpisodeSampler:
+    async def held_out_sampler(self) -> RolloutSampler:
         """The held-out prompts' sampler: a multi-turn task's are episodes against its environments (on threads here,
         or on a host process of their own with `environment.isolated`), as apps.eval plays them."""
         if not self.cfg.is_multi_turn_task:
-            return GeneratorSampler(self.generators)
+            return RolloutSampler(SingleTurn(self.generators))
         player = await start_player(self.data.task, self.tokenizer, self.cfg.environment, self.generators)
-        return EpisodeSampler(player, self.tokenizer)
+        return RolloutSampler(MultiTurn(player), self.tokenizer)
 
     # --- training -------------------------------------------------------------------------------------------
     async def train(self) -> None:

@@ -12,9 +12,10 @@ from apps.sft.config import SFTConfig
 from apps.sft.data import (ChatRenderer, Epochs, Example, completion_example, read_dataset, read_jsonl,
                            row_examples, split_held_out, transcript_example)
 from rl import tasks as rl_tasks
+from rl.tasks.protocol import MultiTurnTask, Task, TaskProblem
 
 
-def reference_completion(task: Any, problem: Any) -> str:
+def reference_completion(task: Task, problem: TaskProblem) -> str:
     """What a model should write for `problem`: its answer, or for a reasoning-gym problem (whose `answer` is the
     key its scorer needs) the entry's reference answer, tagged as the task's instruction asks."""
     from rl.tasks.reasoning_gym import ReasoningGymTask
@@ -29,14 +30,14 @@ class TaskStream:
     from a generator seeded by the job (its state is checkpointed, so a resumed run draws what the stopped one would
     have)."""
 
-    def __init__(self, task: Any, tokenizer: Any, seed: int) -> None:
+    def __init__(self, task: Task, tokenizer: Any, seed: int) -> None:
         self.task, self.tokenizer = task, tokenizer
         self.rng = random.Random(f"{seed}-sft")
         # The end of an answer: the chat template's end of turn when the task asks in one, else EOS.
         self.end_id = task.stop_token_ids[-1] if task.stop_token_ids else tokenizer.eos_token_id
 
-    def example(self, problem: Any) -> Example:
-        if hasattr(self.task, "transcript"):  # a multi-turn task: its correct episode, the model's turns learned
+    def example(self, problem: TaskProblem) -> Example:
+        if isinstance(self.task, MultiTurnTask):  # its correct episode, the model's turns learned
             return transcript_example(self.tokenizer, self.task.transcript(problem))
         return completion_example(self.tokenizer, problem.prompt, reference_completion(self.task, problem),
                                   self.end_id)
@@ -55,8 +56,8 @@ class TaskStream:
 class SFTData:
     train: TaskStream | Epochs
     held_out: list[Example]
-    task: Any = None  # a task source's task: its held-out problems and reward score the accuracy
-    problems: list = field(default_factory=list)  # those problems, in the order of `held_out`
+    task: Task | None = None  # a task source's task: its held-out problems and reward score the accuracy
+    problems: list[TaskProblem] = field(default_factory=list)  # those problems, in the order of `held_out`
     dropped: int = 0  # rows left out as longer than data.max_length
 
 

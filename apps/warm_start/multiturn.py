@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Callable
 
 from apps.sft.data import transcript_example
 from rl.environments.config import EnvironmentConfig
 from rl.environments.rollout import run_episodes
 from rl.environments.trajectory import Trajectory
+from rl.tasks.protocol import MultiTurnTask, TaskProblem
 from rl.types import SamplingParams
 from apps.warm_start.config import WarmStartConfig
 from apps.warm_start.supervised import log_now, padded_batch, train_until_accurate
 
 
-def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: Any, task_name: str,
-                         train_problems: Callable[[int], list], eval_problems: list, limits: EnvironmentConfig,
+def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: MultiTurnTask, task_name: str,
+                         train_problems: Callable[[int], Sequence[TaskProblem]], eval_problems: Sequence[TaskProblem], limits: EnvironmentConfig,
                          config: WarmStartConfig, seed: int, max_tokens: int,
                          log: Callable[[str], None] = log_now) -> tuple[Path, float]:
     """Train on `task.transcript(p)` for `train_problems(n)` until greedy multi-turn accuracy on `eval_problems`
@@ -70,7 +72,7 @@ def transcript_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[in
     return list(example.ids), list(example.learned)
 
 
-async def greedy_episodes(model, tokenizer, task: Any, problems: list, limits: EnvironmentConfig,
+async def greedy_episodes(model, tokenizer, task: MultiTurnTask, problems: Sequence[TaskProblem], limits: EnvironmentConfig,
                           max_tokens: int) -> list[Trajectory]:
     """Greedy episodes of `problems`, played in one batch per turn with the training model itself."""
     from actors.engines.hf import HFEngine

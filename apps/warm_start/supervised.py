@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,6 +29,7 @@ from apps.sft.data import completion_example
 from apps.sft.sources import reference_completion
 from apps.warm_start.config import WarmStartConfig
 from rl.tasks import Problem
+from rl.tasks.protocol import MultiTurnTask, Task
 
 
 def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[[str, str], float], max_tokens: int,
@@ -43,14 +44,14 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[
     return sum(reward(out[0].text, p.answer) for p, out in zip(problems, outputs)) / len(problems)
 
 
-def warm_start_on_task(model: str, model_cache: str | Path, task: Any, config: WarmStartConfig, *, seed: int,
+def warm_start_on_task(model: str, model_cache: str | Path, task: Task, config: WarmStartConfig, *, seed: int,
                        max_tokens: int) -> tuple[str, float]:
     """`model` trained on `task`'s reference answers (`warm_start`), cached under `model_cache/warm_start`: training
     and evaluation prompts come from `task.sample_prompts` with generators seeded from `seed`, so every app that warm
     starts the same model on the same task and seed shares one cached checkpoint. Any single-turn task with reference
     answers (arithmetic, gsm8k, reasoning-gym); a task whose environment scores episodes has none and is refused by
     name."""
-    if hasattr(task, "environment"):
+    if isinstance(task, MultiTurnTask):
         raise ValueError(f"warm start: task {type(task).__name__} has no reference answers (its environment scores "
                          "episodes); the multi-turn warm start trains a task's correct episodes "
                          "(apps.warm_start.multiturn), or set warm_start.enabled=false")

@@ -1,6 +1,6 @@
 """Multi-turn environments: the protocol, token-exact trajectories, the rollout loop, and actor isolation.
 
-    env = task.environment()                       # any object with async reset(task) and step(action)
+    env = task.environment()                       # any object with async reset(problem) and step(action)
     first_prompt = await env.reset(problem)        # text (or token ids) the model sees first
     result = await env.step(model_turn_text)       # StepResult(observation, reward, done, info)
 

@@ -36,7 +36,7 @@ class EnvironmentHost(ForgeActor):
         self.environments: dict[int, ThreadedEnvironment] = {}
 
     @endpoint
-    async def reset(self, key: int, task: Any) -> Observation:
+    async def reset(self, key: int, problem: Any) -> Observation:
         if (stranded := stranded_threads()) >= self.max_stranded:
             # A thread cannot be killed, a process can: the service starts a fresh host (this episode fails).
             print(f"environment host (pid {os.getpid()}): {stranded} environment threads are still blocked in calls "
@@ -44,7 +44,7 @@ class EnvironmentHost(ForgeActor):
                   file=sys.stderr, flush=True)
             os._exit(EXIT_STRANDED)
         self.environments[key] = environment = ThreadedEnvironment(self.factory, max_stranded=self.max_stranded)
-        return await environment.reset(task)
+        return await environment.reset(problem)
 
     @endpoint
     async def step(self, key: int, action: str) -> StepResult:
@@ -71,8 +71,8 @@ class RemoteEnvironment:
     def __init__(self, hosts: Any) -> None:
         self.hosts, self.key = hosts, next(_keys)
 
-    async def reset(self, task: Any) -> Observation:
-        return await self.hosts.reset.route(self.key, task)
+    async def reset(self, problem: Any) -> Observation:
+        return await self.hosts.reset.route(self.key, problem)
 
     async def step(self, action: str) -> StepResult:
         return await self.hosts.step.route(self.key, action)

@@ -87,10 +87,10 @@ class OpenEnvEnvironment:
         self.observation_field = observation_field
         self.served = isinstance(env, EnvClient)  # an environment server's client: blocking calls
 
-    async def reset(self, task: OpenEnvProblem) -> str:
+    async def reset(self, problem: OpenEnvProblem) -> str:
         if self.served:
-            return self._text((await asyncio.to_thread(self.env.reset, seed=task.seed)).observation)
-        return self._text(await self.env.reset_async(seed=task.seed))
+            return self._text((await asyncio.to_thread(self.env.reset, seed=problem.seed)).observation)
+        return self._text(await self.env.reset_async(seed=problem.seed))
 
     async def step(self, action: str) -> StepResult:
         request = self.action_type(**{self.action_field: action})

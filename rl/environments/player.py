@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from rl.environments.actor import EnvironmentHost, RemoteEnvironment
@@ -20,13 +21,14 @@ from rl.environments.config import EnvironmentConfig
 from rl.environments.rollout import run_episodes
 from rl.environments.threads import ThreadedEnvironment
 from rl.environments.trajectory import Trajectory
+from rl.tasks.protocol import MultiTurnTask, TaskProblem
 from rl.types import SamplingParams
 
 
 class EpisodePlayer:
     """`task.environment()` makes each episode's environment: on a thread of this process, or on `hosts`."""
 
-    def __init__(self, task: Any, tokenizer: Any, limits: EnvironmentConfig, generators: Any,
+    def __init__(self, task: MultiTurnTask, tokenizer: Any, limits: EnvironmentConfig, generators: Any,
                  hosts: Any | None = None, chat_template_kwargs: dict | None = None) -> None:
         self.task, self.limits, self.generators, self.hosts = task, limits, generators, hosts
         # Prompts and observations repeat (a task's few hundred prompts, a tool's short replies): each distinct text
@@ -44,7 +46,7 @@ class EpisodePlayer:
         return [RemoteEnvironment(self.hosts) if self.hosts else ThreadedEnvironment(self.task.environment)
                 for _ in range(n)]
 
-    async def play(self, problems: list, params: SamplingParams, version: int = 0) -> list[Trajectory]:
+    async def play(self, problems: Sequence[TaskProblem], params: SamplingParams, version: int = 0) -> list[Trajectory]:
         """One episode per problem, all at once, every turn generated with policy `version` or newer."""
 
         async def generate(prompts: list[list[int]], turn_params: SamplingParams) -> list:
@@ -56,7 +58,7 @@ class EpisodePlayer:
                                       self.encode, self.end_token_ids, chat=self.chat)
 
 
-async def start_player(task: Any, tokenizer: Any, limits: EnvironmentConfig, generators: Any,
+async def start_player(task: MultiTurnTask, tokenizer: Any, limits: EnvironmentConfig, generators: Any,
                        chat_template_kwargs: dict | None = None, mesh_name: str = "environments") -> EpisodePlayer:
     """The task's player, its environments on threads of this process or, with `limits.isolated`, on an environment
     host process of their own (a service named `mesh_name`, started here)."""

@@ -26,8 +26,9 @@ class Environment(Protocol):
     blocks its thread costs its episode only; a crash of its process is contained by isolating it in an actor
     (rl.environments.actor, `environment.isolated`)."""
 
-    async def reset(self, task: Any) -> Observation:
-        """Start an episode of `task` (one of the task's problems); returns the first prompt."""
+    async def reset(self, problem: Any) -> Observation:
+        """Start an episode of `problem` (one of its task's problems: each task has its own problem type, so `Any`
+        here); returns the first prompt."""
         ...
 
     async def step(self, action: str) -> StepResult:

@@ -36,21 +36,22 @@ from rl.types import Completion, SamplingParams
 Generate = Callable[[list[list[int]], SamplingParams], Awaitable[list[Completion]]]
 
 
-async def run_episodes(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
+async def run_episodes(generate: Generate, environments: Sequence[Environment], problems: Sequence[Any],
                        params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
                        end_token_ids: Sequence[int] = (), chat: ChatTemplate | None = None) -> list[Trajectory]:
-    """One trajectory per environment, the i-th playing `tasks[i]` (a GRPO group: the same problem G times), all
+    """One trajectory per environment, the i-th playing `problems[i]` (a GRPO group: the same problem G times), all
     played at once; `params.max_tokens` bounds each model turn. With `chat`, turns are wrapped by its template (text
     observations; `encode` is then unused) and its end-of-turn token ends a turn, never the episode."""
-    if len(tasks) != len(environments):
-        raise ValueError(f"run_episodes: {len(environments)} environments but {len(tasks)} tasks; one task each")
+    if len(problems) != len(environments):
+        raise ValueError(f"run_episodes: {len(environments)} environments but {len(problems)} problems; one problem "
+                         "each")
     if chat is not None and chat.end_of_turn_id is not None:
         end_token_ids = [t for t in end_token_ids if t != chat.end_of_turn_id]
         if chat.end_of_turn_id not in params.stop_token_ids:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, chat.end_of_turn_id])
     trajectories: list[Trajectory] = []
     try:
-        trajectories = await _play(generate, environments, tasks, params, limits, encode, end_token_ids, chat)
+        trajectories = await _play(generate, environments, problems, params, limits, encode, end_token_ids, chat)
     finally:  # an episode ends in many ways; each environment is closed once whichever it was
         # A failure counts once per episode: closing an environment whose step already failed (a host still blocked
         # in the step that timed out, or one that crashed) fails too, and is not a second failure.
@@ -61,10 +62,10 @@ async def run_episodes(generate: Generate, environments: Sequence[Environment], 
     return trajectories
 
 
-async def _play(generate: Generate, environments: Sequence[Environment], tasks: Sequence[Any],
+async def _play(generate: Generate, environments: Sequence[Environment], problems: Sequence[Any],
                 params: SamplingParams, limits: EnvironmentConfig, encode: Callable[[str], list[int]],
                 end_token_ids: Sequence[int], chat: ChatTemplate | None) -> list[Trajectory]:
-    prompts = await _call_all([env.reset(task) for env, task in zip(environments, tasks)], limits, "reset")
+    prompts = await _call_all([env.reset(problem) for env, problem in zip(environments, problems)], limits, "reset")
     trajectories = [_failed(Trajectory(prompt_ids=[]), prompt) if isinstance(prompt, BaseException)
                     else Trajectory(prompt_ids=chat.first_prompt(prompt) if chat else _ids(prompt, encode))
                     for prompt in prompts]

@@ -91,9 +91,9 @@ class ThreadedEnvironment:
         # Calls submitted to the thread and calls it has finished: they differ while it is still in one.
         self._submitted = self._finished = 0
 
-    async def reset(self, task: Any) -> Observation:
+    async def reset(self, problem: Any) -> Observation:
         self._start()
-        return await asyncio.wrap_future(self._submit(self._reset(task)))
+        return await asyncio.wrap_future(self._submit(self._reset(problem)))
 
     async def step(self, action: str) -> StepResult:
         if self._worker is None:
@@ -144,9 +144,9 @@ class ThreadedEnvironment:
 
     # --- on the environment's thread -----------------------------------------------------------------
 
-    async def _reset(self, task: Any) -> Observation:
+    async def _reset(self, problem: Any) -> Observation:
         self.environment = self.factory()
-        return await self.environment.reset(task)
+        return await self.environment.reset(problem)
 
     async def _step(self, action: str) -> StepResult:
         return await self.environment.step(action)

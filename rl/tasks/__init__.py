@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.tasks.arithmetic import ArithmeticTask, Problem
 from rl.tasks.config import TaskConfig
+from rl.tasks.protocol import MultiTurnTask, Task, TaskProblem
 
-__all__ = ["ArithmeticTask", "Problem", "TaskConfig", "make_task"]
+if TYPE_CHECKING:
+    from rl.tasks.environment import EnvironmentTask
+
+__all__ = ["ArithmeticTask", "MultiTurnTask", "Problem", "Task", "TaskConfig", "TaskProblem", "make_task"]
 
 
-def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
-    """The task a config names. Every task has `sample_prompts(n, rng)`, `held_out()`, `reward(text, answer)`
-    and `stop_token_ids`; those that ask in a chat template read `model`'s tokenizer. A multi-turn task also has
-    `environment()`: a new environment (rl.environments) per episode."""
+def make_task(config: TaskConfig, *, seed: int, model: str) -> Task:
+    """The task a config names: a `Task` (rl.tasks.protocol: `sample_prompts(n, rng)`, `held_out()`,
+    `reward(text, answer)`, `stop_token_ids`), and a `MultiTurnTask` (also `environment()`, a new environment per
+    episode, and `transcript(problem)`) when `config.multi_turn`. Those that ask in a chat template read `model`'s
+    tokenizer."""
     if config.source == "forge" and config.name == "arithmetic":
         return ArithmeticTask(seed=seed, num_digits=config.num_digits, held_out=config.held_out,
                               reverse_answer=config.reverse_answer)
@@ -44,7 +49,7 @@ def make_task(config: TaskConfig, *, seed: int, model: str) -> Any:
                      chat_template_kwargs=config.chat_template_kwargs)
 
 
-def _environment_task(config: TaskConfig, model: str) -> Any:
+def _environment_task(config: TaskConfig, model: str) -> EnvironmentTask:
     """A user's environment class as a task; the model's tokenizer is read only for the class's stop texts."""
     from rl.tasks.environment import EnvironmentTask, resolve_environment, stop_texts, stop_token_ids
 

@@ -22,6 +22,8 @@ import inspect
 import random
 from typing import Any, Callable, NamedTuple
 
+from rl.environments.protocol import Environment
+
 MAX_SEED = 2**31 - 1
 
 
@@ -77,7 +79,7 @@ class EnvironmentTask(SeededTask):
         super().__init__(factory.__name__, held_out=held_out)
         self.factory, self.options, self.stop_token_ids = factory, dict(options), tuple(stop_token_ids)
 
-    def environment(self) -> Any:
+    def environment(self) -> Environment:
         """A fresh environment for one episode. Bound to a picklable task (a class by reference, plain options), so
         `environment.isolated` can ship it to the environment host."""
         return self.factory(**self.options)

@@ -114,9 +114,9 @@ class LookupEnvironment:
         self.reward = reward
         self.problem: LookupProblem | None = None
 
-    async def reset(self, task: LookupProblem) -> str:
-        self.problem = task
-        return task.prompt
+    async def reset(self, problem: LookupProblem) -> str:
+        self.problem = problem
+        return problem.prompt
 
     async def step(self, action: str) -> StepResult:
         text = action.strip()

@@ -3,7 +3,7 @@ import statistics
 import pytest
 import torch
 
-from losses.advantages import group_advantages, zero_variance_groups
+from losses.advantages import group_advantages
 
 # Groups interleaved and not numbered 0..G-1, as a replay buffer may hand them over.
 REWARDS = [1.0, 0.0, 0.5, 0.2, 0.9, 0.0, 0.3, 0.1, 0.1, 0.1, 2.0, 0.7]
@@ -36,11 +36,6 @@ def test_all_equal_group_gets_exactly_zero_advantage_despite_rounding():
     # In float32 the mean of seven 0.1s is off by ~7e-9; 1/(std + eps) would blow that up to ~0.007.
     advantages, zero_variance = group_advantages(torch.full((7,), 0.1), torch.zeros(7, dtype=torch.long))
     assert advantages.tolist() == [0.0] * 7 and zero_variance.all()
-
-
-def test_zero_variance_groups_lists_the_groups_to_drop():
-    ids = zero_variance_groups(torch.tensor(REWARDS), torch.tensor(GROUPS))
-    assert ids.tolist() == [5, 40]
 
 
 @pytest.mark.parametrize(

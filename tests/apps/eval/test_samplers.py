@@ -10,11 +10,12 @@ import time
 from types import SimpleNamespace
 
 from apps.eval.evaluate import Progress, Reward, evaluate_task
-from apps.eval.samplers import EpisodeSampler
+from apps.eval.samplers import RolloutSampler
 from rl.environments.config import EnvironmentConfig
 from rl.environments.openenv import OpenEnvSpec
 from rl.environments.player import EpisodePlayer
 from rl.environments.threads import stranded_threads
+from rl.rollout import MultiTurn
 from rl.tasks.lookup import LookupTask
 from rl.types import Completion, SamplingParams
 
@@ -42,6 +43,9 @@ class ScriptedGenerators:
     async def session(self):
         yield self
 
+    def healthy_replicas(self) -> list[int]:
+        return [0]
+
     async def route(self, prompts, params, min_policy_version=0):
         self.seeds.append(params.seed)
         texts = [next(self.turns) for _ in prompts]
@@ -68,7 +72,8 @@ async def test_each_sample_is_an_episode_scored_by_its_environment_and_its_text_
     wrong = "0" if answer != "0" else "1"
     turns = [ask, ask, answer, wrong, problems[1].answer, "9" + problems[1].answer]
     generators = ScriptedGenerators(turns)
-    sampler = EpisodeSampler(EpisodePlayer(task, tokenizer, EnvironmentConfig(max_turns=3), generators), tokenizer)
+    sampler = RolloutSampler(MultiTurn(EpisodePlayer(task, tokenizer, EnvironmentConfig(max_turns=3), generators)),
+                             tokenizer)
     results, texts = await evaluate(sampler, problems, SamplingParams(n=2, max_tokens=4, stop_token_ids=task.stop_token_ids))
     assert [r.rewards for r in results] == [[1.0, 0.0], [1.0, 0.0]]  # the environment's rewards, not Reward's 0
     assert [r.errors for r in results] == [[], []]
@@ -83,7 +88,7 @@ async def test_seeded_episodes_get_a_seed_each_and_a_failed_environment_is_a_fai
     task = LookupTask(seed=0, held_out=2, tokenizer=tokenizer)
     problems = task.held_out()
     generators = ScriptedGenerators([p.answer for p in problems for _ in range(3)])
-    sampler = EpisodeSampler(EpisodePlayer(task, tokenizer, EnvironmentConfig(), generators), tokenizer)
+    sampler = RolloutSampler(MultiTurn(EpisodePlayer(task, tokenizer, EnvironmentConfig(), generators)), tokenizer)
     results, _ = await evaluate(sampler, problems, SamplingParams(n=3, max_tokens=4), seed=10)
     assert [r.rewards for r in results] == [[1.0] * 3, [1.0] * 3]
     # prompt i has seed 10 + i; its episode j plays with (10 + i) * 3 + j: three different episodes, not one thrice
@@ -92,8 +97,8 @@ async def test_seeded_episodes_get_a_seed_each_and_a_failed_environment_is_a_fai
     # An environment whose step raises: the sample fails with the environment's reason and is not scored.
     spec = OpenEnvSpec.resolve("tests.rl.environments.openenv_sleepy:SleepyEnvironment", options={"sleep_s": 1.0})
     failing = SimpleNamespace(environment=spec.environment)
-    sampler = EpisodeSampler(EpisodePlayer(failing, tokenizer, EnvironmentConfig(step_timeout_s=0.3),
-                                           ScriptedGenerators(["1", "sleep"])), tokenizer)
+    sampler = RolloutSampler(MultiTurn(EpisodePlayer(failing, tokenizer, EnvironmentConfig(step_timeout_s=0.3),
+                                                     ScriptedGenerators(["1", "sleep"]))), tokenizer)
     (result,), _ = await evaluate(sampler, [SimpleNamespace(seed=1, prompt="p", answer="a")],
                                SamplingParams(n=2, max_tokens=1))
     assert result.rewards == [1.0]

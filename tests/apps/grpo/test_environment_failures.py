@@ -15,13 +15,14 @@ import pytest
 
 from apps.grpo.config import RolloutConfig
 from apps.grpo.main import GRPOJob
-from apps.grpo.rollouts import Group, GroupSelector, MultiTurn, evaluate, held_out_score
+from apps.grpo.rollouts import GroupSelector, evaluate, held_out_score
 from apps.grpo.summary import EpisodeCounters, RunSummary
 from rl.environments.trajectory import Trajectory
 from rl.environments.config import EnvironmentConfig
 from rl.environments.openenv import OpenEnvSpec
 from rl.environments.player import EpisodePlayer
 from rl.environments.threads import stranded_threads
+from rl.rollout import Group, MultiTurn
 from forge.metrics import drain_local
 from rl.tasks import TaskConfig
 from rl.types import Completion, SamplingParams

@@ -8,11 +8,11 @@ import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
-from apps.eval.samplers import EpisodeSampler, GeneratorSampler
 from apps.sft.cli import load_sft_config
 from apps.sft.main import SFTJob
 from apps.sft.sources import load_job_data
-from rl.types import Completion
+from rl.rollout import MultiTurn, SingleTurn
+from rl.types import Completion, CompletionBatch
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = str(ROOT / "configs/sft_tiny.yaml")
@@ -29,12 +29,14 @@ class Policy:
     def __init__(self, tokenizer, problems: list, turns: list[tuple[str, str]]) -> None:
         self.tokenizer, self.by_prompt = tokenizer, {p.prompt: t for p, t in zip(problems, turns)}
         self.generate_batch = SimpleNamespace(route=self.route_ids)
-        self.generate = SimpleNamespace(route=self.route_text)
         self.update_weights = SimpleNamespace(fanout=done)
 
     @contextlib.asynccontextmanager
     async def session(self):
         yield self
+
+    def healthy_replicas(self) -> list[int]:
+        return [0]
 
     def write(self, prompt: str) -> Completion:
         first, after = next(t for p, t in self.by_prompt.items() if prompt.startswith(p))
@@ -43,11 +45,10 @@ class Policy:
         return Completion(prompt_ids=[], token_ids=ids, text=text, logprobs=[0.0] * len(ids), finish_reason="stop",
                           policy_versions=[0] * len(ids))
 
-    async def route_ids(self, prompts: list[list[int]], params, min_policy_version: int = 0) -> list:
-        return [[self.write(self.tokenizer.decode(ids))] for ids in prompts]
-
-    async def route_text(self, prompt: str, params) -> list:
-        return [self.write(prompt)]
+    async def route_ids(self, prompts: list, params, min_policy_version: int = 0) -> CompletionBatch:
+        """Prompts as texts (single-turn) or token ids (a multi-turn episode's turns)."""
+        return CompletionBatch.pack([[self.write(p if isinstance(p, str) else self.tokenizer.decode(p))]
+                                     for p in prompts])
 
 
 async def accuracy(cfg, turns_of) -> tuple[float, object]:
@@ -70,11 +71,11 @@ async def test_the_lookup_tasks_accuracy_is_played_against_its_environment(tmp_p
 
     score, sampler = await accuracy(cfg, turns)
     # Sampled as single prompts, every first completion would be the tool call: 0, not 0.5.
-    assert isinstance(sampler, EpisodeSampler) and score == 0.5
+    assert isinstance(sampler.rollout, MultiTurn) and score == 0.5
 
 
 async def test_a_single_turn_tasks_accuracy_is_its_rewards_mean(tmp_path):
     cfg, _ = load_sft_config(["--config", TINY, "eval.num_prompts=4", f"run_dir={tmp_path}"])
     score, sampler = await accuracy(cfg, lambda task, problems: [(p.answer if i < 3 else "x", "")
                                                                  for i, p in enumerate(problems)])
-    assert isinstance(sampler, GeneratorSampler) and score == 0.75
+    assert isinstance(sampler.rollout, SingleTurn) and score == 0.75

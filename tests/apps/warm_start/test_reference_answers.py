@@ -53,11 +53,13 @@ def test_a_reasoning_gym_task_learns_its_tagged_reference_answers(trained, tmp_p
 
 
 def test_a_task_without_reference_answers_is_refused_by_name(tmp_path):
-    class ScoredByItsEnvironment:
+    class ScoredByItsEnvironment:  # a MultiTurnTask (rl.tasks.protocol): nothing of it is used
         stop_token_ids = ()
 
         def environment(self):
             raise AssertionError("not played")
+
+        sample_prompts = held_out = reward = transcript = environment
 
     with pytest.raises(ValueError, match=r"^warm start: task ScoredByItsEnvironment has no reference answers"):
         supervised.warm_start_on_task("tiny", tmp_path, ScoredByItsEnvironment(), WarmStartConfig(), seed=0,
