@@ -1,61 +1,22 @@
-"""Where samples come from: forge's generator service (a prompt's completions, or a multi-turn task's episodes), or an
-OpenAI-compatible server over HTTP.
+"""Samples from an OpenAI-compatible server over HTTP; forge's own samplers (its generator service, a multi-turn task's
+episodes) are the shared held-out evaluator's (apps/held_out/samplers.py).
 
-Each has `sample(problem, params) -> list[str | Scored | Exception]`: `params.n` samples of one problem, each a text,
-an episode its environment scored, or the error that sample failed with. A call that raises failed all n samples.
+`EndpointSampler.sample(problem, params)` gives `params.n` samples of one problem, each a text or the error that
+sample failed with, as the shared samplers do; a call that raises failed all n samples.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
 import httpx
 
 from apps.eval.config import EndpointConfig
-from apps.eval.evaluate import Scored
 from rl.types import SamplingParams
 
-if TYPE_CHECKING:  # the player's module imports Monarch; an endpoint's evaluation starts no process of forge's
-    from rl.environments.player import EpisodePlayer
-
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
-
-
-class GeneratorSampler:
-    """One `generate` request per prompt: the service routes it to a replica, which batches concurrent requests with
-    the same parameters into one engine call (an unseeded evaluation's prompts; a seeded prompt runs alone)."""
-
-    def __init__(self, generators: Any) -> None:
-        self.generators = generators
-
-    async def sample(self, problem: Any, params: SamplingParams) -> list[str | Exception]:
-        return [c.text for c in await self.generators.generate.route(problem.prompt, params)]
-
-
-class EnvironmentFailed(RuntimeError):
-    """An episode's environment failed (its reset or a step raised or timed out): not the model's answer."""
-
-
-class EpisodeSampler:
-    """A multi-turn task's samples: `params.n` episodes of the problem, played together through the generator service
-    (rl.environments.player) and scored by their environments. A sample's text is everything after the first prompt,
-    the model's turns and the environment's replies, decoded. Seeded, episode j of prompt seed s is played with seed
-    s * n + j: one seed for the n copies of one prompt would play n equal episodes."""
-
-    def __init__(self, player: EpisodePlayer, tokenizer: Any) -> None:
-        self.player, self.tokenizer = player, tokenizer
-
-    async def sample(self, problem: Any, params: SamplingParams) -> list[Scored | Exception]:
-        one = replace(params, n=1)
-        if params.seed is None:
-            played = await self.player.play([problem] * params.n, one)
-        else:
-            played = [t for j in range(params.n)
-                      for t in await self.player.play([problem], replace(one, seed=params.seed * params.n + j))]
-        return [EnvironmentFailed(t.error or "the environment failed") if t.failed else
-                Scored(self.tokenizer.decode(t.completion_ids), t.reward) for t in played]
 
 
 class EndpointError(RuntimeError):
@@ -115,3 +76,14 @@ class EndpointSampler:
                     raise EndpointError(f"POST {path}: HTTP {response.status_code}: {response.text[:200]}")
             await asyncio.sleep(self.retry_wait_s * 2**attempt)
         raise AssertionError("unreachable")
+
+
+def __getattr__(name: str) -> Any:
+    """The samplers that moved to apps.held_out.samplers, importable from here for one release."""
+    from apps.held_out import samplers
+
+    if name not in ("GeneratorSampler", "EpisodeSampler", "EnvironmentFailed"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use apps.held_out.samplers.{name}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(samplers, name)

@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
-from apps.eval.samplers import EpisodeSampler, GeneratorSampler
+from apps.held_out.samplers import EpisodeSampler, GeneratorSampler
 from apps.sft.cli import load_sft_config
 from apps.sft.main import SFTJob
 from apps.sft.sources import load_job_data
