@@ -1,5 +1,8 @@
 """The layers the README's architecture table names, bottom up: a module imports only its own layer and those below
-it, and no import cycle exists. Imports inside functions count: a cycle hidden in a function is still a cycle."""
+it, and no import cycle exists. Imports inside functions count: a cycle hidden in a function is still a cycle.
+
+Inside `apps/`, each app folder is independent: it imports no other app, only the shared app code named in SHARED_APP_CODE
+(which imports no app itself), and no loop runs between app folders."""
 
 import ast
 import re
@@ -7,6 +10,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("forge", "rl", "losses", "actors", "apps", "bench")
+# What the apps share, and the only app code one app folder may import from outside itself; each imports no app.
+SHARED_APP_CODE = {
+    "apps.app_config": "an app's config loaded, `model: tiny` resolved, its check step run",
+    "apps.config_reference": "config dataclasses rendered as the --help and docs reference",
+    "apps.run_checkpoints": "a job's checkpoints and the `checkpoint` section (apps.grpo, apps.sft)",
+    "apps.held_out": "the held-out evaluator (apps.eval, apps.sft)",
+    "apps.http": "what the HTTP apps share (apps.server, apps.gateway)",
+    "apps.warm_start": "the supervised warm start (apps.grpo, apps.http's model, the configs of server and gateway)",
+}
+# A module an app folder may import from another app: its public client, as any program outside forge would.
+PUBLIC_APP_MODULES = {"apps.server.client": "apps.server's client SDK (no torch or Monarch): apps.examples uses it"}
 
 
 def _layers() -> list[str]:
@@ -104,3 +118,73 @@ def test_the_checks_see_an_upward_import_and_a_cycle_hidden_in_a_function():
     assert "forge.provisioner" in graph["forge.service"]  # a top-level import is seen
     assert "actors.engines.hf" in graph["actors.engines"]  # one inside a function too
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _app_folder(module: str) -> str | None:
+    """`apps.grpo.config` -> `apps.grpo`; a module directly in apps/ is a folder of its own (`apps.app_config`);
+    None outside apps/."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "apps" and len(parts) > 1 else None
+
+
+def _shared(module: str) -> bool:
+    return any(module == s or module.startswith(s + ".") for s in SHARED_APP_CODE)
+
+
+def _app_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from one app folder into another that is not of shared app code (or a public client module), and
+    every import of an app by shared app code."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        here = _app_folder(module)
+        if here is None:
+            continue
+        for target in sorted(targets):
+            there = _app_folder(target)
+            if there is None or there == here:
+                continue
+            allowed = _shared(target) or (target in PUBLIC_APP_MODULES and not _shared(module))
+            if not allowed:
+                bad.append(f"{module} imports {target}")
+    return bad
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """app folder -> the app folders it imports (shared code's folders included)."""
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        here = _app_folder(module)
+        if here is not None:
+            folders.setdefault(here, set()).update(
+                t for t in map(_app_folder, targets) if t is not None and t != here)
+    for targets in list(folders.values()):
+        for t in targets:
+            folders.setdefault(t, set())
+    return folders
+
+
+def test_every_shared_app_module_exists():
+    graph = _import_graph()
+    assert [s for s in [*SHARED_APP_CODE, *PUBLIC_APP_MODULES] if s not in graph] == []
+
+
+def test_no_app_imports_another_app_only_the_shared_app_code():
+    assert _app_imports(_import_graph()) == []
+
+
+def test_no_loop_between_app_folders():
+    assert _cycles(_folder_graph(_import_graph())) == []
+
+
+def test_the_app_checks_see_an_import_between_apps_and_a_loop():
+    graph = {"apps.sft.main": {"apps.grpo.checkpoints", "apps.run_checkpoints", "rl.types"},
+             "apps.grpo.checkpoints": set(), "apps.run_checkpoints": set(), "rl.types": set(),
+             "apps.warm_start.supervised": {"apps.sft.data"}, "apps.sft.data": set(),
+             "apps.examples.client_rl_loop": {"apps.server.client"}, "apps.server.client": set(),
+             "apps.held_out.evaluate": {"apps.server.client"}}
+    assert _app_imports(graph) == ["apps.held_out.evaluate imports apps.server.client",
+                                   "apps.sft.main imports apps.grpo.checkpoints",
+                                   "apps.warm_start.supervised imports apps.sft.data"]
+    graph["apps.sft.data"] = {"apps.grpo.rollouts"}
+    graph["apps.grpo.rollouts"] = {"apps.warm_start.supervised"}
+    assert _cycles(_folder_graph(graph)) == [["apps.grpo", "apps.sft", "apps.warm_start"]]
