@@ -248,3 +248,16 @@ def _batch(rows: list[list[Example]], pad_id: int, packed: bool) -> TrainBatch:
     return TrainBatch(input_ids=ids, response_mask=mask, behaviour_logprobs=torch.zeros_like(mask),
                       policy_versions=torch.full_like(mask, -1, dtype=torch.long), advantages=zeros,
                       rewards=zeros.clone(), document_ids=documents if packed else None)
+
+
+def __getattr__(name: str) -> Any:
+    """`transcript_example` moved to rl.demonstrations (shared with the warm start): importable from here for one
+    release."""
+    if name != "transcript_example":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    from rl import demonstrations
+
+    warnings.warn(f"{__name__}.{name} is deprecated: use rl.demonstrations.{name}", DeprecationWarning, stacklevel=2)
+    return demonstrations.transcript_example

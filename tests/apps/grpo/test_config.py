@@ -130,18 +130,6 @@ def test_building_the_config_reads_no_file_its_check_step_does(monkeypatch):
         distill.check()
 
 
-def test_the_moved_checks_import_from_their_old_place_with_a_deprecation_warning():
-    import apps.grpo.config as grpo_config
-    from actors import model_files
-
-    for name in ("read_hf_config", "read_checkpoint_file", "check_chat_template", "check_same_tokenizer"):
-        with pytest.warns(DeprecationWarning, match=rf"apps.grpo.config.{name} is deprecated: use "
-                                                    rf"actors.model_files.{name}"):
-            assert getattr(grpo_config, name) is getattr(model_files, name)
-    with pytest.raises(AttributeError):
-        grpo_config.no_such_name
-
-
 def test_an_unreachable_hub_model_is_refused_before_anything_starts(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
