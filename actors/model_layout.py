@@ -1,7 +1,8 @@
 """Whether torchtitan can build and shard a Hugging Face checkpoint, judged from its config.json alone.
 
-Plain Python (no torch, no TorchTitan): apps check a job's layout before its training stack is imported
-(apps/grpo/config.py), and the trainer makes the same checks when it builds the model (actors/model_builder.py).
+Plain Python (no torch, no TorchTitan): apps check a job's layout before its training stack is imported (their
+config's check step, on the config.json that model_files.py reads), and the trainer makes the same checks when it
+builds the model (actors/model_builder.py).
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config (trainer.*, rollout.*)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = load_app_config(REPO / args.config, [f"seed={args.seed}", *args.overrides], GRPOConfig)
+    cfg = load_app_config(REPO / args.config, [f"seed={args.seed}", *args.overrides], GRPOConfig,
+                          check=GRPOConfig.check)
     task = make_task(cfg)
     model_path, _ = warm_started_model(cfg, task)
     r, t = cfg.rollout, cfg.trainer

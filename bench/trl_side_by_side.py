@@ -59,7 +59,8 @@ def warm_checkpoint(seed: int) -> tuple[str, float | None]:
     from apps.grpo.launch import make_task
     from apps.grpo.rollouts import warm_started_model
 
-    cfg = load_app_config(REPO / "configs/grpo_tiny.yaml", [f"seed={seed}"], GRPOConfig)
+    cfg = load_app_config(REPO / "configs/grpo_tiny.yaml", [f"seed={seed}"], GRPOConfig,
+                          check=GRPOConfig.check)
     return warm_started_model(cfg, make_task(cfg))
 
 

@@ -4,7 +4,7 @@
 
 cli.py checks the command line before anything heavy is imported; config.py is the schema; sources.py finds what
 to evaluate (an HF folder, a step checkpoint, every step checkpoint of a run, an OpenAI-compatible endpoint);
-weights.py turns a step checkpoint into Hugging Face weights; samplers.py asks the generator service or the endpoint;
-evaluate.py plays each task's held-out prompts under a concurrency bound; scores.py holds pass@k and mean@k;
-report.py prints the table and writes the JSON and the plot; main.py runs it all.
+weights.py turns a step checkpoint into Hugging Face weights; samplers.py asks an endpoint; the shared held-out
+evaluator (apps/held_out/) asks the generator service, plays each task's held-out prompts under a concurrency bound and
+scores them (pass@k and mean@k); report.py prints the table and writes the JSON and the plot; main.py runs it all.
 """

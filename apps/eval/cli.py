@@ -27,11 +27,12 @@ def reference() -> str:
 
 
 def load_eval_config(argv: list[str]) -> EvalJobConfig:
-    """Parse, resolve `model: tiny` to the built checkpoint, validate: every config error before any process."""
+    """Parse, resolve `model: tiny` to the built checkpoint, validate and run the check step (`EvalJobConfig.check`:
+    the model and folders named): every config error before any process."""
     path, overrides, args = parse_args(argv, description=DESCRIPTION, epilog=reference())
     if args.resume:
         raise ConfigError("--resume: an evaluation has nothing to resume; run it again")
-    return load_app_config(path, overrides, EvalJobConfig)
+    return load_app_config(path, overrides, EvalJobConfig, check=EvalJobConfig.check)
 
 
 def main(argv: list[str] | None = None) -> int:

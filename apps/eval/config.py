@@ -1,8 +1,9 @@
 """The evaluation's configuration: typed sections, validated before any process starts.
 
 Plain Python (no torch, Monarch or vLLM): `python -m apps.eval` refuses a bad config in about a second, naming the key,
-the value and what is allowed. The folders it is to read are looked at here too (sources.py), so a run directory
-without checkpoints is refused before anything starts, not after the generators have.
+the value and what is allowed. Building the config reads no file; its check step, `EvalJobConfig.check` (run by
+apps/eval/cli.py before anything starts), looks at the model and the folders it is to read (sources.py), so a run
+directory without checkpoints is refused before anything starts, not after the generators have.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from omegaconf import MISSING
 from actors.engines.vllm_args import check_engine_args
 from actors.generator_config import GeneratorConfig
 from actors.model_config import is_hf_checkpoint
+from actors.model_files import check_chat_template
 from apps.eval.sources import ModelVersion, checkpoint_version, model_label, run_checkpoints
-from apps.grpo.config import check_chat_template
 from forge.metrics import MetricsConfig
 from rl.environments.config import EnvironmentConfig
 from rl.tasks.config import TaskConfig
@@ -148,9 +149,6 @@ class EvalJobConfig:
         if len(sources) > 1:
             raise ValueError(f"{', '.join(sources)}: set at most one of checkpoint, run_dir and endpoint (none: "
                              "evaluate `model`)")
-        if not is_hf_checkpoint(self.model):  # `tiny` is resolved to its built folder before this
-            raise ValueError(f"model={self.model!r}: must be 'tiny', a Hugging Face checkpoint folder with "
-                             "config.json, or a hub id 'org/name'")
         if self.generator.model not in ("", self.model):
             raise ValueError(f"generator.model={self.generator.model!r}: the generator serves `model`; set model "
                              "instead, or leave generator.model out")
@@ -169,15 +167,23 @@ class EvalJobConfig:
                                  f"endpoint.base_url={self.endpoint.base_url!r} is set: its episodes are played "
                                  "token in / token out through forge's generator service, which an endpoint is not; "
                                  "evaluate it with model, checkpoint or run_dir")
-        if self.environment.chat_template and any(t.multi_turn for t in self.tasks):
-            check_chat_template(self.model)
         for name in ("num_prompts", "replicas", "concurrency"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value}: must be >= 1")
         if self.progress_every_s < 0:
             raise ValueError(f"progress_every_s={self.progress_every_s}: must be >= 0 (0: no progress lines)")
-        self.versions()  # the folders named exist and hold what they should
+
+    def check(self) -> None:
+        """The checks construction leaves out because they read files or the hub: `model` is a checkpoint, its
+        tokenizer has a chat template where multi-turn episodes are played in it, and the folders named exist and hold
+        what they should. apps/eval/cli.py calls it before anything starts."""
+        if not is_hf_checkpoint(self.model):  # `tiny` is resolved to its built folder before this
+            raise ValueError(f"model={self.model!r}: must be 'tiny', a Hugging Face checkpoint folder with "
+                             "config.json, or a hub id 'org/name'")
+        if self.environment.chat_template and any(t.multi_turn for t in self.tasks):
+            check_chat_template(self.model)
+        self.versions()
 
     def versions(self) -> list[ModelVersion]:
         """What is evaluated, in order (a run's steps oldest first)."""

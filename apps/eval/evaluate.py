@@ -1,121 +1,16 @@
-"""One task's held-out prompts through a sampler: at most `concurrency` prompts in flight, a progress line now and
-then, every sample scored or counted as failed with its error (scores.py says how failures are left out).
-
-A sampler's `sample(problem, params)` gives `params.n` samples of one problem, each a text (scored here by the task's
-reward), a `Scored` text (a multi-turn episode its environment scored) or the error that sample failed with."""
+"""Deprecated: moved to apps.held_out.evaluate (the held-out evaluator the apps share). The old names import from here,
+with a DeprecationWarning, for one release."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import math
-import time
-from dataclasses import dataclass
-from typing import Any, Callable
-
-from apps.eval.scores import ProblemResult
-from rl.types import SamplingParams
+import warnings
+from typing import Any
 
 
-@dataclass
-class Sample:
-    """One sample, as samples.jsonl holds it."""
+def __getattr__(name: str) -> Any:
+    from apps.held_out import evaluate
 
-    version: str
-    task: str
-    prompt_index: int
-    prompt: str
-    answer: str
-    text: str | None
-    reward: float | None
-    error: str | None
-
-
-@dataclass
-class Scored:
-    """A sample already scored where it was played: a multi-turn episode's text and its environment's reward."""
-
-    text: str
-    reward: float
-
-
-class Reward:
-    """The task's reward, or the user's (`task.reward`) on a thread under `task.reward_timeout_s`. A reward that
-    raises, returns NaN or times out fails its sample (it is not the model's answer)."""
-
-    def __init__(self, fn: Callable[[str, str], float], timeout_s: float | None) -> None:
-        self.fn, self.timeout_s = fn, timeout_s
-
-    async def __call__(self, text: str, answer: str) -> float:
-        if self.timeout_s is None:
-            value = self.fn(text, answer)
-        else:  # a hung call is abandoned on its thread; the evaluation goes on
-            value = await asyncio.wait_for(asyncio.to_thread(self.fn, text, answer), self.timeout_s)
-        value = float(value)
-        if math.isnan(value):
-            raise ValueError("the reward returned NaN")
-        return value
-
-
-class Progress:
-    """`label: done/total prompts, rate, failed samples`, at most every `every_s` seconds (0: never)."""
-
-    def __init__(self, label: str, total: int, every_s: float) -> None:
-        self.label, self.total, self.every_s = label, total, every_s
-        self.done = self.failed = 0
-        self.start = self.last = time.perf_counter()
-
-    def add(self, result: ProblemResult) -> None:
-        self.done += 1
-        self.failed += len(result.errors)
-        now = time.perf_counter()
-        if self.every_s and now - self.last >= self.every_s and self.done < self.total:
-            self.last = now
-            print(self.line(now), flush=True)
-
-    def line(self, now: float) -> str:
-        rate = self.done / max(now - self.start, 1e-9)
-        return (f"{self.label}: {self.done}/{self.total} prompts ({rate:.1f}/s), {self.failed} samples failed")
-
-
-async def evaluate_task(sampler: Any, problems: list, params: SamplingParams, reward: Reward, *, seed: int | None,
-                        slots: asyncio.Semaphore, progress: Progress,
-                        on_sample: Callable[[int, Any, str | None, float | None, str | None], None] | None = None,
-                        ) -> list[ProblemResult]:
-    """Each problem's result, in order; prompt i is sampled with seed `seed + i` when `seed` is set."""
-
-    async def one(i: int, problem: Any) -> ProblemResult:
-        async with slots:
-            prompt_params = params if seed is None else dataclasses.replace(params, seed=seed + i)
-            try:
-                texts = await sampler.sample(problem, prompt_params)
-            except Exception as e:  # the request failed: all its samples did
-                texts = [e] * params.n
-            result = ProblemResult()
-            for text in texts:
-                value, error = None, None
-                if isinstance(text, Exception):
-                    error, text = describe(text), None
-                elif isinstance(text, Scored):
-                    value, text = text.reward, text.text
-                else:
-                    try:
-                        value = await reward(text, problem.answer)
-                    except Exception as e:
-                        error = f"reward: {describe(e)}"
-                if error is None:
-                    result.rewards.append(value)
-                else:
-                    result.errors.append(error)
-                if on_sample is not None:
-                    on_sample(i, problem, text, value, error)
-        progress.add(result)
-        return result
-
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(problems))))
-
-
-def describe(error: BaseException) -> str:
-    """`Type: first line of the message`, without an endpoint's remote traceback: failures are grouped by it."""
-    message = str(error).split("\n--- remote traceback", 1)[0].strip().splitlines()
-    return (f"{type(error).__name__}: {message[0]}" if message else type(error).__name__)[:300]
+    if name.startswith("__") or not hasattr(evaluate, name):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use apps.held_out.evaluate.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(evaluate, name)

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from apps.eval.config import EvalJobConfig
-from apps.eval.evaluate import Progress, Reward, Sample, evaluate_task
 from apps.eval.report import VersionResult, failures_text, plot, table, write_json
-from apps.eval.samplers import EndpointSampler, RolloutSampler
-from apps.eval.scores import score_task
+from apps.eval.samplers import EndpointSampler
 from apps.eval.sources import ModelVersion
+from apps.held_out.evaluate import Progress, Reward, Sample, evaluate_task
+from apps.held_out.samplers import RolloutSampler
+from apps.held_out.scores import score_task
 from forge.config import load_callable, to_yaml
 from forge.metrics import MetricLogger
 from rl import tasks as rl_tasks

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apps.eval.scores import TaskScore
+from apps.held_out.scores import TaskScore
 from apps.eval.sources import ModelVersion
 
 

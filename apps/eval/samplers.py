@@ -1,50 +1,22 @@
-"""Where an evaluation's samples come from: forge's generator service, through the rollout every app plays with
-(rl.rollout: a prompt's completions, or a multi-turn task's episodes), or an OpenAI-compatible server over HTTP.
+"""Samples from an OpenAI-compatible server over HTTP; forge's own samplers (its generator service, a multi-turn task's
+episodes) are the shared held-out evaluator's (apps/held_out/samplers.py).
 
-Each has `sample(problem, params) -> list[str | Scored | Exception]`: `params.n` samples of one problem, each a text,
-an episode its environment scored, or the error that sample failed with. A call that raises failed all n samples.
+`EndpointSampler.sample(problem, params)` gives `params.n` samples of one problem, each a text or the error that
+sample failed with, as the shared samplers do; a call that raises failed all n samples.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
 import httpx
 
 from apps.eval.config import EndpointConfig
-from apps.eval.evaluate import Scored
-from rl.types import CompletionBatch, SamplingParams
-
-if TYPE_CHECKING:  # the rollout's module imports Monarch; an endpoint's evaluation starts no process of forge's
-    from rl.rollout import Rollout
-    from rl.tasks.protocol import TaskProblem
+from rl.types import SamplingParams
 
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
-
-
-class EnvironmentFailed(RuntimeError):
-    """An episode's environment failed (its reset or a step raised or timed out): not the model's answer."""
-
-
-class RolloutSampler:
-    """One problem's `params.n` samples through `rollout` (rl.rollout.SingleTurn without a scorer, or MultiTurn): a
-    single-turn one's completions as texts (the evaluation scores them with its reward); a multi-turn one's episodes,
-    scored by their environments, each as the text after the first prompt (the model's turns and the environment's
-    replies) decoded with `tokenizer`, or EnvironmentFailed. The service routes each problem's call to a replica,
-    which batches concurrent calls with the same parameters into one engine call."""
-
-    def __init__(self, rollout: Rollout, tokenizer: Any = None) -> None:
-        self.rollout, self.tokenizer = rollout, tokenizer
-
-    async def sample(self, problem: TaskProblem, params: SamplingParams) -> list[str | Scored | Exception]:
-        (group,) = await self.rollout.play_groups([problem], params)
-        if isinstance(group, Exception):
-            raise group
-        if isinstance(group.samples, CompletionBatch):
-            return list(group.samples.texts)
-        return [EnvironmentFailed(t.error or "the environment failed") if t.failed else
-                Scored(self.tokenizer.decode(t.completion_ids), t.reward) for t in group.samples]
 
 
 class EndpointError(RuntimeError):
@@ -104,3 +76,15 @@ class EndpointSampler:
                     raise EndpointError(f"POST {path}: HTTP {response.status_code}: {response.text[:200]}")
             await asyncio.sleep(self.retry_wait_s * 2**attempt)
         raise AssertionError("unreachable")
+
+
+def __getattr__(name: str) -> Any:
+    """The samplers that moved to apps.held_out.samplers, importable from here for one release (GeneratorSampler and
+    EpisodeSampler are gone: RolloutSampler over rl.rollout replaces both)."""
+    from apps.held_out import samplers
+
+    if name not in ("RolloutSampler", "EnvironmentFailed"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use apps.held_out.samplers.{name}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(samplers, name)

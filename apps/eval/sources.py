@@ -5,7 +5,7 @@
     run_dir (every step checkpoint of a run) -> `model` as step 0 (include_base), then each step in order
     endpoint (an OpenAI-compatible server)   -> one version, asked over HTTP
 
-Layouts (apps/grpo/checkpoints.py, actors/checkpoint.py): a run's `checkpoints/step_NNNNNN/` holds `trainer/`, a DCP
+Layouts (apps/run_checkpoints.py, actors/checkpoint.py): a run's `checkpoints/step_NNNNNN/` holds `trainer/`, a DCP
 folder that is complete when its `checksums.json` exists; `hf_model/` is its Hugging Face export (config.json,
 model.safetensors, tokenizer files); a LoRA run exports a peft adapter folder instead (adapter_config.json).
 """

@@ -1,8 +1,9 @@
 """`python -m apps.grpo`: the command line is read and checked before the training stack is imported.
 
-`--help`, YAML and override errors and the schema's checks (apps/grpo/config.py and the actors' config modules
-it names, the model's layout against its config.json included) import no torch, Monarch, TorchTitan or vLLM; the
-stack comes with apps.grpo.main once the config is known to be good. Config errors exit with code 2.
+`--help`, YAML and override errors, the schema's checks (apps/grpo/config.py and the actors' config modules it names)
+and its check step (`GRPOConfig.check`: the model's layout against its config.json, the teacher's tokenizer) import no
+torch, Monarch, TorchTitan or vLLM; the stack comes with apps.grpo.main once the config is known to be good. Config
+errors exit with code 2.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ DESCRIPTION = "Asynchronous GRPO: rollout loops and the training loop run concur
 
 
 def load_job_config(argv: list[str]) -> tuple[GRPOConfig, bool]:
-    """Parse, resolve `model: tiny` to the built checkpoint, validate: every config error before any process.
+    """Parse, resolve `model: tiny` to the built checkpoint, validate and run the check step: every config error
+    before any process.
     `--help` prints the configuration reference (docs/configuration.md)."""
     from apps.grpo.config import GRPOConfig  # the schema (no torch: see the module's docstring)
     from apps.grpo.config_reference import reference
 
     path, overrides, args = parse_args(argv, description=DESCRIPTION, epilog=reference())
 
-    job = load_app_config(path, overrides, GRPOConfig)
+    job = load_app_config(path, overrides, GRPOConfig, check=GRPOConfig.check)
     return job, bool(args.resume or job.resume)
 
 

@@ -1,8 +1,10 @@
 """The GRPO job's configuration: typed sections, validated before any process starts.
 
-Plain Python: the schema and its checks, the model's layout against its config.json included, import no torch,
-Monarch, TorchTitan or vLLM, so `python -m apps.grpo` refuses a bad config in about a second
-(tests/apps/grpo/test_cli.py checks the imports).
+Plain Python: the schema and its checks import no torch, Monarch, TorchTitan or vLLM, so `python -m apps.grpo`
+refuses a bad config in about a second (tests/apps/grpo/test_cli.py checks the imports). Building a GRPOConfig reads
+no file and no hub: what needs the model's files (its layout against its config.json, the teacher's tokenizer, the
+chat template; actors/model_files.py reads them) is `GRPOConfig.check`, which apps/grpo/cli.py runs before anything
+starts.
 
 Each actor's section is that actor's own config dataclass; `model` fills the model paths of all of them
 (the YAML files write `${model}`), so one key switches the whole job to another checkpoint.
@@ -10,10 +12,12 @@ Each actor's section is that actor's own config dataclass; `model` fills the mod
 
 from __future__ import annotations
 
-import json
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+from actors import model_files
 from actors.engines.vllm_args import check_engine_args, lora_engine_args
 from actors.generator_config import ENGINE_KINDS, GeneratorConfig
 from actors.lora_config import check_lora_for_model
@@ -28,6 +32,7 @@ from losses.registry import REGISTERED_LOSSES
 from losses.rules import check_advantage_normalization
 from forge.metrics import MetricsConfig
 from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
+from apps.run_checkpoints import CheckpointConfig
 from apps.warm_start.config import WarmStartConfig
 
 
@@ -116,31 +121,6 @@ class EvalConfig:
             raise ValueError(f"every={self.every}: must be >= 0 (0: only at the start and the end)")
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts={self.num_prompts}: must be >= 1")
-
-
-@dataclass
-class CheckpointConfig:
-    """Job checkpoints (trainer, buffer, RNG, step, version), written atomically; `--resume` reads the newest."""
-
-    interval: int = 0
-    """Save the whole job every N steps (0: only at the end, when `final` is set)."""
-    final: bool = True
-    """Save when the job ends, also when it is stopped by a signal."""
-    folder: str = "${run_dir}/checkpoints"
-    """Where checkpoints go."""
-    keep: int = 2
-    """Newest job checkpoints kept on disk."""
-    stop_grace_s: float = 600.0
-    """On SIGINT/SIGTERM the job finishes its step and writes the `final` checkpoint within this many seconds; past
-    it the step is cancelled and no checkpoint is written (raise it for steps or checkpoints that take longer)."""
-
-    def __post_init__(self) -> None:
-        if self.stop_grace_s <= 0:
-            raise ValueError(f"stop_grace_s={self.stop_grace_s}: must be > 0 (seconds)")
-        if self.interval < 0:
-            raise ValueError(f"interval={self.interval}: must be >= 0 (0: only the final checkpoint)")
-        if self.keep < 1:
-            raise ValueError(f"keep={self.keep}: must be >= 1")
 
 
 @dataclass
@@ -307,53 +287,22 @@ class GRPOConfig:
                              "task's plain-text transcripts, not episodes in the chat template; set "
                              "warm_start.enabled=false")
         check_teacher(self)
-        check_model_layout(self)  # last: it reads the model's config.json (a hub id's is fetched)
+
+    def check(self) -> None:
+        """The checks construction leaves out because they read files or the hub: the job's layout against the
+        model's config.json (a hub id's is fetched alone), the teacher's checkpoint and tokenizer, the chat template.
+        apps/grpo/cli.py calls it before anything starts; each error names the field, its value and what is allowed."""
+        check_teacher_checkpoint(self)
+        check_model_layout(self)
         if self.environment.chat_template:
-            check_chat_template(self.trainer.model_path)
-
-
-def read_hf_config(model: str) -> dict:
-    """The checkpoint's config.json: from its folder, or for a hub id fetched alone (no weights)."""
-    text = read_checkpoint_file(model, "config.json")
-    if text is None:
-        raise ValueError(f"model={model!r}: has no config.json; use a Hugging Face checkpoint folder or hub id")
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"model={model!r}: its config.json is not JSON ({e})") from None
-
-
-def read_checkpoint_file(model: str, name: str) -> str | None:
-    """One small file of the checkpoint (None where it has none): from its folder, or fetched alone from the hub."""
-    if Path(model).exists():
-        path = Path(model) / name
-        return path.read_text() if path.exists() else None
-    from huggingface_hub import file_exists, hf_hub_download
-
-    try:
-        return Path(hf_hub_download(model, name)).read_text() if file_exists(model, name) else None
-    except OSError as e:  # the hub's errors are OSErrors
-        raise ValueError(f"model={model!r}: cannot read its {name} to check the job before anything starts "
-                         f"({type(e).__name__}: {e}); use a reachable hub id or a local checkpoint folder") from None
-
-
-def check_chat_template(model: str) -> None:
-    """`environment.chat_template=true` needs a tokenizer with a chat template (in tokenizer_config.json or a
-    chat_template.jinja file beside it): refused now, not when the rollouts start after every actor has."""
-    if read_checkpoint_file(model, "chat_template.jinja") is not None:
-        return
-    tokenizer_config = read_checkpoint_file(model, "tokenizer_config.json")
-    if tokenizer_config is None or not json.loads(tokenizer_config).get("chat_template"):
-        raise ValueError(f"environment.chat_template=true: the tokenizer of model={model!r} has no chat template "
-                         "(none in tokenizer_config.json, no chat_template.jinja); set environment.chat_template=false "
-                         "to play episodes in plain text, or use a model with a chat template")
+            model_files.check_chat_template(self.trainer.model_path)
 
 
 def check_model_layout(cfg: GRPOConfig) -> None:
     """The job's layout against the model's config.json, so a layout the trainer, the reference model or vLLM
     would refuse after spawning is refused now (with the same checks the trainer makes when it builds)."""
     model = cfg.trainer.model_path
-    hf_config = read_hf_config(model)
+    hf_config = model_files.read_hf_config(model)
     try:
         check_hf_config(cfg.trainer.family, hf_config)
     except KeyError as e:
@@ -367,7 +316,7 @@ def check_model_layout(cfg: GRPOConfig) -> None:
     if cfg.reference.enabled or titan_teacher:  # the reference model's mesh, or the teacher's
         teacher = cfg.teacher.model not in (None, TEACHER_WARM_START)  # a warm-start teacher has the student's layout
         meshes.append(("resources.reference_procs", r.reference_procs, 1, cfg.teacher.model if teacher else model,
-                       read_hf_config(cfg.teacher.model) if teacher else hf_config))
+                       model_files.read_hf_config(cfg.teacher.model) if teacher else hf_config))
     for name, procs, tp, checkpoint, layout in meshes:
         try:
             check_parallel_layout(layout, procs, tp)
@@ -381,8 +330,8 @@ def check_model_layout(cfg: GRPOConfig) -> None:
 
 
 def check_teacher(cfg: GRPOConfig) -> None:
-    """A distillation job has a teacher, only a distillation job has one, and the teacher's log-probs can be compared
-    with the student's: a checkpoint the trainer's family builds, whose token ids mean the student's text."""
+    """A distillation job has a teacher, only a distillation job has one, and its settings can serve it (no file
+    read: the teacher's checkpoint and tokenizer are `check_teacher_checkpoint`'s)."""
     teacher, loss = cfg.teacher.model, cfg.trainer.loss
     if loss == "distill" and teacher is None:
         raise ValueError("trainer.loss='distill': needs a teacher to distill from; set teacher.model (a checkpoint "
@@ -407,20 +356,27 @@ def check_teacher(cfg: GRPOConfig) -> None:
             raise ValueError(f"teacher.model={teacher!r} with environment.chat_template=true: the multi-turn warm "
                              "start trains plain-text transcripts, not episodes in the chat template; set "
                              "teacher.model to a checkpoint with the student's tokenizer")
-        return  # trained from the student's own checkpoint: its layout and tokenizer
+
+
+def check_teacher_checkpoint(cfg: GRPOConfig) -> None:
+    """A teacher checkpoint (not forge's warm start) exists, is built by the trainer's family where TorchTitan serves
+    it, and has the student's tokenizer: read from its folder or the hub, so run by `GRPOConfig.check`."""
+    teacher = cfg.teacher.model
+    if teacher in (None, TEACHER_WARM_START):
+        return  # none, or trained from the student's own checkpoint: its layout and tokenizer
     if not Path(teacher).exists() and not HUB_ID.match(teacher):
         raise ValueError(f"teacher.model={teacher!r}: no such folder; must be a Hugging Face checkpoint folder, a hub "
                          f"id 'org/name', {TEACHER_WARM_START!r} or null")
     family = cfg.trainer.family
     try:
-        hf_config = read_hf_config(teacher)
+        hf_config = model_files.read_hf_config(teacher)
         if cfg.teacher.engine == "titan":  # built by the trainer's family; an engine loads what transformers does
             check_hf_config(family, hf_config)
-        check_same_tokenizer(cfg.trainer.model_path, teacher)
+        model_files.check_same_tokenizer(cfg.trainer.model_path, teacher)
     except KeyError as e:
         raise ValueError(f"teacher.model={teacher!r}: config.json has no {e} (a {family} checkpoint needs it)"
                          ) from None
-    except ValueError as e:  # read_hf_config's and read_checkpoint_file's own start with "model=<teacher>: "
+    except ValueError as e:  # model_files' own messages start with "model=<teacher>: "
         message = str(e).removeprefix(f"model={teacher!r}: ")
         built = f" (built as trainer.family={family!r})" if cfg.teacher.engine == "titan" else ""
         raise ValueError(f"teacher.model={teacher!r}{built}: {message}") from None
@@ -448,36 +404,6 @@ def check_engine_teacher(cfg: GRPOConfig) -> None:
         tp = cfg.teacher.engine_args.get("tensor_parallel_size", 1)
         if tp != 1 and not cfg.resources.with_gpus:
             raise ValueError(f"teacher.engine_args.tensor_parallel_size={tp}: needs resources.with_gpus=true")
-
-
-def _vocabulary(tokenizer_json: str) -> dict[int, str]:
-    """id -> token text of a `tokenizer.json`: its model's vocabulary (BPE/WordPiece: a dict, Unigram: a list of
-    [piece, score]) and its added tokens."""
-    spec = json.loads(tokenizer_json)
-    vocab = spec.get("model", {}).get("vocab") or {}
-    ids = ({i: token for token, i in vocab.items()} if isinstance(vocab, dict)
-           else {i: piece for i, (piece, _) in enumerate(vocab)})
-    ids.update({t["id"]: t["content"] for t in spec.get("added_tokens", [])})
-    return ids
-
-
-def check_same_tokenizer(student: str, teacher: str) -> None:
-    """Distillation compares log-probs of the same token ids: the teacher's tokenizer.json must map every id to the
-    student's text (only `vocab_size` is compared where either checkpoint has no tokenizer.json)."""
-    why = ("distillation compares the two models' log-probs of the same token ids; use a teacher with the student's "
-           "tokenizer")
-    student_json, teacher_json = (read_checkpoint_file(model, "tokenizer.json") for model in (student, teacher))
-    if student_json is None or teacher_json is None:
-        sizes = read_hf_config(student).get("vocab_size"), read_hf_config(teacher).get("vocab_size")
-        if sizes[0] != sizes[1]:
-            raise ValueError(f"vocab_size={sizes[1]}, the student's (model={student!r}) is {sizes[0]}: {why}")
-        return
-    ours, theirs = _vocabulary(student_json), _vocabulary(teacher_json)
-    differ = sorted(i for i in ours.keys() | theirs.keys() if ours.get(i) != theirs.get(i))
-    if differ:
-        first = differ[0]
-        raise ValueError(f"its tokenizer differs from the student's (model={student!r}) on {len(differ)} token ids "
-                         f"(id {first}: {theirs.get(first)!r}, the student's {ours.get(first)!r}): {why}")
 
 
 def _check_vllm_layout(cfg: GRPOConfig, hf_config: dict) -> None:
@@ -513,3 +439,14 @@ def _check_vllm_engine_args(engine_args: dict, device: str, section: str) -> Non
         raise ValueError(f"{section}.engine='vllm': {e}") from None
     except ValueError as e:  # its messages start with "engine_args"
         raise ValueError(f"{section}.{e}") from None
+
+
+# Moved to actors/model_files.py (beside the model layout checks); importable from here for one release.
+_MOVED_TO_MODEL_FILES = ("read_hf_config", "read_checkpoint_file", "check_chat_template", "check_same_tokenizer")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED_TO_MODEL_FILES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use actors.model_files.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(model_files, name)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from actors.weight_canary import check_weight_sync
-from apps.grpo.checkpoints import JobCheckpoints
+from apps.run_checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
 from apps.grpo.kl_watch import ReverseKLWatch
 from apps.grpo.launch import make_task, start_actors

@@ -24,9 +24,10 @@ def reference() -> str:
 
 
 def load_sft_config(argv: list[str]) -> tuple[SFTConfig, bool]:
-    """Parse, resolve `model: tiny` to the built checkpoint, validate: every config error before any process."""
+    """Parse, resolve `model: tiny` to the built checkpoint, validate and run the check step (`SFTConfig.check`: the
+    files the config names): every config error before any process."""
     path, overrides, args = parse_args(argv, description=DESCRIPTION, epilog=reference())
-    cfg = load_app_config(path, overrides, SFTConfig)  # `model: tiny` of the config's tiny_shape
+    cfg = load_app_config(path, overrides, SFTConfig, check=SFTConfig.check)  # `model: tiny`: tiny_shape's
     return cfg, bool(args.resume or cfg.resume)
 
 

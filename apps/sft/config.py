@@ -1,7 +1,9 @@
 """The SFT job's configuration: typed sections, validated before any process starts.
 
-The trainer, generator, task, checkpoint and metrics sections are apps.grpo's own; the model's layout is checked
-against its config.json as apps.grpo checks it. Errors name the key, the value and what is allowed.
+The trainer, generator, task and metrics sections are the actors' and rl's own config dataclasses, as apps.grpo's are;
+the checkpoint section is apps.run_checkpoints'. Building an SFTConfig reads no file: `SFTConfig.check` (run by
+apps/sft/cli.py before anything starts) checks the model's layout against its config.json (actors/model_files.py reads
+it) and that a JSONL file is there. Errors name the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from actors import model_files
 from actors.generator_config import GeneratorConfig
 from actors.model_layout import check_hf_config, check_parallel_layout
 from actors.trainer_config import TrainerConfig
-from apps.grpo.config import CheckpointConfig, read_hf_config
+from apps.run_checkpoints import CheckpointConfig
 from forge.metrics import MetricsConfig
 from rl.environments.config import EnvironmentConfig
 from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
@@ -63,8 +66,6 @@ class DataSection:
         else:
             if self.path is None:
                 raise ValueError(f"path=None: source={self.source} needs the rows' path")
-            if self.source == "jsonl" and not Path(self.path).is_file():
-                raise ValueError(f"path={self.path!r}: no such file (source=jsonl)")
         if self.held_out < 0:
             raise ValueError(f"held_out={self.held_out}: must be >= 0")
         if self.max_length is not None and self.max_length < 2:
@@ -73,7 +74,7 @@ class DataSection:
 
 @dataclass
 class SFTEvalSection:
-    """Held-out loss (every source) and greedy held-out accuracy (task sources, through apps.eval's scoring)."""
+    """Held-out loss (every source) and greedy held-out accuracy (task sources, scored by the shared evaluator, apps/held_out/)."""
 
     every: int = 0
     """Evaluate every N steps too (0: only at the start and the end)."""
@@ -210,12 +211,15 @@ class SFTConfig:
         if self.data.source != "task" and self.eval.accuracy and self.generator is not None:
             raise ValueError(f"eval.accuracy=true: data.source={self.data.source} has no reward to score samples "
                              "with (only task sources do); set eval.accuracy=false or generator=null")
-        self._check_layout()
 
-    def _check_layout(self) -> None:
-        """The trainer's layout against the model's config.json, as apps.grpo checks it."""
+    def check(self) -> None:
+        """The checks construction leaves out because they read files: a JSONL file is there, and the trainer's
+        layout fits the model's config.json (as apps.grpo checks it). apps/sft/cli.py calls it before anything
+        starts; each error names the field, its value and what is allowed."""
+        if self.data.source == "jsonl" and not Path(self.data.path).is_file():
+            raise ValueError(f"data.path={self.data.path!r}: no such file (source=jsonl)")
         model = self.trainer.model_path
-        hf_config = read_hf_config(model)
+        hf_config = model_files.read_hf_config(model)
         positions = hf_config.get("max_position_embeddings")
         if self.packing.max_length and positions and self.packing.max_length > positions:
             raise ValueError(f"packing.max_length={self.packing.max_length}: must be <= the model's "

@@ -2,9 +2,8 @@
 prompt-completion rows or chat conversations; and the trainer's batch of them.
 
 Masks are chosen by token ids, never by searching text:
-- a multi-turn task's correct episode: its segments encoded one by one, the model's learned (`transcript_example`).
-- prompt-completion: the prompt encoded as the generators encode a prompt, the completion encoded on its own and
-  followed by the end token; exactly the ids the model sees and writes at inference.
+- a task's reference answers and a multi-turn task's correct episodes, and prompt-completion rows: rl/demonstrations.py
+  (`completion_example`, `transcript_example`), shared with the warm start.
 - chat: each assistant message k is the ids the template adds between `messages[:k]` rendered with the generation
   prompt and `messages[:k+1]` rendered whole, up to and including the template's end-of-turn token. Where each
   such rendering is a prefix of the whole conversation's, the conversation is one row and every assistant message
@@ -17,47 +16,15 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rl.demonstrations import Example, completion_example
 from rl.types import TrainBatch
 
 ROLES = ("system", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True)
-class Example:
-    """One row: its token ids and, for each, whether the loss learns it."""
-
-    ids: tuple[int, ...]
-    learned: tuple[bool, ...]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-def completion_example(tokenizer: Any, prompt: str, completion: str, end_id: int) -> Example:
-    """`prompt` as the generators encode it (with the tokenizer's special tokens), then the completion's ids and
-    `end_id` (EOS, or a chat template's end of turn), learned."""
-    prompt_ids = tokenizer.encode(prompt)
-    answer = tokenizer.encode(completion, add_special_tokens=False) + [end_id]
-    return Example(tuple(prompt_ids + answer), (False,) * len(prompt_ids) + (True,) * len(answer))
-
-
-def transcript_example(tokenizer: Any, segments: list[tuple[str, bool]]) -> Example:
-    """A multi-turn task's correct episode, (text, written by the model) segments: each encoded on its own and the ids
-    concatenated, as the rollout appends observations by id, EOS after the last model segment; the model's segments
-    (and that EOS) learned."""
-    ids, learned = [], []
-    last_model = max(i for i, (_, by_model) in enumerate(segments) if by_model)
-    for i, (text, by_model) in enumerate(segments):
-        piece = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if i == last_model else [])
-        ids += piece
-        learned += [by_model] * len(piece)
-    return Example(tuple(ids), tuple(learned))
 
 
 class ChatRenderer:
@@ -281,3 +248,16 @@ def _batch(rows: list[list[Example]], pad_id: int, packed: bool) -> TrainBatch:
     return TrainBatch(input_ids=ids, response_mask=mask, behaviour_logprobs=torch.zeros_like(mask),
                       policy_versions=torch.full_like(mask, -1, dtype=torch.long), advantages=zeros,
                       rewards=zeros.clone(), document_ids=documents if packed else None)
+
+
+def __getattr__(name: str) -> Any:
+    """`transcript_example` moved to rl.demonstrations (shared with the warm start): importable from here for one
+    release."""
+    if name != "transcript_example":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    from rl import demonstrations
+
+    warnings.warn(f"{__name__}.{name} is deprecated: use rl.demonstrations.{name}", DeprecationWarning, stacklevel=2)
+    return demonstrations.transcript_example

@@ -6,8 +6,8 @@
         -> TrainerActor (TorchTitan, FSDP2 over resources.trainer_procs ranks; loss losses/nll.py) -> next version
 
 Each step trains `batch_size` examples; the trainer publishes each version, which a generator service follows to
-sample the held-out prompts (greedy accuracy, scored with apps.eval's code). Checkpoints (trainer and data
-position) are apps.grpo's (apps/grpo/checkpoints.py); the run ends with `run_dir/hf_model` and `summary.json`.
+sample the held-out prompts (greedy accuracy, scored by the shared held-out evaluator, apps/held_out/). Checkpoints
+(trainer and data position) are the apps' shared ones (apps/run_checkpoints.py); the run ends with `run_dir/hf_model` and `summary.json`.
 Runs under forge.lifecycle.run_job: a first SIGINT/SIGTERM finishes the step and checkpoints.
 """
 
@@ -21,11 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from apps.eval.evaluate import Progress, Reward, evaluate_task
-from apps.eval.samplers import RolloutSampler
-from apps.eval.scores import score_task
-from apps.grpo.checkpoints import JobCheckpoints
-from apps.grpo.config import read_hf_config
+from actors.model_files import read_hf_config
+from apps.held_out.evaluate import Progress, Reward, evaluate_task
+from apps.held_out.samplers import RolloutSampler
+from apps.held_out.scores import score_task
+from apps.run_checkpoints import JobCheckpoints
 from apps.sft.config import SFTConfig
 from apps.sft.data import Example, train_batch
 from apps.sft.sources import SFTData
@@ -97,7 +97,7 @@ class SFTJob:
 
     async def held_out_sampler(self) -> RolloutSampler:
         """The held-out prompts' sampler: a multi-turn task's are episodes against its environments (on threads here,
-        or on a host process of their own with `environment.isolated`), as apps.eval plays them."""
+        or on a host process of their own with `environment.isolated`), as apps.eval plays them (apps/held_out/)."""
         if not self.cfg.is_multi_turn_task:
             return RolloutSampler(SingleTurn(self.generators))
         player = await start_player(self.data.task, self.tokenizer, self.cfg.environment, self.generators)
@@ -132,7 +132,7 @@ class SFTJob:
 
     # --- evaluation -----------------------------------------------------------------------------------------
     async def evaluate(self, label: str) -> dict[str, float]:
-        """Held-out loss, and for a task source greedy held-out accuracy (apps.eval's sampling and scoring)."""
+        """Held-out loss, and for a task source greedy held-out accuracy (the shared evaluator, apps/held_out/)."""
         results: dict[str, float] = {}
         held_out = self.data.held_out[: len(self.data.held_out) // self.cfg.resources.trainer_procs
                                       * self.cfg.resources.trainer_procs]  # an equal share per rank

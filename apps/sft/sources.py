@@ -7,22 +7,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.grpo.config import read_hf_config
+from actors.model_files import read_hf_config
 from apps.sft.config import SFTConfig
-from apps.sft.data import (ChatRenderer, Epochs, Example, completion_example, read_dataset, read_jsonl,
-                           row_examples, split_held_out, transcript_example)
+from apps.sft.data import ChatRenderer, Epochs, read_dataset, read_jsonl, row_examples, split_held_out
 from rl import tasks as rl_tasks
+from rl.demonstrations import Example, completion_example, reference_completion, transcript_example
 from rl.tasks.protocol import MultiTurnTask, Task, TaskProblem
-
-
-def reference_completion(task: Task, problem: TaskProblem) -> str:
-    """What a model should write for `problem`: its answer, or for a reasoning-gym problem (whose `answer` is the
-    key its scorer needs) the entry's reference answer, tagged as the task's instruction asks."""
-    from rl.tasks.reasoning_gym import ReasoningGymTask
-
-    if isinstance(task, ReasoningGymTask):
-        return f"<answer>{task.reference_answer(problem.answer)}</answer>"
-    return problem.answer
 
 
 class TaskStream:

@@ -13,7 +13,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Callable
 
-from apps.sft.data import transcript_example
+from rl.demonstrations import transcript_example
 from rl.environments.config import EnvironmentConfig
 from rl.environments.rollout import run_episodes
 from rl.environments.trajectory import Trajectory
@@ -67,7 +67,7 @@ def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: Mu
 
 
 def transcript_ids(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    """The episode's ids and which ones the model writes (apps.sft's `transcript_example`, as lists)."""
+    """The episode's ids and which ones the model writes (rl.demonstrations' `transcript_example`, as lists)."""
     example = transcript_example(tokenizer, segments)
     return list(example.ids), list(example.learned)
 

@@ -3,7 +3,7 @@
 GRPO needs some reward signal to begin with: a randomly initialised model never emits a correct answer,
 so every group has zero variance and nothing is learned. A few hundred teacher-forced steps on
 (prompt, reference answer + end token) pairs bring greedy accuracy to a low threshold (~20%); GRPO does the rest.
-The examples are apps.sft's (apps/sft/sources.py: every task with reference answers, masks by token ids, a chat
+The examples are apps.sft's (rl/demonstrations.py, shared: every task with reference answers, masks by token ids, a chat
 task's answers ended by its template's end of turn); the loss, the token-mean NLL of the answers, is HF's with those
 masks as labels (the same as losses/nll.py). Training runs in this process, one model, stopped at the target accuracy:
 a warm start is seconds of work on the tiny model, less than starting the trainer's processes.
@@ -25,9 +25,8 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from apps.sft.data import completion_example
-from apps.sft.sources import reference_completion
 from apps.warm_start.config import WarmStartConfig
+from rl.demonstrations import completion_example, reference_completion
 from rl.tasks import Problem
 from rl.tasks.protocol import MultiTurnTask, Task
 

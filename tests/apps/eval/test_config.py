@@ -47,6 +47,20 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(overrides, mess
     assert message in refused(*overrides)
 
 
+def test_building_the_config_reads_no_file_its_check_step_does():
+    """EvalJobConfig's construction looks at no folder: the model and the run directory are `EvalJobConfig.check`'s
+    (run by the cli before anything starts), its errors naming the key and the value."""
+    from apps.eval.config import EvalJobConfig
+    from forge.config import load_config, validate
+
+    cfg = validate(load_config(CONFIG, ["model=/nonexistent/model", "run_dir=/nonexistent/run"]), EvalJobConfig)
+    with pytest.raises(ValueError, match=r"^model='/nonexistent/model': must be 'tiny', a Hugging Face checkpoint"):
+        cfg.check()
+    cfg.model = "org/name"  # a hub id: the run directory is looked at next
+    with pytest.raises(ValueError, match=r"^run_dir='/nonexistent/run': no such folder"):
+        cfg.check()
+
+
 def test_two_sources_are_refused_naming_both(tmp_path):
     assert refused(f"checkpoint={tmp_path}", "+endpoint.base_url=http://127.0.0.1:1/v1") == (
         f"checkpoint='{tmp_path}', endpoint.base_url='http://127.0.0.1:1/v1': set at most one of checkpoint, run_dir "

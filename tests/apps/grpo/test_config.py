@@ -111,6 +111,25 @@ def test_layouts_the_model_allows_are_accepted(real_models):
     assert (dims.dp_shard, dims.tp) == (2, 2)
 
 
+def test_building_the_config_reads_no_file_its_check_step_does(monkeypatch):
+    """GRPOConfig's construction does no I/O; `GRPOConfig.check` (run by the cli before anything starts) reads the
+    model's config.json, the teacher's and the chat template, and its errors name the field and the value."""
+    from actors import model_files
+
+    reads = []
+    monkeypatch.setattr(model_files, "read_checkpoint_file", lambda model, name: reads.append((model, name)))
+    overrides = ["model=Qwen/Qwen3-1.7B", "environment.chat_template=true"]
+    cfg = validate(load_config(ROOT / "configs/grpo_tiny.yaml", overrides), GRPOConfig)
+    assert reads == []
+    with pytest.raises(ValueError, match=r"^model='Qwen/Qwen3-1.7B': has no config.json"):
+        cfg.check()
+    assert reads == [("Qwen/Qwen3-1.7B", "config.json")]
+    distill = validate(load_config(ROOT / "configs/distill_tiny.yaml", [overrides[0], "teacher.model=/nonexistent/t"]),
+                       GRPOConfig)  # a teacher folder that is not there: refused by the check step, not before
+    with pytest.raises(ValueError, match=r"^teacher.model='/nonexistent/t': no such folder"):
+        distill.check()
+
+
 def test_an_unreachable_hub_model_is_refused_before_anything_starts(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
@@ -203,9 +222,9 @@ def test_lora_that_vllm_serves_is_accepted(real_models):
 
 def test_lora_on_a_hub_models_tied_lm_head_is_refused_before_anything_starts(monkeypatch):
     # A hub id has no local config.json for TrainerConfig to read: the job's check reads the fetched one.
-    import apps.grpo.config as grpo_config
+    from actors import model_files
 
-    monkeypatch.setattr(grpo_config, "read_hf_config", lambda model: REAL_CONFIGS["Qwen/Qwen3-1.7B"])
+    monkeypatch.setattr(model_files, "read_hf_config", lambda model: REAL_CONFIGS["Qwen/Qwen3-1.7B"])
     with pytest.raises(ConfigError, match=r"trainer\.lora\.target_modules=\['q_proj', 'lm_head'\]: 'lm_head' is tied "
                                           r"to the input embedding in this model"):
         load_job_config(["--config", str(ROOT / "configs/grpo_tiny.yaml"), "model=Qwen/Qwen3-1.7B",

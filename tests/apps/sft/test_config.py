@@ -54,6 +54,26 @@ def test_a_missing_jsonl_file_is_refused(tmp_path):
                          "eval.accuracy=false"])
 
 
+def test_building_the_config_reads_no_file_its_check_step_does(tmp_path, monkeypatch):
+    """SFTConfig's construction does no I/O: a missing JSONL file and the model's config.json are `SFTConfig.check`'s
+    (run by the cli before anything starts)."""
+    from actors import model_files
+    from apps.sft.config import SFTConfig
+    from forge.config import load_config, validate
+
+    reads = []
+    monkeypatch.setattr(model_files, "read_checkpoint_file", lambda model, name: reads.append((model, name)))
+    cfg = validate(load_config(TINY, ["model=Qwen/Qwen3-1.7B", "data.source=jsonl", f"data.path={tmp_path}/x.jsonl",
+                                      "eval.accuracy=false"]), SFTConfig)
+    assert reads == []
+    with pytest.raises(ValueError, match=rf"^data.path='{tmp_path}/x.jsonl': no such file"):
+        cfg.check()
+    (tmp_path / "x.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"^model='Qwen/Qwen3-1.7B': has no config.json"):
+        cfg.check()
+    assert reads == [("Qwen/Qwen3-1.7B", "config.json")]
+
+
 def test_a_bad_row_exits_2_naming_its_line_before_monarch_is_imported(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")

@@ -1,4 +1,4 @@
-"""JobCheckpoints: whole or absent, the newest `keep` kept, the newest complete one resumed, corruption named.
+"""apps.run_checkpoints' JobCheckpoints: whole or absent, the newest `keep` kept, the newest complete one resumed, corruption named.
 
 The trainer here is a stand-in for the actor's two endpoints (write / read a folder); the real trainer's
 checkpoints are exercised by tests/apps/grpo/test_main.py (kill and resume) and test_faults.py (a corrupt one).
@@ -12,7 +12,7 @@ import pytest
 
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
-from apps.grpo.checkpoints import JobCheckpoints
+from apps.run_checkpoints import JobCheckpoints
 from forge.compat import EndpointError, RaisedInEndpoint
 from rl.tiny_model import build_tiny_checkpoint
 

@@ -5,7 +5,7 @@ from itertools import combinations
 
 import pytest
 
-from apps.eval.scores import ProblemResult, pass_at_k, score_task
+from apps.held_out.scores import ProblemResult, pass_at_k, score_task
 
 
 def test_pass_at_k_is_the_unbiased_estimator_by_hand():

@@ -4,7 +4,7 @@ one sample, a reward that raises, returns NaN or hangs past its timeout) counted
 import asyncio
 import time
 
-from apps.eval.evaluate import Progress, Reward, evaluate_task
+from apps.held_out.evaluate import Progress, Reward, evaluate_task
 from rl.tasks.arithmetic import Problem
 from rl.types import SamplingParams
 

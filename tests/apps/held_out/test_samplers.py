@@ -1,4 +1,4 @@
-"""A multi-turn task through apps.eval (pure: a stand-in generator service, the real lookup task and environment):
+"""A multi-turn task through the shared held-out evaluator (pure: a stand-in generator service, the real lookup task and environment):
 each sample is an episode its environment scores, its text is the episode after the prompt, an environment's failure
 is a failed sample with its reason, and seeded episodes of one prompt get seeds of their own."""
 
@@ -9,8 +9,8 @@ import contextlib
 import time
 from types import SimpleNamespace
 
-from apps.eval.evaluate import Progress, Reward, evaluate_task
-from apps.eval.samplers import RolloutSampler
+from apps.held_out.evaluate import Progress, Reward, evaluate_task
+from apps.held_out.samplers import RolloutSampler
 from rl.environments.config import EnvironmentConfig
 from rl.environments.openenv import OpenEnvSpec
 from rl.environments.player import EpisodePlayer

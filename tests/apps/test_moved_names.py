@@ -1,0 +1,35 @@
+"""The names moved so that no app imports another still import from their old modules for one release, each with a
+DeprecationWarning naming the new place, and are the same objects (pure)."""
+
+import importlib
+
+import pytest
+
+MOVED = [
+    ("apps.grpo.config", "read_hf_config", "actors.model_files"),
+    ("apps.grpo.config", "read_checkpoint_file", "actors.model_files"),
+    ("apps.grpo.config", "check_chat_template", "actors.model_files"),
+    ("apps.grpo.config", "check_same_tokenizer", "actors.model_files"),
+    ("apps.grpo.checkpoints", "JobCheckpoints", "apps.run_checkpoints"),
+    ("apps.grpo.checkpoints", "CheckpointConfig", "apps.run_checkpoints"),
+    ("apps.sft.data", "transcript_example", "rl.demonstrations"),
+    ("apps.eval.evaluate", "evaluate_task", "apps.held_out.evaluate"),
+    ("apps.eval.evaluate", "Reward", "apps.held_out.evaluate"),
+    ("apps.eval.scores", "pass_at_k", "apps.held_out.scores"),
+    ("apps.eval.scores", "score_task", "apps.held_out.scores"),
+    ("apps.eval.samplers", "GeneratorSampler", "apps.held_out.samplers"),
+    ("apps.eval.samplers", "EpisodeSampler", "apps.held_out.samplers"),
+]
+
+
+@pytest.mark.parametrize("old,name,new", MOVED, ids=[f"{o}.{n}" for o, n, _ in MOVED])
+def test_a_moved_name_imports_from_its_old_module_with_a_deprecation_warning(old, name, new):
+    with pytest.warns(DeprecationWarning, match=rf"^{old}.{name} is deprecated: use {new}.{name}$"):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(new), name)
+
+
+@pytest.mark.parametrize("old", sorted({old for old, _, _ in MOVED}))
+def test_a_name_that_never_was_there_is_still_an_attribute_error(old):
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        getattr(importlib.import_module(old), "no_such_name")
