@@ -1,5 +1,6 @@
-"""GRPO in one plain PyTorch loop (no actors, no weight store), on the reasoning-gym task apps.sft and apps.grpo train
-in docs/sft.md: a cross-check that what apps.grpo does to that SFT export is GRPO's doing, not forge's.
+"""GRPO in one plain PyTorch loop (no actors, no weight store), on the reasoning-gym task apps.sft and apps.grpo
+train in docs/sft.md (its runs: docs/benchmarks.md, "Supervised fine-tuning"): a cross-check that what apps.grpo
+does to that SFT export is GRPO's doing, not forge's.
 
     python -m bench.plain_grpo_check --model runs/sft_reasoning_gym/seed0/hf_model [--lr 1e-4] [--temperature 1.0]
         [--steps 40] [--prompts 16] [--group-size 8] [--eval-every 20] [--train-on train|unseen] [--reward task|exact]

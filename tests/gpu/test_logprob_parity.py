@@ -2,13 +2,13 @@
 teacher-forced log-probs (TitanTrainer.logprobs -> actors.logprobs.token_logprobs on the torchtitan model) on CUDA,
 same weights, same tokens, in fp32 and bf16. The numbers are measured by bench/gpu_checks.py (docs/gpus.md).
 
-Tolerances come from the H100 run of docs/gpus.md (max and mean over ~700 sampled tokens per case). fp32 differs by
-float rounding only (other kernels, another summation order): measured max 1.2e-5, mean 2.3e-6; the bounds (1e-4,
-1e-5) leave 4-8x for another card or library version and still fail on any real mismatch (a wrong temperature or
-kept set moves log-probs by 1e-2 or more). bf16 differs by the rounding of activations in two different models
-(engine: bf16 weights end to end; trainer: fp32 weights under bf16 autocast): measured engine vs trainer max 0.19,
-mean 0.030, engine decode vs its own teacher-forced pass max 0.115, mean 0.010; the bounds are 2x those (a maximum
-over a few hundred tokens is a tail figure: other kernels sample other tokens).
+Tolerances come from the H100 run (docs/benchmarks.md, "On one H100"; max and mean over ~700 sampled tokens per
+case). fp32 differs by float rounding only (other kernels, another summation order): measured max 1.2e-5, mean
+2.3e-6; the bounds (1e-4, 1e-5) leave 4-8x for another card or library version and still fail on any real mismatch
+(a wrong temperature or kept set moves log-probs by 1e-2 or more). bf16 differs by the rounding of activations in
+two different models (engine: bf16 weights end to end; trainer: fp32 weights under bf16 autocast): measured engine
+vs trainer max 0.19, mean 0.030, engine decode vs its own teacher-forced pass max 0.115, mean 0.010; the bounds are
+2x those (a maximum over a few hundred tokens is a tail figure: other kernels sample other tokens).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 accumulation, fused AdamW) on CUDA against the same step on CPU in fp32: loss, gradient norm and the log-probs after
 the step. No Monarch: the trainer actor only wraps this class.
 
-Tolerances from the H100 run of docs/gpus.md. fp32 on CUDA differs from CPU by float rounding: measured |d loss|
-3e-8, grad norm 1e-6 relative, log-probs after the step 9e-6; bounds about 10x-30x that. bf16 autocast differs by
-the rounding of activations: measured |d loss| 1.5e-3 (loss 0.18), grad norm 2.0% relative, log-probs after 0.096;
-bounds 2-3x that, still far under what a wrong loss, mask or gradient moves (1e-1 and more)."""
+Tolerances from the H100 run (docs/gpus.md; every figure in docs/benchmarks.md, "On one H100"). fp32 on CUDA differs
+from CPU by float rounding: measured |d loss| 3e-8, grad norm 1e-6 relative, log-probs after the step 9e-6; bounds
+about 10x-30x that. bf16 autocast differs by the rounding of activations: measured |d loss| 1.5e-3 (loss 0.18), grad
+norm 2.0% relative, log-probs after 0.096; bounds 2-3x that, still far under what a wrong loss, mask or gradient
+moves (1e-1 and more)."""
 
 from __future__ import annotations
 
