@@ -302,9 +302,7 @@ class ReplayBufferActor(ForgeActor):
         torch.set_num_threads(1)  # its tensor work is gathers and scatters: extra threads only spin-wait (OpenMP)
         if isinstance(config, dict) or config is None:
             config = ReplayBufferConfig(**{**(config or {}), **overrides})
-        settings = asdict(config)
-        del settings["dp_size"]  # the trainer's ranks split a batch themselves
-        self.buffer = ReplayBuffer(**settings, on_drop=self._on_drop)
+        self.buffer = ReplayBuffer(**asdict(config), on_drop=self._on_drop)
         self.handed: tuple[int, TrainBatch] | None = None  # the last batch sampled, until the next one
 
     def _on_drop(self, reason: str, count: int) -> None:

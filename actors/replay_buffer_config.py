@@ -20,8 +20,6 @@ class ReplayBufferConfig:
     `resources.trainer_procs`)."""
     max_policy_age: int = 1
     """0: synchronous, strictly on-policy; k: generation may run k policy versions ahead of training."""
-    dp_size: int = 1
-    """Data-parallel ranks a sample is split for (1 or `resources.trainer_procs`)."""
     max_buffer_size: int | None = None
     """Episodes held at most (null: no bound; else at least `batch_size`)."""
     max_resample_count: int = 1
@@ -39,10 +37,6 @@ class ReplayBufferConfig:
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1, "an int >= 1")
         check_int("max_policy_age", self.max_policy_age, 0, "an int >= 0 (0 = strictly on-policy)")
-        check_int("dp_size", self.dp_size, 1, "an int >= 1")
-        if self.batch_size % self.dp_size != 0:
-            raise ValueError(f"dp_size={self.dp_size}: must divide batch_size={self.batch_size} "
-                             "(each data-parallel rank gets batch_size // dp_size episodes)")
         if self.max_buffer_size is not None:
             # Fewer slots than a batch would make every sample() return None.
             check_int("max_buffer_size", self.max_buffer_size, self.batch_size,

@@ -239,8 +239,6 @@ class GRPOConfig:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: must be >= 1")
         dp = self.resources.trainer_procs
-        if self.replay_buffer.dp_size != 1 and self.replay_buffer.dp_size != dp:
-            raise ValueError(f"replay_buffer.dp_size={self.replay_buffer.dp_size}: must be 1 or resources.trainer_procs={dp}")
         if self.replay_buffer.batch_size % dp:
             raise ValueError(
                 f"replay_buffer.batch_size={self.replay_buffer.batch_size}: must be divisible by "
