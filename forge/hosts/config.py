@@ -104,7 +104,7 @@ class SlurmConfig:
 
 @dataclass
 class HostsConfig:
-    """Several hosts: the per-host agents, and the hosts each mesh runs on (docs/hosts.md)."""
+    """Several hosts: the per-host agents or a SLURM allocation, and the hosts each mesh runs on (docs/hosts.md)."""
 
     addresses: list[str] = field(default_factory=list)
     """IPs where the per-host agents listen (`python -m forge.hosts.agent`); empty: this host only."""
