@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.multihost_support import SimulatedHost, SimulatedHosts, remove_leftovers
+from tests.multihost_support import PREFIX, SimulatedHost, SimulatedHosts, remove_leftovers
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 PROGRAMS = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "munged")
@@ -49,6 +50,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def remove_leftover_daemons() -> list[int]:
+    """Kill the munged and slurmctld of earlier runs whose test process is gone (their files are under
+    /tmp/<PREFIX><pid>/slurm; slurmd went with its host's namespace)."""
+    killed = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        text = " ".join(proc.info["cmdline"] or [])
+        match = re.search(rf"/tmp/{PREFIX}(\d+)/slurm/", text)
+        if match and proc.info["cmdline"][0].rsplit("/", 1)[-1] in ("munged", "slurmctld") \
+                and not psutil.pid_exists(int(match.group(1))):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+                killed.append(proc.pid)
+    return killed
 
 
 class SlurmHosts(SimulatedHosts):
@@ -93,6 +109,7 @@ class SlurmCluster:
 
     def _start(self) -> None:
         install_slurm()
+        remove_leftover_daemons()
         remove_leftovers()
         self.hosts._make_network()  # the bridge first: slurmctld listens on its address
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -202,7 +219,7 @@ class SlurmCluster:
 
     def queue(self) -> list[str]:
         """Every job squeue shows (its default states: pending, running, completing...), as 'ID STATE NAME'."""
-        return self.run("squeue", "-h", "-o", "%i %T %j").stdout.split("\n") if True else []
+        return self.run("squeue", "-h", "-o", "%i %T %j").stdout.split("\n")
 
     def jobs(self) -> list[str]:
         return [line for line in self.queue() if line.strip()]

@@ -147,7 +147,8 @@ def wait_until_running(job_id: str, nodes: int, timeout_s: float, log_hint: str)
         if any(s in state for s in TERMINAL_STATES):
             raise HostsError(f"hosts.slurm: job {job_id} ended before it ran: {state} "
                              f"({info.get('state_reason', '')}; {log_hint})")
-        reason = info.get("state_reason") or reason
+        if info.get("state_reason") not in (None, "", "None"):  # "None": not yet looked at by the scheduler
+            reason = info["state_reason"]
         if time.monotonic() - started > timeout_s:
             cancel(job_id)
             raise HostsError(f"hosts.slurm.start_timeout_s={timeout_s:g}: job {job_id} was still {state or 'queued'} "

@@ -228,7 +228,7 @@ def test_the_documented_sbatch_script_runs_grpo_with_its_controller_inside_the_a
     run_dir = tmp_path / "grpo"
     out = tmp_path / "slurm.out"
     job_id = cluster.run("sbatch", "--parsable", f"--partition={PARTITION}", f"--output={out}", f"--chdir={ROOT}",
-                         "docs/examples/grpo_slurm.sbatch", *_TINY, "steps=2", f"run_dir={run_dir}",
+                         str(ROOT / "docs/examples/grpo_slurm.sbatch"), *_TINY, "steps=2", f"run_dir={run_dir}",
                          f"hosts.slurm.log_dir={tmp_path / 'slurm'}", f"hosts.port={PORT}").stdout.strip()
     try:
         _until(lambda: not cluster.jobs(), 480, f"job {job_id} (the sbatch script) done")
