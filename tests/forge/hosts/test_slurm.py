@@ -130,29 +130,6 @@ def test_a_job_queued_past_its_start_timeout_is_cancelled_and_the_error_says_why
     assert [line.split()[0] for line in cluster.jobs()] == [blocker]  # the timed-out job is gone, the blocker runs
 
 
-def test_grpo_through_hosts_slurm_with_the_trainer_and_generator_on_two_nodes_finishes_and_leaves_nothing(
-        cluster, tmp_path):
-    run_dir = tmp_path / "grpo"
-    app = _grpo(cluster, run_dir, "steps=3")
-    try:
-        assert app.wait(timeout=480) == 0, (run_dir / "stderr.log").read_text()[-3000:] + _worker_logs(run_dir / "slurm")
-    finally:
-        if app.poll() is None:
-            os.killpg(app.pid, signal.SIGKILL)
-    stderr = (run_dir / "stderr.log").read_text()
-    assert f"hosts.slurm: job " in stderr and cluster.nodes[0].name in stderr, stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [int(r["policy_version"]) for r in rows] == [1, 2, 3]
-    # The generator on node 1 took versions relayed from the trainer's node: relays and the job secret work there.
-    assert sum(r.get("generator/weight_swaps", 0) for r in rows) >= 1
-    assert sum(r.get("relay/bytes", 0) for r in rows) > 0
-    e = json.loads((run_dir / "summary.json").read_text())["episodes"]
-    assert e["generated"] > 0 and e["trained"] > 0
-    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
-        e["dropped_zero_variance"]
-    _until(lambda: _nothing_left(cluster), RELEASE_BOUND_S, f"nothing left after the job: {_left(cluster)}")
-
-
 def _small_job(cluster: SlurmCluster, folder: Path) -> subprocess.Popen:
     """tests.multihost_support's small job through `hosts.slurm`: version 1 published on node 0, relayed to node 1."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -222,6 +199,29 @@ def test_a_controller_gone_with_its_release_guard_still_releases_the_allocation_
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+
+
+def test_grpo_through_hosts_slurm_with_the_trainer_and_generator_on_two_nodes_finishes_and_leaves_nothing(
+        cluster, tmp_path):
+    run_dir = tmp_path / "grpo"
+    app = _grpo(cluster, run_dir, "steps=3")
+    try:
+        assert app.wait(timeout=480) == 0, (run_dir / "stderr.log").read_text()[-3000:] + _worker_logs(run_dir / "slurm")
+    finally:
+        if app.poll() is None:
+            os.killpg(app.pid, signal.SIGKILL)
+    stderr = (run_dir / "stderr.log").read_text()
+    assert f"hosts.slurm: job " in stderr and cluster.nodes[0].name in stderr, stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["policy_version"]) for r in rows] == [1, 2, 3]
+    # The generator on node 1 took versions relayed from the trainer's node: relays and the job secret work there.
+    assert sum(r.get("generator/weight_swaps", 0) for r in rows) >= 1
+    assert sum(r.get("relay/bytes", 0) for r in rows) > 0
+    e = json.loads((run_dir / "summary.json").read_text())["episodes"]
+    assert e["generated"] > 0 and e["trained"] > 0
+    assert e["generated"] == e["trained"] + e["held_in_buffer"] + e["dropped_too_old"] + e["dropped_buffer_full"] + \
+        e["dropped_zero_variance"]
+    _until(lambda: _nothing_left(cluster), RELEASE_BOUND_S, f"nothing left after the job: {_left(cluster)}")
 
 
 def test_the_documented_sbatch_script_runs_grpo_with_its_controller_inside_the_allocation(cluster, tmp_path):
