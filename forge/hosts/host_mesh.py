@@ -131,8 +131,8 @@ class SlurmAllocation:
         guard.watch(self.job_id)
         _say(f"hosts.slurm: job {self.job_id} submitted ({self.cfg.nodes} nodes); the workers' output in "
              f"{self.log_dir}")
-        self.names = slurm.wait_until_running(self.job_id, self.cfg.nodes, max(1.0, deadline - time.monotonic()),
-                                              self._log_hint())
+        self.names = slurm.wait_until_running(self.job_id, self.cfg.nodes, self.cfg.start_timeout_s, self._log_hint(),
+                                              deadline)
         # forge.compat 50: SlurmJob's own wait cannot read SLURM 22.05's squeue --json; it skips it when it has the
         # nodes already.
         self.job._all_hostnames = list(self.names)

@@ -109,7 +109,8 @@ def job_info(job_id: str) -> dict[str, Any] | None:
     except json.JSONDecodeError as e:
         raise HostsError(f"hosts.slurm: `squeue --json` answered no JSON ({e}); SLURM needs its serializer/json "
                          "plugin") from None
-    return jobs[0] if jobs else None
+    # SLURM 22.05's squeue --json lists every job whatever --job names (forge.compat 50): pick ours by its id.
+    return next((job for job in jobs if str(job.get("job_id")) == str(job_id)), None)
 
 
 def job_state(info: dict[str, Any]) -> str:
@@ -128,10 +129,13 @@ def node_names(info: dict[str, Any]) -> list[str]:
     return [node["nodename"] for node in resources.get("allocated_nodes") or []]
 
 
-def wait_until_running(job_id: str, nodes: int, timeout_s: float, log_hint: str) -> list[str]:
-    """The job's node names once it runs. A job still queued after `timeout_s` is cancelled and the error says why
-    it waited (SLURM's reason); a job that ends or vanishes first raises naming its state."""
-    started, reason = time.monotonic(), ""
+def wait_until_running(job_id: str, nodes: int, timeout_s: float, log_hint: str,
+                       deadline: float | None = None) -> list[str]:
+    """The job's node names once it runs. A job still queued after `timeout_s` (from the submission: `deadline`,
+    a time.monotonic() value, when given) is cancelled and the error says why it waited (SLURM's reason); a job that
+    ends or vanishes first raises naming its state."""
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
+    reason = ""
     while True:
         info = job_info(job_id)
         if info is None:
@@ -149,7 +153,7 @@ def wait_until_running(job_id: str, nodes: int, timeout_s: float, log_hint: str)
                              f"({info.get('state_reason', '')}; {log_hint})")
         if info.get("state_reason") not in (None, "", "None"):  # "None": not yet looked at by the scheduler
             reason = info["state_reason"]
-        if time.monotonic() - started > timeout_s:
+        if time.monotonic() > deadline:
             cancel(job_id)
             raise HostsError(f"hosts.slurm.start_timeout_s={timeout_s:g}: job {job_id} was still {state or 'queued'} "
                              f"after {timeout_s:g} s (SLURM's reason: {reason or 'none given'}); it was cancelled")

@@ -94,7 +94,10 @@ def _fake_slurm(folder, squeue_answer: dict) -> None:
 
 
 def test_a_job_queued_past_its_start_timeout_is_cancelled_and_the_error_says_why(monkeypatch, tmp_path):
-    pending = {"jobs": [{"job_id": 9, "job_state": "PENDING", "state_reason": "Resources", "job_resources": {}}]}
+    # As SLURM 22.05 answers `squeue --job 9 --json`: every job in the queue, the running one first (compat 50).
+    running = SQUEUE_22_05["jobs"][0]
+    pending = {"jobs": [running, {"job_id": 9, "job_state": "PENDING", "state_reason": "Resources",
+                                  "job_resources": {}}]}
     _fake_slurm(tmp_path, pending)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(slurm, "POLL_S", 0.05)
