@@ -141,10 +141,10 @@ to 0.7.0 are listed after the table with the check that retired them.
     22.05 (Debian 12) writes `job_resources.nodes` as a   says why a queued job waited) and hands SlurmJob the nodes
     string and the nodes as `allocated_nodes[].nodename`:  (`_all_hostnames`, which skips its own wait); the job id
     its wait raises AttributeError and cancels the job.    is read from `_slurm_job_id` (no public accessor). Can go
-    And 22.05's `squeue --job ID --json` lists every job:  when SlurmJob.state() attaches to a 22.05 job with the
-    SlurmJob takes the first for its own (a blocker's      assignment removed, with another job running before it
-    RUNNING made a queued job look started). Its start     (tests/forge/hosts/test_slurm.py); forge's reads pick the
-    timeout's error gives no reason either                 job by id
+    And 22.05's `squeue --job ID --json` lists every job,  when SlurmJob.state() attaches to a 22.05 job with both
+    finished ones too: SlurmJob takes the first for its    removed, after other jobs ran and with one running
+    own ("SLURM job is no longer active" when an earlier   (tests/forge/hosts/test_slurm.py); forge's reads pick the
+    job had ended). Its start timeout gives no reason      job by id, and replace SlurmJob's (`_get_job_info_json`)
 51  SlurmJob's worker is `srun <python_exe> -c CODE`:     python_exe is `python -m forge.hosts.slurm_worker --log-dir
     nothing of forge's worker environment (tcp for the     D`, which takes `-c CODE`, checks the node's name and execs
     job's processes, where their output goes, the node's   `python -c CODE forge.hosts.agent` in a hand-started agent's

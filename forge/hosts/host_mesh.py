@@ -123,6 +123,9 @@ class SlurmAllocation:
             monarch_port=self.port, job_name=job_name, time_limit=self.cfg.time, partition=self.cfg.partition,
             log_dir=self.log_dir, gpus_per_node=self.cfg.gpus_per_node, job_start_timeout=int(self.cfg.start_timeout_s),
             account=self.cfg.account, qos=self.cfg.qos)
+        # forge.compat 50: SlurmJob takes the first job of `squeue --job ID --json` for its own; SLURM 22.05 lists every
+        # job there (a finished one first made SlurmJob.state() refuse ours as "no longer active").
+        self.job._get_job_info_json = _job_info_or_none
         try:
             self.job.apply()  # sbatch
         except RuntimeError as e:
@@ -179,6 +182,14 @@ class SlurmAllocation:
                 if slurm.is_active(self.job_id):
                     self.job.kill()  # Monarch's scancel
                     _say(f"hosts.slurm: job {self.job_id} cancelled")
+
+
+def _job_info_or_none(job_id: str) -> dict | None:
+    """`SlurmJob._get_job_info_json`, picking the job by its id (None where squeue fails, as SlurmJob's own)."""
+    try:
+        return slurm.job_info(job_id)
+    except HostsError:
+        return None
 
 
 def _say(line: str) -> None:
