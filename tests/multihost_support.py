@@ -218,7 +218,8 @@ class SimulatedHosts:
         _run("ip", "link", "set", self.bridge, "up")
         self.folder.mkdir(parents=True, exist_ok=True)
         names = [f"{self.tag}h{i}" for i in range(self.count)]
-        hosts_file = "127.0.0.1 localhost\n" + "".join(
+        # The controller's name too: a process that advertises host names (Monarch's SlurmJob) must be reached.
+        hosts_file = f"127.0.0.1 localhost\n{self.controller_address} {self.tag}ctl\n" + "".join(
             f"{self.subnet}.{i + 2} {name}\n" for i, name in enumerate(names))
         for i, name in enumerate(names):
             host = SimulatedHost(i, name, f"{self.subnet}.{i + 2}", self.port, self.folder / name)
@@ -235,6 +236,11 @@ class SimulatedHosts:
             _run("ip", "netns", "exec", name, "ip", "link", "set", inside, "up")
             _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
 
+    def host_program(self, host: SimulatedHost) -> str:
+        """The command line of the program a host runs under its init (the host ends with it): forge's agent."""
+        return (f"{sys.executable} -m forge.hosts.agent --addr {host.address} --port {host.port} "
+                f"--log-dir {host.log_dir}")
+
     def _start_agent(self, host: SimulatedHost) -> None:
         # Inside: own hostname, hosts file, resolver, /dev/shm and /proc; pid 1 reaps orphans like a host's init
         # and exits with the agent (then the kernel kills everything else on the host).
@@ -242,8 +248,7 @@ class SimulatedHosts:
             f"set -e; hostname {host.name}; "
             f"mount --bind {host.folder}/hosts /etc/hosts; mount --bind {host.folder}/resolv.conf /etc/resolv.conf; "
             f"mount -t tmpfs -o size=4g tmpfs /dev/shm; "
-            f"exec {sys.executable} -c '{_INIT}' {sys.executable} -m forge.hosts.agent --addr {host.address} "
-            f"--port {host.port} --log-dir {host.log_dir}"
+            f"exec {sys.executable} -c '{_INIT}' {self.host_program(host)}"
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         command = ["ip", "netns", "exec", host.name, "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
@@ -465,11 +470,17 @@ def small_job(addresses: list[str], port: int) -> int:
     """`python -m tests.multihost_support ADDRESS,ADDRESS PORT`: a forge job (forge.lifecycle) whose publisher on
     host 0 publishes version 1 and whose reader on host 1 reads it (relayed into host 1's shared memory); prints
     a line once both hosts hold it, then runs until it is killed or a failure ends it."""
-    from forge import provisioner
     from forge.hosts.config import HostsConfig
+
+    return run_small_job(HostsConfig(addresses=addresses, port=port, roles={"pub": [0], "readers": [1]}))
+
+
+def run_small_job(hosts: object) -> int:
+    """`small_job` on the hosts of a `hosts` section (a HostsConfig whose roles place `pub` and `readers`)."""
+    from forge import provisioner
     from forge.lifecycle import run_job
 
-    provisioner.configure_hosts(HostsConfig(addresses=addresses, port=port, roles={"pub": [0], "readers": [1]}))
+    provisioner.configure_hosts(hosts)
 
     async def main() -> None:
         import asyncio
@@ -489,6 +500,11 @@ def small_job(addresses: list[str], port: int) -> int:
 
 
 if __name__ == "__main__":
-    from tests.multihost_support import small_job as job  # actors pickled by their module's real name
+    from tests.multihost_support import run_small_job, small_job as job  # actors pickled by their module's real name
 
+    if sys.argv[1] == "slurm":  # `python -m tests.multihost_support slurm PORT LOG_DIR PARTITION`: hosts.slurm, 2 nodes
+        from forge.hosts.config import HostsConfig, SlurmConfig
+
+        sys.exit(run_small_job(HostsConfig(port=int(sys.argv[2]), roles={"pub": [0], "readers": [1]}, slurm=SlurmConfig(
+            nodes=2, log_dir=sys.argv[3], partition=sys.argv[4], start_timeout_s=120))))
     sys.exit(job(sys.argv[1].split(","), int(sys.argv[2])))

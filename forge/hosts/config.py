@@ -7,6 +7,13 @@ no Monarch: a bad section is refused before anything starts).
       procs_per_host: 8                 # optional: refuse a placement that needs more
       roles: {trainer: [0], generator: [1]}
 
+Or the hosts come from SLURM (forge/hosts/slurm.py: Monarch's job API submits the workers with sbatch, and the job
+ends with them):
+
+    hosts:
+      slurm: {nodes: 2, partition: gpu, time: "04:00:00"}
+      roles: {trainer: [0], generator: [1]}   # indices into the allocated nodes, in squeue's order
+
 A role is a mesh's name (an actor's `mesh_name`, or its class name in lower case); roles not listed run on the
 first host. Empty (the default): everything on this host.
 """
@@ -14,6 +21,7 @@ first host. Empty (the default): everything on this host.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,9 +35,76 @@ class HostsError(ValueError):
     """A `hosts` section that cannot work; the message names the field, the value and what is allowed."""
 
 
+# sbatch's --time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+# days-hours:minutes:seconds
+_SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+# sbatch options forge sets itself (one Monarch worker per node, its own job name and output files)
+_SBATCH_OWN = ("-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node", "-J", "--job-name", "-o", "--output", "-e",
+               "--error", "-p", "--partition", "-t", "--time", "-A", "--account", "-q", "--qos", "--gpus-per-node")
+
+
+@dataclass
+class SlurmConfig:
+    """The hosts of a job as a SLURM allocation (docs/hosts.md, "On a SLURM cluster"); `nodes: 0`: not used."""
+
+    nodes: int = 0
+    """How many nodes to allocate (one Monarch worker each); 0: no SLURM."""
+    partition: str | None = None
+    """sbatch --partition (null: the cluster's default partition)."""
+    time: str | None = None
+    """sbatch --time, e.g. "04:00:00" or "1-00:00:00" (null: the partition's default limit)."""
+    account: str | None = None
+    """sbatch --account (null: the user's default)."""
+    qos: str | None = None
+    """sbatch --qos (null: the default)."""
+    gpus_per_node: int | None = None
+    """sbatch --gpus-per-node (null: no GPUs asked for)."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """More sbatch options, each one "--option=value" (e.g. "--constraint=h100"); not those forge sets."""
+    start_timeout_s: float = 600.0
+    """A job still queued after this long is cancelled, and the error says why it waited."""
+    in_allocation: bool = False
+    """The controller runs inside an allocation already (a user's own sbatch script): its workers go on the
+    allocation's nodes with srun, nothing is submitted (docs/hosts.md)."""
+    log_dir: str = "slurm-logs"
+    """Where the workers' sbatch output and each node's process logs go (a path every node sees)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.nodes > 0
+
+    def validate(self, path: str = "hosts.slurm") -> SlurmConfig:
+        if self.nodes < 0:
+            raise HostsError(f"{path}.nodes={self.nodes}: must be >= 1 (or 0: no SLURM)")
+        if not self.enabled:
+            return self
+        if self.start_timeout_s <= 0:
+            raise HostsError(f"{path}.start_timeout_s={self.start_timeout_s}: must be > 0")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise HostsError(f"{path}.gpus_per_node={self.gpus_per_node}: must be >= 0 (or null)")
+        if self.time is not None and not _SLURM_TIME.fullmatch(self.time):
+            raise HostsError(f"{path}.time={self.time!r}: not a SLURM time; allowed: MM, MM:SS, HH:MM:SS, D-HH, "
+                             "D-HH:MM, D-HH:MM:SS")
+        for name in ("partition", "account", "qos"):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"[\w.+-]+", value):
+                raise HostsError(f"{path}.{name}={value!r}: must be a SLURM name (letters, digits, _ . + -)")
+        for i, arg in enumerate(self.sbatch_args):
+            if not arg.startswith("-") or any(c.isspace() for c in arg):
+                raise HostsError(f"{path}.sbatch_args[{i}]={arg!r}: must be one sbatch option, e.g. "
+                                 "'--constraint=h100' (no spaces)")
+            option = arg.split("=", 1)[0]
+            if option in _SBATCH_OWN:
+                raise HostsError(f"{path}.sbatch_args[{i}]={arg!r}: forge sets {option} itself; use the "
+                                 f"{path} fields (nodes, partition, time, account, qos, gpus_per_node)")
+        if not self.log_dir:
+            raise HostsError(f"{path}.log_dir: must name a folder")
+        return self
+
+
 @dataclass
 class HostsConfig:
-    """Several hosts: the per-host agents, and the hosts each mesh runs on (docs/hosts.md)."""
+    """Several hosts: the per-host agents or a SLURM allocation, and the hosts each mesh runs on (docs/hosts.md)."""
 
     addresses: list[str] = field(default_factory=list)
     """IPs where the per-host agents listen (`python -m forge.hosts.agent`); empty: this host only."""
@@ -41,14 +116,16 @@ class HostsConfig:
     """A mesh's name -> the indices of its hosts; unlisted roles run on host 0."""
     connect_timeout_s: float = 3.0
     """The reachability check's bound per host."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """The hosts from a SLURM allocation instead of `addresses` (forge/hosts/slurm.py)."""
 
     @property
     def enabled(self) -> bool:
-        return bool(self.addresses)
+        return bool(self.addresses) or self.slurm.enabled
 
     @property
     def count(self) -> int:
-        return len(self.addresses)
+        return self.slurm.nodes if self.slurm.enabled and not self.addresses else len(self.addresses)
 
     def validate(self, path: str = "hosts") -> HostsConfig:
         """Everything that can be checked without the network; raises HostsError naming the field."""
@@ -58,6 +135,10 @@ class HostsConfig:
             raise HostsError(f"{path}.connect_timeout_s={self.connect_timeout_s}: must be > 0")
         if self.procs_per_host is not None and self.procs_per_host < 1:
             raise HostsError(f"{path}.procs_per_host={self.procs_per_host}: must be >= 1 (or unset)")
+        self.slurm.validate(f"{path}.slurm")
+        if self.slurm.enabled and self.addresses:
+            raise HostsError(f"{path}.slurm.nodes={self.slurm.nodes} and {path}.addresses={self.addresses}: the hosts "
+                             "come from SLURM or from the listed agents, not both; give one")
         seen: dict[str, int] = {}
         for i, address in enumerate(self.addresses):
             where = f"{path}.addresses[{i}]={address!r}"
@@ -76,6 +157,10 @@ class HostsConfig:
             if not indices:
                 raise HostsError(f"{path}.roles.{role}=[]: list at least one host index")
             for index in indices:
+                if not 0 <= index < self.count and self.slurm.enabled:
+                    raise HostsError(f"{path}.roles.{role}: node index {index} is out of range: "
+                                     f"{path}.slurm.nodes={self.slurm.nodes} (indices 0..{self.count - 1}); "
+                                     f"ask for more nodes or place fewer roles apart")
                 if not 0 <= index < self.count:
                     raise HostsError(f"{path}.roles.{role}: host index {index} is out of range; the job has "
                                      f"{self.count} hosts (indices 0..{self.count - 1})")
