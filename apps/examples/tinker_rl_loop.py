@@ -37,6 +37,7 @@ class LoopConfig:
     max_tokens: int = 4
     temperature: float = 1.0
     eval_prompts: int = 200
+    reverse_answer: bool = False  # the task's answers least-significant digit first: the server's reverse_answer
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,7 +81,7 @@ def group_data(prompt: list[int], sequences: list, rewards: list[float]) -> list
 
 
 def run(cfg: LoopConfig, log=print) -> dict:
-    task = ArithmeticTask(seed=cfg.seed, num_digits=2, held_out=500)
+    task = ArithmeticTask(seed=cfg.seed, num_digits=2, held_out=500, reverse_answer=cfg.reverse_answer)
     held_out = task.held_out()[: cfg.eval_prompts]
     rng = random.Random(f"{cfg.seed}-tinker-loop")
     service = tinker.ServiceClient(base_url=cfg.base_url)
@@ -125,10 +126,17 @@ def run(cfg: LoopConfig, log=print) -> dict:
             "model_id": training.model_id}
 
 
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return text.lower() in ("true", "1")
+
+
 def parse(argv: list[str]) -> LoopConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, field in LoopConfig.__dataclass_fields__.items():
-        kind = float if isinstance(field.default, float) else int if isinstance(field.default, int) else str
+        kind = (_flag if isinstance(field.default, bool) else float if isinstance(field.default, float)
+                else int if isinstance(field.default, int) else str)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default)
     return LoopConfig(**vars(parser.parse_args(argv)))
 
