@@ -2,11 +2,15 @@
 training service: sample -> rewards -> importance_sampling forward_backward -> optim_step ->
 save_weights_and_get_sampling_client.
 
-    python -m apps.server --config configs/server_tiny.yaml http.api_key=tml-local-key &
-    TINKER_API_KEY=tml-local-key python -m apps.examples.tinker_rl_loop --base-url http://127.0.0.1:8000 --steps 30
+    python -m apps.server --config configs/server_tiny.yaml http.api_key=tml-local-key reverse_answer=true &
+    TINKER_API_KEY=tml-local-key python -m apps.examples.tinker_rl_loop --base-url http://127.0.0.1:8000
 
-It trains a LoRA adapter to answer 2-digit additions and prints held-out greedy accuracy before and after.
-"""
+It trains a LoRA adapter to answer 2-digit additions and prints held-out greedy accuracy before and after. The task
+is forge's tiny RL task (configs/grpo_tiny.yaml): answers written least-significant digit first, the server
+warm-started on that order (`reverse_answer=true`); `--reverse-answer false` is "12+34=" -> "46" against a server
+started without it, an order RL learns far more slowly on this model. Each step samples 64 prompts x 16, gives each
+sample its group-centred reward as the advantage of its tokens, and takes 4 optimizer steps on it (a quarter of the
+groups each, the cookbook's num_substeps)."""
 
 from __future__ import annotations
 
@@ -29,15 +33,15 @@ class LoopConfig:
     base_model: str = "tiny"
     rank: int = 16
     steps: int = 30
-    prompts_per_step: int = 32
-    group_size: int = 8
+    prompts_per_step: int = 64
+    group_size: int = 16
     learning_rate: float = 2e-3
-    substeps: int = 1  # optimizer steps per sampled batch (one slice of whole groups each), as the cookbook's num_substeps
+    substeps: int = 4  # optimizer steps per sampled batch (one slice of whole groups each), as the cookbook's num_substeps
     grad_clip_norm: float = 0.0  # Tinker's default: 0 = no clipping
     max_tokens: int = 4
     temperature: float = 1.0
     eval_prompts: int = 200
-    reverse_answer: bool = False  # the task's answers least-significant digit first: the server's reverse_answer
+    reverse_answer: bool = True  # answers least-significant digit first ("12+34=" -> "64"): the server's reverse_answer
     seed: int = 0
 
     def __post_init__(self) -> None:
