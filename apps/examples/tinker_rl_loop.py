@@ -2,11 +2,15 @@
 training service: sample -> rewards -> importance_sampling forward_backward -> optim_step ->
 save_weights_and_get_sampling_client.
 
-    python -m apps.server --config configs/server_tiny.yaml http.api_key=tml-local-key &
-    TINKER_API_KEY=tml-local-key python -m apps.examples.tinker_rl_loop --base-url http://127.0.0.1:8000 --steps 30
+    python -m apps.server --config configs/server_tiny.yaml http.api_key=tml-local-key reverse_answer=true &
+    TINKER_API_KEY=tml-local-key python -m apps.examples.tinker_rl_loop --base-url http://127.0.0.1:8000
 
-It trains a LoRA adapter to answer 2-digit additions and prints held-out greedy accuracy before and after.
-"""
+It trains a LoRA adapter to answer 2-digit additions and prints held-out greedy accuracy before and after. The task
+is forge's tiny RL task (configs/grpo_tiny.yaml): answers written least-significant digit first, the server
+warm-started on that order (`reverse_answer=true`); `--reverse-answer false` is "12+34=" -> "46" against a server
+started without it, an order RL learns far more slowly on this model. Each step samples 64 prompts x 16, gives each
+sample its group-centred reward as the advantage of its tokens, and takes 4 optimizer steps on it (a quarter of the
+groups each, the cookbook's num_substeps)."""
 
 from __future__ import annotations
 
@@ -29,20 +33,25 @@ class LoopConfig:
     base_model: str = "tiny"
     rank: int = 16
     steps: int = 30
-    prompts_per_step: int = 32
-    group_size: int = 8
+    prompts_per_step: int = 64
+    group_size: int = 16
     learning_rate: float = 2e-3
+    substeps: int = 4  # optimizer steps per sampled batch (one slice of whole groups each), as the cookbook's num_substeps
+    grad_clip_norm: float = 0.0  # Tinker's default: 0 = no clipping
     max_tokens: int = 4
     temperature: float = 1.0
     eval_prompts: int = 200
+    reverse_answer: bool = True  # answers least-significant digit first ("12+34=" -> "64"): the server's reverse_answer
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("rank", "steps", "prompts_per_step", "max_tokens", "eval_prompts"):
+        for name in ("rank", "steps", "prompts_per_step", "substeps", "max_tokens", "eval_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be >= 1")
         if self.group_size < 2:
             raise ValueError(f"--group-size={self.group_size}: must be >= 2 (advantages are relative to the group)")
+        if self.prompts_per_step % self.substeps:
+            raise ValueError(f"--prompts-per-step={self.prompts_per_step}: must be a multiple of --substeps={self.substeps}")
         if self.learning_rate <= 0 or self.temperature <= 0:
             raise ValueError("--learning-rate and --temperature must be > 0")
 
@@ -56,8 +65,27 @@ def accuracy(sampler: tinker.SamplingClient, tokenizer, task: ArithmeticTask, pr
     return sum(task.reward(text, p.answer) for text, p in zip(texts, problems)) / len(problems)
 
 
+def group_data(prompt: list[int], sequences: list, rewards: list[float]) -> list[types.Datum]:
+    """One prompt's group as importance_sampling datums: advantage = reward - the group's mean on every sampled
+    token (0 on the prompt's); a group whose rewards all agree teaches nothing and gives none."""
+    mean = statistics.fmean(rewards)
+    data = []
+    for sequence, reward in zip(sequences, rewards):
+        advantage = reward - mean
+        if advantage == 0:
+            continue
+        tokens = prompt + list(sequence.tokens)
+        n_prompt = len(prompt) - 1  # targets that are prompt tokens: no advantage, no sampling log-prob
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),  # N inputs, N targets: the sequence shifted by one
+            loss_fn_inputs={"target_tokens": tokens[1:],
+                            "logprobs": [0.0] * n_prompt + list(sequence.logprobs),
+                            "advantages": [0.0] * n_prompt + [advantage] * len(sequence.tokens)}))
+    return data
+
+
 def run(cfg: LoopConfig, log=print) -> dict:
-    task = ArithmeticTask(seed=cfg.seed, num_digits=2, held_out=500)
+    task = ArithmeticTask(seed=cfg.seed, num_digits=2, held_out=500, reverse_answer=cfg.reverse_answer)
     held_out = task.held_out()[: cfg.eval_prompts]
     rng = random.Random(f"{cfg.seed}-tinker-loop")
     service = tinker.ServiceClient(base_url=cfg.base_url)
@@ -67,38 +95,32 @@ def run(cfg: LoopConfig, log=print) -> dict:
     start_accuracy = accuracy(sampler, tokenizer, task, held_out, cfg.max_tokens)
     log(f"model {training.model_id}: held-out greedy accuracy before: {start_accuracy:.1%}")
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-    adam = types.AdamParams(learning_rate=cfg.learning_rate)
+    adam = types.AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=cfg.grad_clip_norm)
     started, rewards_per_step = time.perf_counter(), []
     for step in range(1, cfg.steps + 1):
         problems = task.sample_prompts(cfg.prompts_per_step, rng)
         prompts = [tokenizer.encode(p.prompt) for p in problems]
         futures = [sampler.sample(types.ModelInput.from_ints(ids), cfg.group_size, params) for ids in prompts]
-        data, step_rewards = [], []
+        groups, step_rewards = [], []
         for problem, prompt, future in zip(problems, prompts, futures):
             sequences = future.result().sequences
             rewards = [task.reward(tokenizer.decode(s.tokens), problem.answer) for s in sequences]
             step_rewards += rewards
-            mean = statistics.fmean(rewards)
-            for sequence, reward in zip(sequences, rewards):
-                advantage = reward - mean  # relative to the group; 0 everywhere when the group agrees
-                if advantage == 0:
-                    continue
-                tokens = prompt + list(sequence.tokens)
-                n_prompt = len(prompt) - 1  # targets that are prompt tokens: no advantage, no sampling log-prob
-                data.append(types.Datum(
-                    model_input=types.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={"target_tokens": tokens[1:],
-                                    "logprobs": [0.0] * n_prompt + list(sequence.logprobs),
-                                    "advantages": [0.0] * n_prompt + [advantage] * len(sequence.tokens)}))
-        loss = float("nan")
-        if data:
-            backward = training.forward_backward(data, "importance_sampling")
-            optim = training.optim_step(adam)
-            loss = backward.result().metrics["loss:sum"]
+            groups.append(group_data(prompt, sequences, rewards))
+        per = cfg.prompts_per_step // cfg.substeps
+        pending, datums = [], 0
+        for k in range(cfg.substeps):
+            data = [d for group in groups[k * per:(k + 1) * per] for d in group]
+            if data:
+                pending.append((training.forward_backward(data, "importance_sampling"), training.optim_step(adam)))
+                datums += len(data)
+        loss = float("nan") if not pending else 0.0
+        for backward, optim in pending:
+            loss += backward.result().metrics["loss:sum"]
             optim.result()
         sampler = training.save_weights_and_get_sampling_client().result()
         rewards_per_step.append(statistics.fmean(step_rewards))
-        log(f"step {step}/{cfg.steps}: reward {rewards_per_step[-1]:.3f} datums {len(data)} loss:sum {loss:+.3f} "
+        log(f"step {step}/{cfg.steps}: reward {rewards_per_step[-1]:.3f} datums {datums} loss:sum {loss:+.3f} "
             f"({time.perf_counter() - started:.0f}s)")
     end_accuracy = accuracy(sampler, tokenizer, task, held_out, cfg.max_tokens)
     log(f"held-out greedy accuracy: {start_accuracy:.1%} -> {end_accuracy:.1%} "
@@ -108,10 +130,17 @@ def run(cfg: LoopConfig, log=print) -> dict:
             "model_id": training.model_id}
 
 
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return text.lower() in ("true", "1")
+
+
 def parse(argv: list[str]) -> LoopConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, field in LoopConfig.__dataclass_fields__.items():
-        kind = float if isinstance(field.default, float) else int if isinstance(field.default, int) else str
+        kind = (_flag if isinstance(field.default, bool) else float if isinstance(field.default, float)
+                else int if isinstance(field.default, int) else str)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default)
     return LoopConfig(**vars(parser.parse_args(argv)))
 

@@ -63,7 +63,7 @@ async def _serve(app: HttpApp, cfg: Any, stop: asyncio.Event) -> None:
     from apps.http.serving import serve
 
     model_path, accuracy = await asyncio.to_thread(model_to_serve, cfg.model, cfg.model_cache, cfg.warm_start,
-                                                   seed=cfg.seed)
+                                                   seed=cfg.seed, reverse_answer=getattr(cfg, "reverse_answer", False))
     service, http_app = app.open(cfg, model_path, accuracy)
     try:
         try:

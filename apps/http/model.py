@@ -20,14 +20,15 @@ def is_tiny(model: str, model_cache: str) -> bool:
 
 
 def model_to_serve(model: str, model_cache: str, config: WarmStartConfig, *, seed: int,
-                   max_tokens: int = 4) -> tuple[str, float | None]:
+                   max_tokens: int = 4, reverse_answer: bool = False) -> tuple[str, float | None]:
     """The checkpoint to serve: for forge's tiny model with `config.enabled`, its supervised warm start on 2-digit
-    addition (`warm_start_on_task`, as apps.grpo runs it, cached by its inputs in `model_cache/warm_start`);
+    addition (`warm_start_on_task`, as apps.grpo runs it, cached by its inputs in `model_cache/warm_start`; with
+    `reverse_answer` the answers are written least-significant digit first, as configs/grpo_tiny.yaml's task);
     otherwise `model` itself. Returns (path, warm-start accuracy or None)."""
     if not (config.enabled and is_tiny(model, model_cache)):
         return (str(Path(model).resolve()) if Path(model).exists() else model), None
-    path, accuracy = warm_start_on_task(model, model_cache, ArithmeticTask(seed=seed, num_digits=2, held_out=500),
-                                        config, seed=seed, max_tokens=max_tokens)
+    task = ArithmeticTask(seed=seed, num_digits=2, held_out=500, reverse_answer=reverse_answer)
+    path, accuracy = warm_start_on_task(model, model_cache, task, config, seed=seed, max_tokens=max_tokens)
     return str(Path(path).resolve()), accuracy
 
 

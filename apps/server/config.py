@@ -91,6 +91,9 @@ class ServerConfig:
     seed: int = 0
     generator_replicas: int = 1
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # tiny model only (arithmetic)
+    # The tiny model's task, warm-started: true writes answers least-significant digit first ("12+34=" -> "64"), as
+    # configs/grpo_tiny.yaml's task, the order RL learns fast on this model; false: "12+34=" -> "46".
+    reverse_answer: bool = False
     http: HTTPConfig = field(default_factory=HTTPConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     tinker: TinkerConfig = field(default_factory=TinkerConfig)
