@@ -17,8 +17,8 @@ MOVED = [
     ("apps.eval.evaluate", "Reward", "apps.held_out.evaluate"),
     ("apps.eval.scores", "pass_at_k", "apps.held_out.scores"),
     ("apps.eval.scores", "score_task", "apps.held_out.scores"),
-    ("apps.eval.samplers", "GeneratorSampler", "apps.held_out.samplers"),
-    ("apps.eval.samplers", "EpisodeSampler", "apps.held_out.samplers"),
+    ("apps.eval.samplers", "RolloutSampler", "apps.held_out.samplers"),
+    ("apps.eval.samplers", "EnvironmentFailed", "apps.held_out.samplers"),
 ]
 
 
