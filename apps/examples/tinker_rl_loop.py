@@ -38,6 +38,7 @@ class LoopConfig:
     learning_rate: float = 2e-3
     substeps: int = 4  # optimizer steps per sampled batch (one slice of whole groups each), as the cookbook's num_substeps
     grad_clip_norm: float = 0.0  # Tinker's default: 0 = no clipping
+    normalize_std: bool = False  # divide each group's centred rewards by their std (GRPO's), not the cookbook's default
     max_tokens: int = 4
     temperature: float = 1.0
     eval_prompts: int = 200
@@ -65,13 +66,15 @@ def accuracy(sampler: tinker.SamplingClient, tokenizer, task: ArithmeticTask, pr
     return sum(task.reward(text, p.answer) for text, p in zip(texts, problems)) / len(problems)
 
 
-def group_data(prompt: list[int], sequences: list, rewards: list[float]) -> list[types.Datum]:
-    """One prompt's group as importance_sampling datums: advantage = reward - the group's mean on every sampled
-    token (0 on the prompt's); a group whose rewards all agree teaches nothing and gives none."""
-    mean = statistics.fmean(rewards)
+def group_data(prompt: list[int], sequences: list, rewards: list[float], *,
+               normalize_std: bool = False) -> list[types.Datum]:
+    """One prompt's group as importance_sampling datums: advantage = reward - the group's mean (divided by the
+    group's std with `normalize_std`) on every sampled token (0 on the prompt's); a group whose rewards all agree
+    teaches nothing and gives none."""
+    mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
     data = []
     for sequence, reward in zip(sequences, rewards):
-        advantage = reward - mean
+        advantage = (reward - mean) / (std + 1e-6) if normalize_std and std > 0 else reward - mean
         if advantage == 0:
             continue
         tokens = prompt + list(sequence.tokens)
@@ -106,7 +109,7 @@ def run(cfg: LoopConfig, log=print) -> dict:
             sequences = future.result().sequences
             rewards = [task.reward(tokenizer.decode(s.tokens), problem.answer) for s in sequences]
             step_rewards += rewards
-            groups.append(group_data(prompt, sequences, rewards))
+            groups.append(group_data(prompt, sequences, rewards, normalize_std=cfg.normalize_std))
         per = cfg.prompts_per_step // cfg.substeps
         pending, datums = [], 0
         for k in range(cfg.substeps):
