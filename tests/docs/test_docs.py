@@ -22,8 +22,8 @@ RUN_BY = {
                    "tests/apps/gateway/test_gateway.py::test_the_serving_docs_gateway_snippet_runs_against_the_gateway"],
     "interactive.md": [],  # a REPL transcript only: replayed below
     # Prose, tables, shell commands and YAML only.
-    **{page: [] for page in ("architecture.md", "benchmarks.md", "changelog.md", "configuration.md", "distillation.md", "eval.md",
-                             "gpus.md", "hosts.md", "lora.md", "multiturn.md", "off_policy.md", "reliability.md",
+    **{page: [] for page in ("architecture.md", "benchmarks.md", "changelog.md", "configuration.md",
+                             "distillation.md", "eval.md", "gpus.md", "hosts.md", "lora.md", "multiturn.md", "off_policy.md", "reliability.md",
                              "several_hosts.md", "sft.md", "stack.md")},
     # The page's environment module, imported by the job its command runs (tests/docs/test_environments_page.py).
     "environments.md": ["tests/docs/test_environments_page.py::test_the_pages_command_trains_on_the_environment"],
