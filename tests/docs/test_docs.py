@@ -23,8 +23,8 @@ RUN_BY = {
     "interactive.md": [],  # a REPL transcript only: replayed below
     # Prose, tables, shell commands and YAML only.
     **{page: [] for page in ("architecture.md", "benchmarks.md", "changelog.md", "configuration.md",
-                             "distillation.md", "eval.md", "gpus.md", "hosts.md", "lora.md", "multiturn.md", "off_policy.md", "reliability.md",
-                             "several_hosts.md", "sft.md", "stack.md")},
+                             "distillation.md", "eval.md", "gpus.md", "hosts.md", "lora.md", "multiturn.md",
+                             "off_policy.md", "reliability.md", "several_hosts.md", "sft.md", "stack.md")},
     # The page's environment module, imported by the job its command runs (tests/docs/test_environments_page.py).
     "environments.md": ["tests/docs/test_environments_page.py::test_the_pages_command_trains_on_the_environment"],
 }
