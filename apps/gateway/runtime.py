@@ -217,16 +217,18 @@ class Gateway:
 
     async def _train_loop(self) -> None:
         while True:
-            batch = await self._buffer_call(self.buffer.sample.call_one(self.version, self.pad_id))
-            if batch is None:
+            handed = await self._buffer_call(self.buffer.next_batch.call_one(self.version, self.pad_id))
+            if handed is None:
                 self.buffer_stats = await self._buffer_call(self.buffer.stats.call_one())
                 self.held = self.buffer_stats["held"]
                 self._exported.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._exported.wait(), 1.0)
                 continue
-            self.buffer_stats = await self._buffer_call(self.buffer.stats.call_one())
+            self.buffer_stats = handed.stats
             self.held = self.buffer_stats["held"]
+            # The gateway's advantages are relative to the whole batch, set here: it takes the batch itself.
+            batch = await self._buffer_call(self.buffer.batch.call_one(self.version))
             batch.advantages = batch_relative_advantages(batch.rewards)
             started = time.perf_counter()
             result = rank0(await asyncio.wait_for(self.trainer.train_step.call(batch), self.cfg.rl.train_timeout_s))
