@@ -143,8 +143,7 @@ def train_until_accurate(
            else "a time estimate follows each check"))
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
-    # One thread: a warm start's matrices are small, and on a busy host a second thread mostly waits for the first
-    # (measured on the shared 2-core machine: several times slower with 2).
+    # One thread: a warm start's matrices are small, and on a busy host a second thread mostly waits for the first.
     torch.set_num_threads(1)
     try:
         return _train(model_dir, out_dir, key, target, batch, accuracy, config, log)
