@@ -174,7 +174,7 @@ from typing import Any, Callable
 
 # -- 2, 3, 16, 32. the environment of a job's processes -------------------------------------------------------
 # 2 can go when a busy process is no longer declared dead at the default deadline (run tests/forge with
-# the variable unset on a loaded 2-core host). 3 can go when `import torchstore` prints nothing.
+# the variable unset on a loaded small host). 3 can go when `import torchstore` prints nothing.
 JOB_ENVIRONMENT = {
     "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "300s",
     "HYPERACTOR_CODEC_MAX_FRAME_LENGTH": "910737418240",

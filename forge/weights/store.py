@@ -176,8 +176,8 @@ class WeightStore:
             raise ValueError(f"version={version!r}: must be an int >= 0")
         is_writer = group_rank(group) == 0
         use_shm = self.transport in ("auto", "shm")
-        # Across hosts without RDMA, torchstore moves bytes in actor messages (~0.05-0.2 GB/s here): the relays stream
-        # the publisher's segment instead, and torchstore carries only keys and manifests.
+        # Across hosts without RDMA, torchstore moves bytes in actor messages, far below a link's rate: the relays
+        # stream the publisher's segment instead, and torchstore carries only keys and manifests.
         use_ts = self.transport == "torchstore" or (self.transport == "auto" and self.cross_host
                                                     and (not self.relayed or torchstore_has_rdma()))
         entries, size = layout(state_dict, dtype)
