@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from apps.http.auth import require_key
 from apps.http.errors import ServiceError
 from apps.server.runtime import TrainingService
-from apps.server.tinker_routes import TinkerPaths, build_tinker_routes
+from apps.server.tinker.routes import TinkerPaths, build_tinker_routes
 from apps.server.schemas import (
     ChunkAccepted,
     CheckpointInfo,
@@ -185,7 +185,7 @@ def build_app(service: TrainingService) -> FastAPI:
 
     app.include_router(api)
     # The Tinker protocol (the `tinker` SDK), over the same service; its requests on the paths both protocols use
-    # are told apart by their bodies (tinker_routes.TinkerPaths).
+    # are told apart by their bodies (tinker/routes.py, TinkerPaths).
     build_tinker_routes(app, service.tinker, authorized, _ERRORS)
     app.add_middleware(TinkerPaths)
     return app

@@ -67,7 +67,7 @@ class SessionConfig:
 
 @dataclass
 class TinkerConfig:
-    """The Tinker protocol's futures (apps/server/futures.py)."""
+    """The Tinker protocol's futures (apps/server/tinker/futures.py)."""
 
     retrieve_hold_s: float = 20.0  # a retrieve_future poll waits this long for its result, then answers try_again
     result_keep_s: float = 600.0  # a finished request's result (or error) is kept this long for its poll

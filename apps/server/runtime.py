@@ -8,8 +8,8 @@
 - `ServedPolicy` (policy.py): the generator service and its policy version, sync_inference_weights;
 - `Sampler` (sampling.py): sample;
 - `CheckpointStore` (checkpoint_store.py): the checkpoint catalogue;
-- `TinkerService` (tinker_service.py): the Tinker protocol's sessions, models, futures and samplers over the parts
-  above (its routes: tinker_routes.py).
+- `TinkerService` (tinker/service.py): the Tinker protocol's sessions, models, futures and samplers over the parts
+  above (its routes: tinker/routes.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from apps.server.schemas import (
 )
 from apps.server.session_registry import SessionRegistry
 from apps.server.sessions import Session
-from apps.server.tinker_service import TinkerService
+from apps.server.tinker.service import TinkerService
 from apps.server.trainer_pool import TrainerPool
 from apps.server.training import Training
 from losses import LOSSES

@@ -55,7 +55,7 @@ class Training:
     async def run_batch(self, model_id: str, seq_id: int | None, endpoint: str, build: Callable[[], Any],
                         loss: str | None, loss_params: dict, temperature: float) -> tuple[Any, dict[str, Any]]:
         """`endpoint` (forward_backward or forward) of session `model_id`'s trainer on the batch `build()` makes
-        and checks (the Tinker protocol's, apps/server/tinker_service.py), in the session's seq_id order; a
+        and checks (the Tinker protocol's, apps/server/tinker/service.py), in the session's seq_id order; a
         ServiceError from `build` gives up the seq_id at once. Returns the batch and the trainer's answer: loss,
         metrics and the log-probs [B, T-1]."""
         async def execute(session: Session, seq: int, parts: list) -> tuple[Any, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""apps/server/tinker_wire.py and the Tinker datum -> batch conversion, with the SDK's own encoders and decoders."""
+"""apps/server/tinker/wire.py and the Tinker datum -> batch conversion, with the SDK's own encoders and decoders."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
 from apps.http.errors import ServiceError
-from apps.server.batches import tinker_batch
-from apps.server.tinker_wire import WireSequence, decode_forward_backward, encode_forward_backward_output, \
+from apps.server.tinker.batches import tinker_batch
+from apps.server.tinker.wire import WireSequence, decode_forward_backward, encode_forward_backward_output, \
     encode_sample_response
 
 

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ValidationError
 from tinker import types
 
 from apps.http.errors import ServiceError
-from apps.server.tinker_service import TinkerService
-from apps.server.tinker_wire import PROTOBUF, decode_forward_backward
+from apps.server.tinker.service import TinkerService
+from apps.server.tinker.wire import PROTOBUF, decode_forward_backward
 
 SHARED = ("create_session", "create_model", "session_heartbeat", "forward_backward", "optim_step",
           "save_weights_for_sampler")

@@ -1,7 +1,7 @@
 """The Tinker protocol over the training service: what the unmodified `tinker` SDK asks, answered by the same parts
 forge's own protocol uses (SessionRegistry, Training, Checkpointing, Sampler in runtime.py). Requests and replies
-are the SDK's own types (`tinker.types`), binary bodies are tinker_wire's, and every training and sampling call
-is a future (futures.py).
+are the SDK's own types (`tinker.types`), binary bodies are wire.py's, and every training and sampling call is
+a future (futures.py).
 
 How Tinker's objects map onto forge's:
 - a Tinker session (create_session, heartbeats, finish) groups a client's models and sampling sessions;
@@ -26,8 +26,6 @@ from tinker import types
 
 from actors.lora_config import LORA_TARGETS, local_hf_config
 from apps.http.errors import ServiceError
-from apps.server.batches import tinker_batch
-from apps.server.futures import FutureStore
 from apps.server.schemas import (
     CreateSessionRequest,
     LoadStateRequest,
@@ -37,7 +35,9 @@ from apps.server.schemas import (
     SaveWeightsRequest,
     SequencedRequest,
 )
-from apps.server.tinker_wire import WireForwardBackward, WireSequence, encode_forward_backward_output, \
+from apps.server.tinker.batches import tinker_batch
+from apps.server.tinker.futures import FutureStore
+from apps.server.tinker.wire import WireForwardBackward, WireSequence, encode_forward_backward_output, \
     encode_sample_response
 from forge.actor import rank0
 from losses.tinker import TINKER_LOSS_CONFIG, TINKER_LOSSES
