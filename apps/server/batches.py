@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from apps.http.errors import ServiceError, field_error
+from apps.server.moved import moved_from
 from apps.server.schemas import Datum
 from losses.rules import uses_old_logprobs
 from rl.sampling import MAX_KEPT_TOKENS
@@ -208,3 +209,6 @@ def _check_kept(kept: list[list[int]] | None, ids: list[int], loc: list, vocab_s
             raise field_error([*loc, t], kept_ids[:8], f"does not hold input_ids[{t + 1}]={ids[t + 1]}, the token "
                                                        "sampled from it (kept sets misaligned with the tokens?)")
 
+
+# tinker_batch moved to apps.server.tinker.batches (the Tinker protocol's pieces): importable from here for a release.
+__getattr__ = moved_from(__name__)

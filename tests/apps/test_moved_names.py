@@ -19,6 +19,17 @@ MOVED = [
     ("apps.eval.scores", "score_task", "apps.held_out.scores"),
     ("apps.eval.samplers", "RolloutSampler", "apps.held_out.samplers"),
     ("apps.eval.samplers", "EnvironmentFailed", "apps.held_out.samplers"),
+    # the REST service's modules, each named for its one job (apps/server/moved.py)
+    ("apps.server.tinker_routes", "TinkerPaths", "apps.server.tinker.routes"),
+    ("apps.server.tinker_routes", "build_tinker_routes", "apps.server.tinker.routes"),
+    ("apps.server.tinker_service", "TinkerService", "apps.server.tinker.service"),
+    ("apps.server.tinker_service", "tinker_path", "apps.server.tinker.service"),
+    ("apps.server.tinker_wire", "decode_forward_backward", "apps.server.tinker.wire"),
+    ("apps.server.tinker_wire", "encode_forward_backward_output", "apps.server.tinker.wire"),
+    ("apps.server.tinker_wire", "encode_sample_response", "apps.server.tinker.wire"),
+    ("apps.server.tinker_wire", "WireSequence", "apps.server.tinker.wire"),
+    ("apps.server.futures", "FutureStore", "apps.server.tinker.futures"),
+    ("apps.server.batches", "tinker_batch", "apps.server.tinker.batches"),
 ]
 
 
