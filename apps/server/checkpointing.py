@@ -12,8 +12,7 @@ from apps.server.schemas import (
     SaveStateRequest,
     SaveWeightsRequest,
 )
-from apps.server.session_registry import SessionRegistry
-from apps.server.sessions import Session
+from apps.server.sessions import Session, SessionRegistry
 
 
 class Checkpointing:

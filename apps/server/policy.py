@@ -12,8 +12,7 @@ from apps.http.actor_calls import bounded
 from apps.server.config import ServerConfig
 from apps.http.errors import field_error
 from apps.server.schemas import SyncWeightsRequest, SyncWeightsResponse
-from apps.server.session_registry import SessionRegistry
-from apps.server.sessions import Session
+from apps.server.sessions import Session, SessionRegistry
 from apps.server.trainer_pool import WEIGHTS
 from forge.weights.startup import start_weight_store
 

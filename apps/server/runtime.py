@@ -1,7 +1,7 @@
 """The training service: its parts wired together, started and stopped, behind the one object the HTTP layer
 (app.py) talks to. Each part has one job:
 
-- `SessionRegistry` (session_registry.py): the open sessions, their limits, idle unloading, seq_id order;
+- `SessionRegistry` (sessions.py): the open sessions, their limits, idle unloading, seq_id order;
 - `TrainerPool` (trainer_pool.py): the sessions' trainers (full-model meshes, the shared LoRA trainer);
 - `Training` (training.py): forward, forward_backward, optim_step;
 - `Checkpointing` (checkpointing.py): save_state, load_state, save_weights_for_sampler;
@@ -46,8 +46,7 @@ from apps.server.schemas import (
     SyncWeightsRequest,
     SyncWeightsResponse,
 )
-from apps.server.session_registry import SessionRegistry
-from apps.server.sessions import Session
+from apps.server.sessions import Session, SessionRegistry
 from apps.server.tinker.service import TinkerService
 from apps.server.trainer_pool import TrainerPool
 from apps.server.training import Training

@@ -13,7 +13,6 @@ from apps.http.actor_calls import bounded
 from apps.server.config import ServerConfig
 from apps.http.errors import ServiceError
 from apps.server.lora_trainer import LoRATrainerActor
-from apps.server.sessions import Session
 from apps.server.training_actor import ServerTrainerActor
 from forge.actor import EndpointError
 
@@ -78,7 +77,7 @@ class TrainerPool:
             raise
         return trainer
 
-    async def release(self, session: Session) -> None:
+    async def release(self, session: Any) -> None:  # a sessions.Session (which imports this module)
         """A full session's trainer is kept, reset when the next session takes it; a LoRA session's adapter and
         optimizer state are deleted from the shared trainer."""
         if session.lora is None:

@@ -20,8 +20,7 @@ from apps.server.schemas import (
     OptimStepResponse,
     SequencedRequest,
 )
-from apps.server.session_registry import SessionRegistry
-from apps.server.sessions import Session
+from apps.server.sessions import Session, SessionRegistry
 
 # One chunk of a forward/forward_backward request: its batch, its sequences' lengths, the temperature it is at.
 BatchPart = tuple[Any, list[int], float]
