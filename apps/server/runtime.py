@@ -4,10 +4,10 @@
 - `SessionRegistry` (sessions.py): the open sessions, their limits, idle unloading, seq_id order;
 - `TrainerPool` (trainer_pool.py): the sessions' trainers (full-model meshes, the shared LoRA trainer);
 - `Training` (training.py): forward, forward_backward, optim_step;
-- `Checkpointing` (checkpointing.py): save_state, load_state, save_weights_for_sampler;
+- `Checkpointing` (checkpoints.py): save_state, load_state, save_weights_for_sampler;
 - `ServedPolicy` (policy.py): the generator service and its policy version, sync_inference_weights;
 - `Sampler` (sampling.py): sample;
-- `CheckpointStore` (checkpoint_store.py): the checkpoint catalogue;
+- `CheckpointStore` (checkpoints.py): the checkpoint catalogue;
 - `TinkerService` (tinker/service.py): the Tinker protocol's sessions, models, futures and samplers over the parts
   above (its routes: tinker/routes.py).
 """
@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from apps.server.checkpointing import Checkpointing
-from apps.server.checkpoint_store import CheckpointStore
+from apps.server.checkpoints import Checkpointing, CheckpointStore
 from apps.server.config import ServerConfig
 from apps.http.errors import ServiceError
 from apps.http.model import tokenizer_info

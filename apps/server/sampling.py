@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from apps.http.actor_calls import bounded
-from apps.server.checkpoint_store import CheckpointStore
+from apps.server.checkpoints import CheckpointStore
 from apps.server.config import ServerConfig
 from apps.http.errors import field_error
 from apps.http.model import TokenizerInfo

@@ -17,7 +17,6 @@ from typing import Any, Awaitable, Callable, Iterator
 from apps.http.actor_calls import bounded
 from apps.http.errors import ServiceError, field_error, not_found
 from apps.server.adapters import session_lora
-from apps.server.checkpoint_store import CheckpointStore
 from apps.server.config import ServerConfig
 from apps.server.schemas import ChunkAccepted, CreateSessionRequest, SequencedRequest, SessionInfo
 from apps.server.sequencer import Sequencer
@@ -82,7 +81,8 @@ Execute = Callable[[Session, int, list], Awaitable[Any]]  # (the session, its se
 
 
 class SessionRegistry:
-    def __init__(self, cfg: ServerConfig, model_path: str, trainers: TrainerPool, checkpoints: CheckpointStore) -> None:
+    # checkpoints: the checkpoints.CheckpointStore (that module imports this one), for create's from_checkpoint
+    def __init__(self, cfg: ServerConfig, model_path: str, trainers: TrainerPool, checkpoints: Any) -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.trainers = trainers
