@@ -13,7 +13,7 @@ from apps.http.actor_calls import bounded
 from apps.server.config import ServerConfig
 from apps.http.errors import ServiceError
 from apps.server.lora_trainer import LoRATrainerActor
-from apps.server.training_actor import ServerTrainerActor
+from apps.server.trainer import ServerTrainerActor
 from forge.actor import EndpointError
 
 logger = logging.getLogger(__name__)

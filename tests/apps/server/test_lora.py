@@ -16,9 +16,8 @@ import torch
 
 from actors.lora_config import LoRAConfig
 from actors.trainer_config import TrainerConfig
-from apps.server.adapter_sampler import AdapterSampler
 from apps.server.batches import build_batch
-from apps.server.lora_trainer import SharedBaseLoRATrainer
+from apps.server.lora_trainer import AdapterSampler, SharedBaseLoRATrainer
 from apps.server.schemas import Datum
 from apps.server.client import AdamParams, Datum as ClientDatum, ForgeAPIError, ModelInput, SamplingParams, ServiceClient
 from forge.provisioner import free_port

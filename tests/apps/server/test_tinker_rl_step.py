@@ -19,9 +19,8 @@ from tinker.proto.response_conv import deserialize_sample_response
 from actors.lora_config import LORA_TARGETS, LoRAConfig
 from actors.trainer_config import TrainerConfig
 from apps.examples.tinker_rl_loop import group_data
-from apps.server.adapter_sampler import AdapterSampler
 from apps.server.tinker.batches import tinker_batch
-from apps.server.lora_trainer import SharedBaseLoRATrainer
+from apps.server.lora_trainer import AdapterSampler, SharedBaseLoRATrainer
 from apps.server.tinker.wire import WireSequence, decode_forward_backward, encode_sample_response
 from losses.tinker import importance_sampling
 from rl.tiny_model import build_tiny_checkpoint
