@@ -20,6 +20,15 @@ MOVED = [
     ("apps.eval.samplers", "RolloutSampler", "apps.held_out.samplers"),
     ("apps.eval.samplers", "EnvironmentFailed", "apps.held_out.samplers"),
     # the REST service's modules, each named for its one job (apps/server/moved.py)
+    ("apps.server.session_registry", "SessionRegistry", "apps.server.sessions"),
+    ("apps.server.session_registry", "refusal_summary", "apps.server.sessions"),
+    ("apps.server.checkpoint_store", "CheckpointStore", "apps.server.checkpoints"),
+    ("apps.server.checkpoint_store", "RECORD", "apps.server.checkpoints"),
+    ("apps.server.checkpointing", "Checkpointing", "apps.server.checkpoints"),
+    ("apps.server.training_actor", "ServerTrainer", "apps.server.trainer"),
+    ("apps.server.training_actor", "ServerTrainerActor", "apps.server.trainer"),
+    ("apps.server.adapter_sampler", "AdapterSampler", "apps.server.lora_trainer"),
+    ("apps.server.adapter_sampler", "shared_base_model", "apps.server.lora_trainer"),
     ("apps.server.tinker_routes", "TinkerPaths", "apps.server.tinker.routes"),
     ("apps.server.tinker_routes", "build_tinker_routes", "apps.server.tinker.routes"),
     ("apps.server.tinker_service", "TinkerService", "apps.server.tinker.service"),
@@ -44,3 +53,9 @@ def test_a_moved_name_imports_from_its_old_module_with_a_deprecation_warning(old
 def test_a_name_that_never_was_there_is_still_an_attribute_error(old):
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         getattr(importlib.import_module(old), "no_such_name")
+
+
+def test_every_apps_server_module_moved_is_checked_here():
+    from apps.server.moved import MOVED as SERVER_MOVED
+
+    assert {(old, new) for old, (new, _) in SERVER_MOVED.items()} <= {(old, new) for old, _, new in MOVED}
