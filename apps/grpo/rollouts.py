@@ -1,6 +1,7 @@
 """How the GRPO job plays, scores and selects prompt groups: its rollout (rl.rollout: `SingleTurn` scored by the task's
 reward or the user's, `MultiTurn` against the task's environments), which groups are trained (`GroupSelector`), the
-greedy held-out evaluation (`HeldOut`: the shared evaluator, apps/held_out/), and the model it starts from (a warm start, a distillation teacher).
+greedy held-out evaluation (`HeldOut`: the shared evaluator, apps/held_out/), and the model it starts from (a warm
+start, a distillation teacher).
 
 Environments run on threads of their own (rl.environments.threads), or in their own process with
 `environment.isolated`: the job's event loop never runs their code.

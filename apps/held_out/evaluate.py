@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -46,20 +47,50 @@ class Scored:
 
 class Reward:
     """The task's reward, or the user's (`task.reward`) on a thread under `task.reward_timeout_s`. A reward that
-    raises, returns NaN or times out fails its sample (it is not the model's answer)."""
+    raises, returns NaN or times out fails its sample (it is not the model's answer).
 
-    def __init__(self, fn: Callable[[str, str], float], timeout_s: float | None) -> None:
+    A timed call runs on a daemon thread of its own, at most `threads` at once, its timeout counted from its start: a
+    whole evaluation in flight (500 prompts) waits for a thread without timing out, and a call abandoned at its
+    timeout runs on where it hangs, holding no shared pool's worker from the calls after it."""
+
+    def __init__(self, fn: Callable[[str, str], float], timeout_s: float | None, threads: int = 32) -> None:
         self.fn, self.timeout_s = fn, timeout_s
+        self.slots = asyncio.Semaphore(threads)
 
     async def __call__(self, text: str, answer: str) -> float:
         if self.timeout_s is None:
             value = self.fn(text, answer)
-        else:  # a hung call is abandoned on its thread; the evaluation goes on
-            value = await asyncio.wait_for(asyncio.to_thread(self.fn, text, answer), self.timeout_s)
+        else:
+            async with self.slots:
+                value = await asyncio.wait_for(_on_own_thread(self.fn, text, answer), self.timeout_s)
         value = float(value)
         if math.isnan(value):
             raise ValueError("the reward returned NaN")
         return value
+
+
+async def _on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a new daemon thread; cancelling the wait abandons the call, which runs on (it cannot be
+    stopped) and answers no one."""
+    loop = asyncio.get_running_loop()
+    answer = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not answer.done():
+            answer.set_exception(error) if error is not None else answer.set_result(value)
+
+    def run() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as e:
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the event loop has closed: nobody is waiting
+            pass
+
+    threading.Thread(target=run, daemon=True, name="held-out reward").start()
+    return await answer
 
 
 class Progress:

@@ -32,9 +32,9 @@ def warm_start_multiturn(model_dir: str | Path, out_dir: str | Path, *, task: Mu
     """Train on `task.transcript(p)` for `train_problems(n)` until greedy multi-turn accuracy on `eval_problems`
     reaches the target; returns the saved checkpoint directory and the accuracy reached.
 
-    An evaluation episode whose environment failed is left out of the accuracy (not scored 0), counted and reported.
-    A warm start that cannot produce any correct episode fails naming `task_name`: every evaluation episode failed in
-    its environment. (A greedy accuracy of 0 is not that: sampled episodes can still be right, and GRPO learns from
+    The accuracy is the shared held-out evaluator's (apps/held_out/): an evaluation episode whose environment failed is
+    left out (not scored 0), counted and reported. A warm start that cannot produce any correct episode fails naming
+    `task_name`: every evaluation episode failed. (A greedy accuracy of 0 is not that: sampled episodes can still be right, and GRPO learns from
     them.)"""
     failures = []
 
@@ -78,7 +78,8 @@ class EpisodeSampler:
     def __init__(self, model, tokenizer, task: MultiTurnTask, limits: EnvironmentConfig) -> None:
         from actors.engines.hf import HFEngine
 
-        self.engine, self.tokenizer, self.task, self.limits = HFEngine.from_model(model, tokenizer), tokenizer, task, limits
+        self.engine = HFEngine.from_model(model, tokenizer)
+        self.tokenizer, self.task, self.limits = tokenizer, task, limits
 
     async def sample_many(self, problems: Sequence[TaskProblem], params: SamplingParams) -> list[list]:
         if params.n != 1:
@@ -88,7 +89,7 @@ class EpisodeSampler:
             return [out[0] for out in self.engine.generate(prompts, turn_params)]
 
         played = await run_episodes(generate, [self.task.environment() for _ in problems], problems, params,
-                                    self.limits, encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                    self.limits, encode=lambda t: self.tokenizer.encode(t, add_special_tokens=False),
                                     end_token_ids=[self.tokenizer.eos_token_id])
         return [episode_samples([t], self.tokenizer) for t in played]
 

@@ -107,3 +107,19 @@ async def test_a_fatal_error_ends_the_evaluation():
     with pytest.raises(Fatal, match="no replica"):
         await evaluate_greedy(BatchingSampler(Batch(fail=Fatal("no replica"))), [Problem("a", "a!")],
                               Reward(reward, None), max_tokens=3, label="eval test", fatal=(Fatal,))
+
+
+async def test_a_timed_reward_times_out_from_its_own_start_and_a_hung_one_holds_up_no_other():
+    """500 calls in flight of a reward that takes 20 ms under a 0.5 s timeout: none times out waiting for a thread;
+    then 40 calls that hang (past their timeout) leave the next calls their full time."""
+    def slow(text: str, answer: str) -> float:
+        time.sleep(2.0 if text == "hang" else 0.02)
+        return 1.0
+
+    reward = Reward(slow, 0.5)
+    assert await asyncio.gather(*(reward("x", "") for _ in range(500))) == [1.0] * 500
+    hung = await asyncio.gather(*(reward("hang", "") for _ in range(40)), return_exceptions=True)
+    assert all(isinstance(e, asyncio.TimeoutError) for e in hung)
+    started = time.monotonic()
+    assert await asyncio.gather(*(reward("x", "") for _ in range(64))) == [1.0] * 64  # while those still hang
+    assert time.monotonic() - started < 1.5

@@ -1,6 +1,6 @@
-"""apps.warm_start.supervised's stopping rule: checks every `eval_every` steps, then after every step once a check reaches
-`check_every_step_from`, so an accuracy that jumps between two checks is caught at its first step past the target;
-the check itself is the shared held-out evaluator's (apps/held_out/) over one batch of the model."""
+"""apps.warm_start.supervised's stopping rule: checks every `eval_every` steps, then after every step once a check
+reaches `check_every_step_from`, so an accuracy that jumps between two checks is caught at its first step past the
+target; the check itself is the shared held-out evaluator's (apps/held_out/) over one batch of the model."""
 
 import pytest
 import torch
