@@ -108,12 +108,12 @@ class HeldOut:
             rollout = SingleTurn(rollout.generators)
         self.sampler = BatchingSampler(RolloutSampler(rollout, tokenizer))
         self.reward = Reward(*reward_function(cfg, task))
-        self.problems = task.held_out()[: cfg.eval.num_prompts]
-        self.max_tokens, self.stop_token_ids = cfg.rollout.max_tokens, list(task.stop_token_ids)
+        self.task, self.num_prompts, self.max_tokens = task, cfg.eval.num_prompts, cfg.rollout.max_tokens
 
     async def score(self, label: str) -> TaskScore:
-        return await evaluate_greedy(self.sampler, self.problems, self.reward, max_tokens=self.max_tokens,
-                                     stop_token_ids=self.stop_token_ids, label=f"eval {label}", fatal=FATAL)
+        return await evaluate_greedy(self.sampler, self.task.held_out()[: self.num_prompts], self.reward,
+                                     max_tokens=self.max_tokens, stop_token_ids=self.task.stop_token_ids,
+                                     label=f"eval {label}", fatal=FATAL)
 
 
 async def make_rollout(cfg: GRPOConfig, task: Task, actors: JobActors) -> SingleTurn | MultiTurn:
