@@ -16,7 +16,7 @@ SHARED_APP_CODE = {
     "apps.app_config": "an app's config loaded, `model: tiny` resolved, its check step run",
     "apps.config_reference": "config dataclasses rendered as the --help and docs reference",
     "apps.run_checkpoints": "a job's checkpoints and the `checkpoint` section (GRPO and SFT)",
-    "apps.held_out": "the held-out evaluator (eval and SFT)",
+    "apps.held_out": "the held-out evaluator (eval, SFT, GRPO, the warm start)",
     "apps.http": "what the HTTP apps share (the REST service and the gateway)",
     "apps.warm_start": "the supervised warm start (GRPO, the HTTP apps' model, their configs)",
 }

@@ -4,18 +4,22 @@
     python -m apps.examples.client_rl_loop --base-url http://127.0.0.1:8000 --steps 20
 
 The server holds the model, the optimizer and the generators; this process only makes HTTP calls (through
-`apps.server.client`) and scores answers to 2-digit additions. It prints held-out greedy accuracy before and after.
+`apps.server.client`) and scores answers to 2-digit additions. It prints held-out greedy accuracy before and after,
+scored by forge's held-out evaluator (apps/held_out/: plain Python, no torch) over the server's sampling.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
+from apps.held_out.evaluate import Reward, evaluate_greedy
+from apps.held_out.samplers import BatchingSampler
 from apps.server.client import AdamParams, Datum, SamplingClient, SamplingParams, ServiceClient
 from rl.tasks.arithmetic import ArithmeticTask, Problem
 
@@ -50,10 +54,27 @@ class LoopConfig:
             raise ValueError("--learning-rate and --temperature must be > 0")
 
 
-def accuracy(sampler: SamplingClient, task: ArithmeticTask, problems: list[Problem], max_tokens: int) -> float:
-    """Greedy held-out accuracy with the server's current (synced) weights."""
-    out = sampler.sample_many([p.prompt for p in problems], SamplingParams(max_tokens=max_tokens, temperature=0.0)).result()
-    return sum(task.reward(s[0].text, p.answer) for s, p in zip(out.samples, problems)) / len(problems)
+class ServerSampler:
+    """The held-out evaluator's sampler (apps/held_out/) over the server's sampling: a batch of problems in one
+    request."""
+
+    def __init__(self, sampler: SamplingClient) -> None:
+        self.sampler = sampler
+
+    async def sample_many(self, problems: list[Problem], params: SamplingParams) -> list[list[str]]:
+        out = await self.sampler.sample_many([p.prompt for p in problems], params)
+        return [[s.text for s in samples] for samples in out.samples]
+
+
+def accuracy(sampler: SamplingClient, task: ArithmeticTask, problems: list[Problem], max_tokens: int,
+             log=print) -> float:
+    """Greedy held-out accuracy with the server's current (synced) weights, by the evaluator forge's apps report with
+    (one request): a sample whose request or reward failed is left out, and said."""
+    score = asyncio.run(evaluate_greedy(BatchingSampler(ServerSampler(sampler)), problems, Reward(task.reward, None),
+                                        max_tokens=max_tokens, label="held-out"))
+    if score.failed_samples:
+        log(f"held-out: {score.failed_samples} of {score.samples} samples failed, left out: {score.failures}")
+    return score.mean_reward
 
 
 def group_datums(prompt_tokens: list[int], samples: list, rewards: list[float]) -> list[Datum]:
@@ -73,7 +94,7 @@ def run(cfg: LoopConfig, log=print) -> dict:
         sampler = service.create_sampling_client()
         try:
             training.sync_inference_weights().result()  # the generators serve this session's starting weights
-            start_accuracy = accuracy(sampler, task, held_out, cfg.max_tokens)
+            start_accuracy = accuracy(sampler, task, held_out, cfg.max_tokens, log)
             log(f"session {training.session_id}: held-out greedy accuracy before: {start_accuracy:.1%}")
             params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
             adam = AdamParams(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -101,7 +122,7 @@ def run(cfg: LoopConfig, log=print) -> dict:
                 rewards_per_step.append(statistics.fmean(step_rewards))
                 log(f"step {step}/{cfg.steps}: reward {rewards_per_step[-1]:.3f} loss {statistics.fmean(losses):+.4f} "
                     f"policy version {version} ({time.perf_counter() - started:.0f}s)")
-            end_accuracy = accuracy(sampler, task, held_out, cfg.max_tokens)
+            end_accuracy = accuracy(sampler, task, held_out, cfg.max_tokens, log)
             log(f"held-out greedy accuracy: {start_accuracy:.1%} -> {end_accuracy:.1%} "
                 f"({end_accuracy - start_accuracy:+.1%}) after {cfg.steps} steps, {time.perf_counter() - started:.0f}s")
             return {"accuracy_start": start_accuracy, "accuracy_end": end_accuracy, "rewards": rewards_per_step,

@@ -29,7 +29,7 @@ from apps.run_checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
 from apps.grpo.kl_watch import ReverseKLWatch
 from apps.grpo.launch import make_task, start_actors
-from apps.grpo.rollouts import (EPISODE_BITS, GroupSelector, evaluate, held_out_score, make_rollout, sampling_params,
+from apps.grpo.rollouts import (EPISODE_BITS, GroupSelector, HeldOut, held_out_score, make_rollout, sampling_params,
                                 teacher_model, warm_started_model)
 from apps.grpo.scheduler import RolloutScheduler, TrainedStep
 from apps.grpo.summary import EpisodeCounters, RunSummary, step_record
@@ -70,6 +70,7 @@ class GRPOJob:
         torch.set_num_threads(1)
         self.actors = await start_actors(cfg, model_path, teacher_path)
         self.rollout = await make_rollout(cfg, self.task, self.actors)  # single-turn or multi-turn groups
+        self.held_out = HeldOut(cfg, self.task, self.rollout, self.actors.tokenizer)
         self.scheduler = RolloutScheduler(self.actors.buffer, self.actors.trainer, self.actors.scorer,
                                           pad_id=self.actors.pad_id, group_size=cfg.rollout.group_size,
                                           max_groups_in_flight=cfg.rollout.concurrency)
@@ -151,9 +152,7 @@ class GRPOJob:
     async def evaluate(self, label: str) -> float:
         await self.actors.trainer.wait_published.call()  # the trainer publishes each version in the background
         await self.actors.generators.update_weights.fanout(self.version)  # the newest policy, not a lagging one
-        problems = self.task.held_out()[: self.cfg.eval.num_prompts]
-        played = await evaluate(self.rollout, problems, sampling_params(self.cfg, self.task, greedy=True))
-        return self.summary.evaluated(label, self.version, played)
+        return self.summary.evaluated(label, self.version, await self.held_out.score(label))
 
     async def save_checkpoint(self) -> Path:
         state = {"step": self.step, "version": self.version, "rng": self.rng.getstate(),

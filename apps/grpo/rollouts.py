@@ -1,6 +1,7 @@
 """How the GRPO job plays, scores and selects prompt groups: its rollout (rl.rollout: `SingleTurn` scored by the task's
 reward or the user's, `MultiTurn` against the task's environments), which groups are trained (`GroupSelector`), the
-greedy held-out evaluation, and the model it starts from (a warm start, a distillation teacher).
+greedy held-out evaluation (`HeldOut`: the shared evaluator, apps/held_out/), and the model it starts from (a warm
+start, a distillation teacher).
 
 Environments run on threads of their own (rl.environments.threads), or in their own process with
 `environment.isolated`: the job's event loop never runs their code.
@@ -11,16 +12,19 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 from apps.grpo.config import TEACHER_WARM_START, GRPOConfig, RolloutConfig
 from apps.grpo.launch import JobActors, reward_function
 from apps.grpo.rewards import RewardScorer
 from apps.grpo.summary import EpisodeCounters
+from apps.held_out.evaluate import Reward, evaluate_greedy
+from apps.held_out.samplers import BatchingSampler, RolloutSampler
+from apps.held_out.scores import TaskScore
 from forge.metrics import record_metric
 from rl.environments.player import start_player
-from rl.rollout import EPISODE_BITS, Group, MultiTurn, Rollout, SingleTurn  # noqa: F401 (EPISODE_BITS: for main.py)
-from rl.tasks.protocol import MultiTurnTask, Task, TaskProblem
+from rl.rollout import EPISODE_BITS, FATAL, Group, MultiTurn, Rollout, SingleTurn  # noqa: F401 (EPISODE_BITS: main.py)
+from rl.tasks.protocol import MultiTurnTask, Task
 from rl.types import SamplingParams
 from apps.warm_start.config import WarmStartConfig
 from apps.warm_start.multiturn import warm_start_multiturn
@@ -38,13 +42,11 @@ def held_out_score(cfg: GRPOConfig, task: Task) -> str:
     return "accuracy" if binary else "mean reward"
 
 
-def sampling_params(cfg: GRPOConfig, task: Task, *, greedy: bool = False) -> SamplingParams:
-    """A training group's sampling (`rollout.*`), or with `greedy` an evaluation's (one greedy episode)."""
-    r, stop = cfg.rollout, list(task.stop_token_ids)
-    if greedy:
-        return SamplingParams(n=1, max_tokens=r.max_tokens, temperature=0.0, stop_token_ids=stop)
+def sampling_params(cfg: GRPOConfig, task: Task) -> SamplingParams:
+    """A training group's sampling (`rollout.*`); the held-out evaluation's is greedy (`HeldOut`)."""
+    r = cfg.rollout
     return SamplingParams(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                          stop_token_ids=stop)
+                          stop_token_ids=list(task.stop_token_ids))
 
 
 class GroupSelector:
@@ -94,10 +96,24 @@ class GroupSelector:
             record_metric(f"rollout/{reason}_dropped", episodes, "sum")
 
 
-async def evaluate(rollout: Rollout, problems: Sequence[TaskProblem], params: SamplingParams) -> list[float | None]:
-    """Each problem's reward with `params` (n=1); None where its generation or its environment failed."""
-    groups = await rollout.play_groups(problems, params)
-    return [g.rewards[0] if isinstance(g, Group) and not g.failed[0] else None for g in groups]
+class HeldOut:
+    """The greedy held-out evaluation, through the evaluator apps.eval and apps.sft report with (apps/held_out/): the
+    task's first `eval.num_prompts` held-out problems, one greedy sample each, played by the job's rollout as one call
+    (one batch per generator replica), a single-turn one unscored: the evaluator scores each text with the task's
+    reward (or the user's, under its timeout). A sample whose generation, environment or reward failed is left out of
+    the score and counted; a rollout error that ends the job (rl.rollout.FATAL) ends it here too."""
+
+    def __init__(self, cfg: GRPOConfig, task: Task, rollout: Rollout, tokenizer: Any = None) -> None:
+        if isinstance(rollout, SingleTurn):
+            rollout = SingleTurn(rollout.generators)
+        self.sampler = BatchingSampler(RolloutSampler(rollout, tokenizer))
+        self.reward = Reward(*reward_function(cfg, task))
+        self.task, self.num_prompts, self.max_tokens = task, cfg.eval.num_prompts, cfg.rollout.max_tokens
+
+    async def score(self, label: str) -> TaskScore:
+        return await evaluate_greedy(self.sampler, self.task.held_out()[: self.num_prompts], self.reward,
+                                     max_tokens=self.max_tokens, stop_token_ids=self.task.stop_token_ids,
+                                     label=f"eval {label}", fatal=FATAL)
 
 
 async def make_rollout(cfg: GRPOConfig, task: Task, actors: JobActors) -> SingleTurn | MultiTurn:

@@ -6,17 +6,18 @@ Every episode played is trained, still held by the replay buffer, or dropped wit
 never trained, nor is the rest of its group when fewer than 2 are left: apps/grpo/rollouts.py, GroupSelector). The
 summary is printed and written to `run_dir/summary.json`.
 
-The held-out score is the mean greedy reward: "accuracy" when the task's rewards are 0 or 1, else "mean reward".
+The held-out score is the mean greedy reward, by the evaluator the apps share (apps/held_out/): "accuracy" when the
+task's rewards are 0 or 1, else "mean reward".
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from apps.held_out.scores import TaskScore
 from forge.weights import segment as weight_segments
 from forge.metrics import record_metric
 from forge.provisioner import get_provisioner
@@ -51,7 +52,8 @@ class RunSummary:
     held_out_score: str = "accuracy"
     accuracy_start: float | None = None
     accuracy_end: float | None = None
-    eval_environment_failures: int = 0  # held-out episodes whose environment failed: left out of the scores
+    # Held-out samples that failed (their generation, environment or reward; apps/held_out/): left out of the scores.
+    eval_environment_failures: int = 0
     first_step: dict[str, float] = field(default_factory=dict)  # this run's first and last step's metrics
     clip_fraction_max: float | None = None  # the PPO clip fraction's largest step value (0: the clip never bound)
     last_step: dict[str, float] = field(default_factory=dict)
@@ -84,17 +86,17 @@ class RunSummary:
         self.generation_failures = counters.generation_failures
         self.environment_failures = counters.environment_failures
 
-    def evaluated(self, label: str, version: int, rewards: list[float | None]) -> float:
-        """A held-out evaluation's mean reward, printed and recorded; None: its environment or generation failed (left
-        out, counted)."""
-        scores = [score for score in rewards if score is not None]
-        mean, failed = sum(scores) / len(scores) if scores else math.nan, len(rewards) - len(scores)
+    def evaluated(self, label: str, version: int, score: TaskScore) -> float:
+        """A held-out evaluation's mean reward (apps/held_out/: one greedy sample a prompt), printed and recorded; the
+        prompts whose sample failed (its generation, environment or reward) are left out, counted with their errors."""
+        failed = score.failed_samples
         self.eval_environment_failures += failed
-        record_metric(self.score_metric, mean)
+        record_metric(self.score_metric, score.mean_reward)
+        reasons = "; ".join(f"{error} x{count}" for error, count in list(score.failures.items())[:3])
         print(f"eval ({label}, policy version {version}): held-out greedy {self.held_out_score} "
-              f"{self.score_text(mean)} on {len(scores)} prompts"
-              + (f" ({failed} more left out: their environment failed)" if failed else ""), flush=True)
-        return mean
+              f"{self.score_text(score.mean_reward)} on {score.prompts - failed} prompts"
+              + (f" ({failed} more left out, failed: {reasons})" if failed else ""), flush=True)
+        return score.mean_reward
 
     def finish(self, run_dir: Path, *, steps: int, policy_version: int, interrupted: str | None,
                counters: EpisodeCounters, buffer_stats: dict[str, int], reward_failures: int, wall_s: float) -> None:
@@ -152,8 +154,8 @@ class RunSummary:
             lines.append(f"held-out {self.held_out_score}: {self.score_text(self.accuracy_start)} -> "
                          f"{self.score_text(self.accuracy_end)} ("
                          + (f"{change:+.1%})" if self.held_out_score == "accuracy" else f"{change:+.3f})")
-                         + (f"; {self.eval_environment_failures} held-out episodes left out: their environment "
-                            "failed" if self.eval_environment_failures else ""))
+                         + (f"; {self.eval_environment_failures} held-out episodes left out: their generation, "
+                            "environment or reward failed" if self.eval_environment_failures else ""))
         if self.first_step:
             lines.append(f"reward (batch mean): first step {self.first_step.get('reward/mean', float('nan')):.3f} -> "
                          f"last step {self.last_step.get('reward/mean', float('nan')):.3f}")

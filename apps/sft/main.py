@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.model_files import read_hf_config
-from apps.held_out.evaluate import Progress, Reward, evaluate_task
+from apps.held_out.evaluate import Reward, evaluate_greedy
 from apps.held_out.samplers import RolloutSampler
-from apps.held_out.scores import score_task
 from apps.run_checkpoints import JobCheckpoints
 from apps.sft.config import SFTConfig
 from apps.sft.data import Example, train_batch
@@ -35,7 +34,7 @@ from forge.lifecycle import run_job
 from forge.metrics import MetricLogger
 from rl.environments.player import start_player
 from rl.rollout import MultiTurn, SingleTurn
-from rl.types import SamplingParams, TrainBatch
+from rl.types import TrainBatch
 from forge.weights.startup import start_weight_store
 
 WEIGHTS = "sft"  # the weight store namespace the trainer publishes to and the held-out generator follows
@@ -148,12 +147,10 @@ class SFTJob:
     async def accuracy(self, label: str) -> float:
         await self.trainer.wait_published.call()
         await self.generators.update_weights.fanout(self.version)
-        task, e = self.data.task, self.cfg.eval
-        params = SamplingParams(n=1, max_tokens=e.max_tokens, temperature=0.0, stop_token_ids=list(task.stop_token_ids))
-        played = await evaluate_task(self.sampler, self.data.problems, params,
-                                     Reward(task.reward, None), seed=None, slots=asyncio.Semaphore(EVAL_CONCURRENCY),
-                                     progress=Progress(f"eval {label}", len(self.data.problems), 0))
-        score = score_task(played, 1, [1], 1.0)
+        task = self.data.task
+        score = await evaluate_greedy(self.sampler, self.data.problems, Reward(task.reward, None),
+                                      max_tokens=self.cfg.eval.max_tokens, stop_token_ids=task.stop_token_ids,
+                                      label=f"eval {label}", concurrency=EVAL_CONCURRENCY)
         if score.failed_samples:
             print(f"eval {label}: {score.failed_samples} samples failed, left out: {score.failures}", file=sys.stderr,
                   flush=True)

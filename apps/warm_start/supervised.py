@@ -12,6 +12,7 @@ The result is saved as an ordinary HF checkpoint directory, cached by its inputs
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import json
@@ -25,22 +26,50 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from apps.held_out.evaluate import Reward, evaluate_greedy
+from apps.held_out.samplers import BatchingSampler
+from apps.held_out.scores import TaskScore
 from apps.warm_start.config import WarmStartConfig
 from rl.demonstrations import completion_example, reference_completion
 from rl.tasks import Problem
 from rl.tasks.protocol import MultiTurnTask, Task
+from rl.sampling import SamplingParams
+
+
+class ModelSampler:
+    """The held-out evaluator's sampler (apps/held_out/) over the training model in this process: `sample_many` decodes
+    its problems in one left-padded batch (actors.engines.hf.HFEngine over the model itself, no copy)."""
+
+    def __init__(self, model, tokenizer) -> None:
+        from actors.engines.hf import HFEngine
+
+        self.engine = HFEngine.from_model(model, tokenizer)
+
+    async def sample_many(self, problems: list[Problem], params: SamplingParams) -> list[list[str]]:
+        return [[c.text for c in out] for out in self.engine.generate([p.prompt for p in problems], params)]
 
 
 def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[[str, str], float], max_tokens: int,
-                    stop_token_ids: Sequence[int] = ()) -> float:
-    """Exact-answer accuracy of greedy decoding (one left-padded batch), stopped where the task's answers end."""
-    from actors.engines.hf import HFEngine
-    from rl.types import SamplingParams
+                    stop_token_ids: Sequence[int] = (), *, log: Callable[[str], None] | None = None) -> float:
+    """The mean reward (exact-answer accuracy) of greedy decoding, stopped where the task's answers end: the shared
+    held-out evaluator over one batch of the model (`ModelSampler`), a sample whose reward failed left out (reported
+    to `log`)."""
+    score = asyncio.run(evaluate_greedy(BatchingSampler(ModelSampler(model, tokenizer)), problems, Reward(reward, None),
+                                        max_tokens=max_tokens, stop_token_ids=stop_token_ids, label="warm start"))
+    return checked_accuracy(score, "samples", log)
 
-    engine = HFEngine.from_model(model, tokenizer)  # decodes with the training model itself, no copy
-    params = SamplingParams(n=1, max_tokens=max_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids))
-    outputs = engine.generate([p.prompt for p in problems], params)
-    return sum(reward(out[0].text, p.answer) for p, out in zip(problems, outputs)) / len(problems)
+
+def checked_accuracy(score: TaskScore, what: str, log: Callable[[str], None] | None = None, name: str = "") -> float:
+    """An evaluation's accuracy (its mean reward); failed `what` are left out, reported to `log`. When every one failed,
+    the warm start cannot measure, let alone reach, its target: an error (naming the task `name`)."""
+    first = next(iter(score.failures), "")
+    if score.failed_samples == score.samples:
+        raise RuntimeError(f"warm start{f' of task {name!r}' if name else ''}: all {score.samples} evaluation {what} "
+                           f"failed (first: {first}); it cannot produce a correct one")
+    if score.failed_samples and log is not None:
+        log(f"warm start: {score.failed_samples} of {score.samples} evaluation {what} left out of the accuracy: they "
+            f"failed (first: {first})")
+    return score.mean_reward
 
 
 def warm_start_on_task(model: str, model_cache: str | Path, task: Task, config: WarmStartConfig, *, seed: int,
@@ -98,7 +127,7 @@ def warm_start(
     return train_until_accurate(
         model_dir, out_dir, cache_key={"eval": [tuple(p) for p in eval_problems[:20]]}, batch=batch,
         accuracy=lambda model, tokenizer: greedy_accuracy(model, tokenizer, eval_problems, reward, max_tokens,
-                                                          stop_token_ids),
+                                                          stop_token_ids, log=log),
         config=config, seed=seed, log=log, what=f"greedy accuracy on {len(eval_problems)} prompts")
 
 

@@ -1,6 +1,8 @@
-"""apps/examples: the best-of-n app runs end to end, leaves no processes behind and rejects bad configs."""
+"""apps/examples: the best-of-n app runs end to end, leaves no processes behind and rejects bad configs; the REST
+client's loop scores its held-out prompts with the shared evaluator (apps/held_out/)."""
 
 import ast
+import math
 import re
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 from apps.examples.best_of_n import BestOfNConfig, main
 from apps.examples.scorer import closeness_reward
 from forge.config import load_config, validate
-from rl.tasks.arithmetic import ArithmeticTask
+from rl.tasks.arithmetic import ArithmeticTask, Problem
 from tests.support import job_processes
 
 pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
@@ -55,6 +57,35 @@ def test_the_client_loops_datums_carry_what_the_trainer_scores_a_sample_with():
     assert first["kept_token_ids"] == [[], [7, 9], [8]] and second["kept_token_ids"] == [[], [9, 7]]
     assert first["advantages"] == [0.0, pytest.approx(1.0, abs=1e-5), pytest.approx(1.0, abs=1e-5)]
     assert first["reward"] == 1.0 and second["mask"] == [0.0, 1.0]
+
+
+def test_the_client_loops_accuracy_is_the_held_out_evaluators_in_one_request():
+    # apps/held_out/'s greedy figure over the server's sampling: every prompt in one request, greedy; a request that
+    # fails leaves its samples out and says so (the apps' rule), where it once ended the program.
+    from apps.examples.client_rl_loop import accuracy
+    from apps.server.client import Result
+
+    class Sampling:
+        def __init__(self, error: Exception | None = None) -> None:
+            self.error, self.requests = error, []
+
+        async def answer(self, prompts: list[str]) -> Result:
+            if self.error is not None:
+                raise self.error
+            return Result.wrap({"samples": [[{"text": "46" if p == "12+34=" else "0"}] for p in prompts]})
+
+        def sample_many(self, prompts, sampling_params):
+            self.requests.append((list(prompts), sampling_params))
+            return self.answer(prompts)
+
+    task, problems = ArithmeticTask(seed=0, num_digits=2), [Problem("12+34=", "46"), Problem("1+2=", "3")]
+    sampling, log = Sampling(), []
+    assert accuracy(sampling, task, problems, max_tokens=4, log=log.append) == 0.5 and log == []
+    ((prompts, params),) = sampling.requests
+    assert prompts == ["12+34=", "1+2="] and (params.n, params.temperature, params.max_tokens) == (1, 0.0, 4)
+    failed = accuracy(Sampling(ConnectionError("server gone")), task, problems, max_tokens=4, log=log.append)
+    assert math.isnan(failed)  # nothing was scored
+    assert log == ["held-out: 2 of 2 samples failed, left out: {'ConnectionError: server gone': 2}"]
 
 
 def test_shipped_config_is_valid():

@@ -8,6 +8,7 @@ import math
 import torch
 
 from apps.grpo.summary import RunSummary
+from apps.held_out.scores import ProblemResult, score_task
 from bench.grpo_step_vs_trl import trl_advantages, trl_grpo_loss
 from bench.trl_side_by_side import EVAL_LINE, accuracy_at_time, time_to
 from losses.advantages import group_advantages
@@ -47,8 +48,8 @@ def test_trl_advantages_differ_from_forges_only_by_the_std_epsilon() -> None:
 
 def test_the_bench_reads_the_apps_evaluation_lines(capsys) -> None:
     summary = RunSummary(held_out_score="accuracy")
-    summary.evaluated("start", 0, [1.0, 0.0, 0.0, 0.0])
-    summary.evaluated("step 25", 25, [1.0, 1.0, 1.0, 0.0])
+    for label, version, rewards in (("start", 0, [1.0, 0.0, 0.0, 0.0]), ("step 25", 25, [1.0, 1.0, 1.0, 0.0])):
+        summary.evaluated(label, version, score_task([ProblemResult([r]) for r in rewards], 1, [1], 1.0))
     found = [m.groups() for m in EVAL_LINE.finditer(capsys.readouterr().out)]
     assert [(label, step, float(percent)) for label, step, percent in found] == [("start", None, 25.0),
                                                                                   ("step 25", "25", 75.0)]

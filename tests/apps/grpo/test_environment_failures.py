@@ -15,7 +15,7 @@ import pytest
 
 from apps.grpo.config import RolloutConfig
 from apps.grpo.main import GRPOJob
-from apps.grpo.rollouts import GroupSelector, evaluate, held_out_score
+from apps.grpo.rollouts import GroupSelector, HeldOut, held_out_score
 from apps.grpo.summary import EpisodeCounters, RunSummary
 from rl.environments.trajectory import Trajectory
 from rl.environments.config import EnvironmentConfig
@@ -56,6 +56,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [10 + (ord(c) % 50) for c in text]
 
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(40 + i) for i in ids)
+
 
 def multi_turn(texts: list[str], step_timeout_s: float = 0.5) -> MultiTurn:
     spec = OpenEnvSpec.resolve(SLEEPY, options={"sleep_s": 5.0})
@@ -72,10 +75,13 @@ async def test_an_in_process_environment_that_blocks_costs_its_episode_and_the_o
     assert group.failed == [False, True, False, False]
     assert [t.end for t in group.samples] == ["done", "environment_error", "done", "done"]
     assert [group.rewards[i] for i in (0, 2, 3)] == [1.0, 0.5, 1.0]
-    # evaluation leaves it out too
-    evaluated = await evaluate(multi_turn(["sleep", "1"]), [SimpleNamespace(seed=1)] * 2,
-                               SamplingParams(n=1, max_tokens=1))
-    assert evaluated == [None, 1.0]
+    # the held-out evaluation leaves it out too, counted with its reason (apps/held_out/'s rules)
+    cfg = SimpleNamespace(task=SimpleNamespace(reward=None), eval=SimpleNamespace(num_prompts=2),
+                          rollout=SimpleNamespace(max_tokens=1))
+    task = SimpleNamespace(held_out=lambda: [SimpleNamespace(seed=1)] * 2, stop_token_ids=[], reward=None)
+    score = await HeldOut(cfg, task, multi_turn(["sleep", "1"]), Tokenizer()).score("end")
+    assert score.mean_reward == 1.0 and score.failed_samples == 1
+    assert next(iter(score.failures)).startswith("EnvironmentFailed: ")
     drain_local()
     deadline = time.monotonic() + 15
     while stranded_threads() and time.monotonic() < deadline:

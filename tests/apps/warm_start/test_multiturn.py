@@ -57,13 +57,14 @@ def test_failed_episodes_are_left_out_of_the_accuracy_and_reported(tiny, tmp_pat
     log: list[str] = []
     _, accuracy = _warm_start(tiny, tmp_path, Task(), ["good", "bad", "zero"], log)
     assert accuracy == 0.5  # 1 of the 2 that played; scored as 0, the failure made it 1/3, under the target
-    assert any("1 of 3 evaluation episodes left out of the accuracy: their environment failed (first: "
+    # the shared evaluator's rules and words (apps/held_out/): a failed sample, counted with its reason
+    assert any("1 of 3 evaluation episodes left out of the accuracy: they failed (first: EnvironmentFailed: "
                "ConnectionError: sandbox gone)" in line for line in log)
-    assert any("environment failures 1 of 3 evaluation episodes" in line for line in log)
+    assert any("warm start: 1 of 3 evaluation episodes failed over its checks" in line for line in log)
 
 
 def test_a_warm_start_whose_every_episode_fails_stops_naming_the_task(tiny, tmp_path):
-    with pytest.raises(RuntimeError, match=r"warm start of task 'sandboxed': all 3 evaluation episodes failed in their "
-                                           r"environment \(first: ConnectionError: sandbox gone\)"):
+    with pytest.raises(RuntimeError, match=r"warm start of task 'sandboxed': all 3 evaluation episodes failed \(first: "
+                                           r"EnvironmentFailed: ConnectionError: sandbox gone\)"):
         _warm_start(tiny, tmp_path, Task(broken=True), ["good", "zero", "good"], [])
 

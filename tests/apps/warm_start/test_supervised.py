@@ -1,12 +1,14 @@
-"""apps.warm_start.supervised's stopping rule: checks every `eval_every` steps, then after every step once a check reaches
-`check_every_step_from`, so an accuracy that jumps between two checks is caught at its first step past the target."""
+"""apps.warm_start.supervised's stopping rule: checks every `eval_every` steps, then after every step once a check
+reaches `check_every_step_from`, so an accuracy that jumps between two checks is caught at its first step past the
+target; the check itself is the shared held-out evaluator's (apps/held_out/) over one batch of the model."""
 
 import pytest
 import torch
 
 from rl.tiny_model import build_tiny_checkpoint
 from apps.warm_start.config import WarmStartConfig
-from apps.warm_start.supervised import train_until_accurate
+from apps.warm_start.supervised import greedy_accuracy, train_until_accurate
+from rl.tasks.arithmetic import Problem
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +46,31 @@ def test_checks_after_every_step_once_near_the_target(tiny, tmp_path):
 def test_check_every_step_from_is_validated():
     with pytest.raises(ValueError, match=r"check_every_step_from=0.5: must be in \(0, target_accuracy=0.3\]"):
         WarmStartConfig(target_accuracy=0.3, check_every_step_from=0.5)
+
+
+def test_the_accuracy_check_is_the_shared_evaluators_over_one_batch_of_the_model(tiny, monkeypatch):
+    """greedy_accuracy: apps/held_out/'s evaluator over one left-padded batch; a sample whose reward fails is left out
+    and reported (scored 0, this would be 1/3), and an evaluation whose every sample fails is an error."""
+    from actors.engines.hf import HFEngine
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    calls = []
+    generate = HFEngine.generate
+    monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, params: calls.append(prompts) or
+                        generate(self, prompts, params))
+
+    def reward(text: str, answer: str) -> float:  # judged by the answer alone: the tiny model writes noise
+        if answer == "boom":
+            raise ValueError("stand-in reward failure")
+        return float(answer == "right")
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny), AutoTokenizer.from_pretrained(tiny)
+    problems = [Problem("1+1=", "right"), Problem("2+2=", "wrong"), Problem("3+3=", "boom")]
+    log: list[str] = []
+    with torch.no_grad():
+        assert greedy_accuracy(model, tokenizer, problems, reward, max_tokens=2, log=log.append) == 0.5
+        assert calls == [["1+1=", "2+2=", "3+3="]]  # one batch
+        assert log == ["warm start: 1 of 3 evaluation samples left out of the accuracy: they failed (first: reward: "
+                       "ValueError: stand-in reward failure)"]
+        with pytest.raises(RuntimeError, match=r"all 1 evaluation samples failed \(first: reward: ValueError"):
+            greedy_accuracy(model, tokenizer, problems[2:], reward, max_tokens=2)
