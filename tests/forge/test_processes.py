@@ -7,8 +7,11 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from forge import processes
+
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
 
 # A stand-in for Monarch 0.7's tree: a mesh process (a direct child of the controller) -> an engine it started;
 # and a process that is not Monarch's.

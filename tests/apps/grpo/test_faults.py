@@ -122,11 +122,10 @@ def test_a_reward_that_raises_hangs_or_returns_nan_is_scored_as_failure_and_sigi
         assert out.count(f"reward function failed ({kind})") == 1, kind
 
 
-@pytest.mark.parametrize("isolated", [False, True], ids=["in_process", "isolated"])
-def test_an_environment_whose_step_blocks_costs_its_episodes_and_the_run_finishes(tmp_path, isolated):
+def test_an_isolated_environment_whose_step_blocks_costs_its_episodes_and_the_run_finishes(tmp_path):
+    # The in-process case is tests/apps/grpo/test_environment_failures.py's (the job's rollouts, no app start).
     job = RunningJob(tmp_path / "run", *SLEEPY, "task.options={sleep_s: 1000, block_every: 40, block_seeds: [0, 1]}",
-                     "steps=3", "eval.at_end=true", "checkpoint.final=false",
-                     f"environment.isolated={str(isolated).lower()}",
+                     "steps=3", "eval.at_end=true", "checkpoint.final=false", "environment.isolated=true",
                      config="configs/multiturn_tiny.yaml")
     assert job.finish() == 0, job.output()[-3000:]
     rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -10,6 +10,8 @@ import pytest
 from apps.grpo.rewards import RewardHangError, RewardScorer
 from forge.metrics import drain_local
 
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
+
 
 def exact(text: str, answer: str) -> float:
     return float(text == answer)

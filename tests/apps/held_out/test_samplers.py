@@ -9,6 +9,8 @@ import contextlib
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from apps.held_out.evaluate import Progress, Reward, evaluate_task
 from apps.held_out.samplers import RolloutSampler
 from rl.environments.config import EnvironmentConfig
@@ -18,6 +20,8 @@ from rl.environments.threads import stranded_threads
 from rl.rollout import MultiTurn
 from rl.tasks.lookup import LookupTask
 from rl.types import Completion, SamplingParams
+
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
 
 
 class CharTokenizer:

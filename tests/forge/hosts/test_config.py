@@ -15,6 +15,8 @@ import pytest
 from forge.hosts import slurm
 from forge.hosts.config import HostsConfig, HostsError, SlurmConfig
 
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
+
 
 def _slurm(**kwargs) -> SlurmConfig:
     return SlurmConfig(**{"nodes": 2, **kwargs})

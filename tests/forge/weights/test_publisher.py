@@ -25,6 +25,8 @@ from forge.weights.publisher import PieceWriter
 from forge.weights.segment import HEADER, SHM_DIR, create_segment, read_segment, unlink_segment
 from tests.support import flip_byte
 
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
+
 SHAPES = {"embed": (300, 40), "norm": (40,), "odd": (1001,), "proj": (200, 40)}
 
 

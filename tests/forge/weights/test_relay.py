@@ -25,6 +25,8 @@ from forge.weights.segment import HEADER, SHM_DIR, SegmentRead, create_segment, 
 from forge.job_auth import JobAuthenticationError
 from forge.weights.relay import SegmentServer, connect, receive_segment
 
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
+
 SECRET = b"0123456789abcdef" * 4  # the job's secret in these tests (forge.job_auth.job_secret in a job)
 
 

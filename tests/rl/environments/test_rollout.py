@@ -13,6 +13,8 @@ from rl.environments.rollout import run_episodes
 from forge.metrics import drain_local
 from rl.types import Completion, SamplingParams
 
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
+
 EOS = 1
 
 

@@ -16,6 +16,8 @@ from rl.environments.threads import EnvironmentsBlocked, ThreadedEnvironment, st
 from forge.metrics import drain_local
 from rl.types import Completion, SamplingParams
 
+pytestmark = pytest.mark.timed  # wall-clock bounds: `make test` runs it at full priority (tests/suite.py)
+
 SLEEPY = "tests.rl.environments.openenv_sleepy:SleepyEnvironment"
 
 
