@@ -53,7 +53,7 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], reward: Callable[
                     stop_token_ids: Sequence[int] = (), *, log: Callable[[str], None] | None = None) -> float:
     """The mean reward (exact-answer accuracy) of greedy decoding, stopped where the task's answers end: the shared
     held-out evaluator over one batch of the model (`ModelSampler`), a sample whose reward failed left out (reported
-    to `log`)."""
+    to `log`). It runs an event loop of its own: call it from plain code or a thread, not from a coroutine."""
     score = asyncio.run(evaluate_greedy(BatchingSampler(ModelSampler(model, tokenizer)), problems, Reward(reward, None),
                                         max_tokens=max_tokens, stop_token_ids=stop_token_ids, label="warm start"))
     return checked_accuracy(score, "samples", log)
