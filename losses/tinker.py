@@ -1,6 +1,6 @@
 """The Tinker SDK's built-in losses, with Tinker's semantics: sums over tokens (not means), per-token advantages and
 per-token weights, as its documentation writes them. The training service runs them for requests that come through
-the Tinker protocol (apps/server/tinker_routes.py); forge's own losses (grpo, dapo, ...) stay what apps.grpo uses.
+the Tinker protocol (apps/server/tinker/routes.py); forge's own losses (grpo, dapo, ...) stay what apps.grpo uses.
 
 Every function has forge's loss signature (`losses.types`): `logprobs` [B, T-1] are the trainer's log-probs of the
 datum's target tokens, and the batch carries Tinker's `loss_fn_inputs` as
