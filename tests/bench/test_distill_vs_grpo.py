@@ -52,3 +52,8 @@ def test_the_goals_need_every_seed_at_the_target_and_a_median_third_of_grpos_ste
     assert not ok and "on 2 of 3 seeds" in line
     # GRPO not reaching the target in its 150 steps counts as needing more: 40 / 151.
     assert verdict([row(40, None)])[0]
+
+
+def test_without_grpo_on_every_seed_the_goals_are_not_called_met():
+    ok, line = verdict([row(30, 120), {"distill": {"at": 20}}])
+    assert not ok and "not both run on every seed" in line
