@@ -42,8 +42,9 @@ grpo: $(STAMP)
 bench-trl: $(STAMP)
 	$(PY) bench/trl_side_by_side.py $(ARGS)
 
-# The whole suite as CI runs it (tests/suite.py says how: the Monarch modules one process each, with one retry
-# printed when Monarch misses a deadline on a busy host; the rest beside them at the lowest CPU priority).
+# The whole suite as CI runs it (tests/suite.py says how: the modules with wall-clock bounds at full priority, the
+# rest beside them at the lowest; each Monarch module in a process of its own, retried once, printed, when Monarch
+# misses a deadline on a busy host).
 # `make test ARGS=...` runs pytest once with your arguments instead.
 SHELL := /bin/bash
 

@@ -1,77 +1,98 @@
-"""`make test`: the whole suite, as CI runs it.
+"""`make test`: the whole suite, as CI runs it, in two lanes side by side.
 
-Each test module marked `monarch` (it starts Monarch processes, a weight store or an app) runs in a pytest process of
-its own, one after another, so one module's runtime state (meshes, the torchstore controller, late replies) cannot
-leak into the next. When one fails, its failed tests run once more (the whole module if pytest named none) and fail
-the suite only if they fail again: Monarch can miss its deadlines on a busy 2-core host (forge.compat 13,
-docs/reliability.md); the retry is printed, never silent.
+- At full priority, one after another: the modules marked `timed` (they assert wall-clock bounds: timeouts, stalls,
+  "within 30 s"). Those without Monarch processes run together in one pytest process; each one marked `monarch`
+  runs in a pytest process of its own.
+- At the lowest CPU priority (`nice 19`), beside them: every other `monarch` module, each in a process of its own,
+  and the rest of the suite together in one process. Most of a Monarch module's time is spent waiting for processes
+  to start, stop or answer; this lane uses the cores that leaves idle without taking any from the timed lane.
 
-The modules marked `timed` (they assert wall-clock bounds: timeouts, stalls) run first, together in one process. The
-rest run together in one pytest process beside all of these, at the lowest CPU priority (`nice 19`): most of a Monarch
-module's time is spent waiting for processes to start, stop or answer, and that lane uses the idle cores without
-taking any from the other lane's deadlines. Its output is printed at the end.
+A module marked `monarch` starts Monarch processes, a weight store or an app: one pytest process each, so one
+module's runtime state (meshes, the torchstore controller, late replies) cannot leak into the next. When one fails,
+its failed tests run once more (the whole module if pytest named none) and fail the suite only if they fail again:
+Monarch can miss its deadlines on a busy 2-core host (forge.compat 13, docs/reliability.md); the retry is printed,
+never silent. The niced lane's output is printed after the timed lane's.
 """
 
 from __future__ import annotations
 
-import os
+import io
 import re
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = [sys.executable, "-m", "pytest"]
+NICE = ["nice", "-n", "19"]
 FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
 def modules_marked(marker: str) -> list[str]:
     listed = subprocess.run([*PYTEST, "--collect-only", "-q", "-m", marker, "tests"], cwd=ROOT,
                             capture_output=True, text=True)
-    modules = sorted({line.split("::", 1)[0] for line in listed.stdout.splitlines() if "::" in line})
-    if not modules:
-        sys.exit(f"no test module is marked {marker}: collection failed?\n{listed.stdout[-3000:]}{listed.stderr[-3000:]}")
-    return modules
+    if listed.returncode not in (0, 5):  # 5: nothing collected
+        sys.exit(f"collecting `-m {marker}` failed:\n{listed.stdout[-3000:]}{listed.stderr[-3000:]}")
+    return sorted({line.split("::", 1)[0] for line in listed.stdout.splitlines() if "::" in line})
 
 
-def run_modules(*modules: str, retry: bool = True) -> tuple[bool, str | None]:
-    """Run `modules` in one pytest process: (passed, what passed only on its retry)."""
-    print(f"== pytest {' '.join(modules)}", flush=True)
-    proc = subprocess.Popen([*PYTEST, "-rfE", "--durations=3", *modules], cwd=ROOT, stdout=subprocess.PIPE,
+def run(args: list[str], out: TextIO, *, niced: bool = False, retry: bool = True) -> tuple[bool, str | None]:
+    """One pytest process, its output to `out`: (passed, what passed only on its retry)."""
+    print(f"== pytest {' '.join(args)}", file=out, flush=True)
+    proc = subprocess.Popen([*(NICE if niced else []), *PYTEST, "-rfE", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
-        sys.stdout.write(line)
+        out.write(line)
         lines.append(line)
+    out.flush()
     if proc.wait() == 0:
         return True, None
     if not retry:
         return False, None
-    failed = " ".join(sorted(set(FAILED.findall("".join(lines))))) or " ".join(modules)
-    print(f"== RETRY {failed}: failed once; running again (forge.compat 13: Monarch on a loaded host)", flush=True)
-    passed = subprocess.run([*PYTEST, *failed.split()], cwd=ROOT).returncode == 0
-    return passed, failed if passed else None
+    failed = " ".join(sorted(set(FAILED.findall("".join(lines))))) or " ".join(a for a in args if a.startswith("tests"))
+    print(f"== RETRY {failed}: failed once; running again (forge.compat 13: Monarch on a loaded host)", file=out,
+          flush=True)
+    again = subprocess.run([*(NICE if niced else []), *PYTEST, *failed.split()], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    out.write(again.stdout)
+    return again.returncode == 0, failed if again.returncode == 0 else None
+
+
+def niced_lane(modules: list[str], out: io.StringIO, results: dict[str, tuple[bool, str | None]]) -> None:
+    rest_out = io.StringIO()
+    rest = threading.Thread(target=lambda: results.__setitem__("(the rest)", run(
+        ["--durations=15", "-m", "not monarch and not timed", "tests"], rest_out, niced=True, retry=False)))
+    rest.start()
+    for module in modules:
+        results[module] = run(["--durations=3", module], out, niced=True)
+    rest.join()
+    out.write(rest_out.getvalue())
 
 
 def main() -> int:
     started = time.monotonic()
-    timed, modules = modules_marked("timed and not monarch"), modules_marked("monarch")
-    with tempfile.TemporaryFile("w+") as rest_log:
-        # The lane of the rest: niced, its output kept for the end.
-        rest = subprocess.Popen(["nice", "-n", "19", *PYTEST, "-rfE", "--durations=15", "-m", "not monarch and not timed",
-                                 "tests"], cwd=ROOT, stdout=rest_log, stderr=subprocess.STDOUT)
-        results = [run_modules(*timed, retry=False)] + [run_modules(module) for module in modules]
-        rest_code = rest.wait()
-        rest_log.seek(0)
-        print("== pytest (the rest, niced, run beside the modules above)", flush=True)
-        sys.stdout.write(rest_log.read())
-    retried = [r for ok, r in results if r]
+    timed_alone = modules_marked("timed and not monarch")
+    timed_monarch, monarch = modules_marked("timed and monarch"), modules_marked("monarch and not timed")
+    if not (timed_alone and timed_monarch and monarch):
+        sys.exit("a lane of the suite collected no module: collection failed?")
+    results: dict[str, tuple[bool, str | None]] = {}
+    niced_out = io.StringIO()
+    beside = threading.Thread(target=niced_lane, args=(monarch, niced_out, results))
+    beside.start()
+    results["(timed)"] = run(["--durations=3", *timed_alone], sys.stdout, retry=False)
+    for module in timed_monarch:
+        results[module] = run(["--durations=3", module], sys.stdout)
+    beside.join()
+    print("== the niced lane, run beside the modules above", flush=True)
+    sys.stdout.write(niced_out.getvalue())
+    retried = [again for _, again in results.values() if again]
     if retried:
         print(f"FLAKY (failed once, passed on the retry): {' '.join(retried)}")
-    lanes = [" ".join(timed)] + modules
-    failed = [m for m, (ok, _) in zip(lanes, results) if not ok] + (["(the rest)"] if rest_code else [])
+    failed = [name for name, (ok, _) in results.items() if not ok]
     minutes = (time.monotonic() - started) / 60
     print(f"TESTS FAILED: {' '.join(failed)} ({minutes:.1f} min)" if failed else f"ALL TESTS PASSED ({minutes:.1f} min)")
     return 1 if failed else 0

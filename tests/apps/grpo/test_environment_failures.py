@@ -27,7 +27,7 @@ from forge.metrics import drain_local
 from rl.tasks import TaskConfig
 from rl.types import Completion, SamplingParams
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 SLEEPY = "tests.rl.environments.openenv_sleepy:SleepyEnvironment"
 

@@ -13,7 +13,7 @@ import pytest
 from tests.support import WatchedProcess, marked_environment, processes_with_mark
 from forge.weights.store import SHM_DIR
 
-pytestmark = [pytest.mark.monarch, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[3]
 # A role's mesh is `<role>-<n>`, a service replica's `<role>-r<replica>-<n>` (replicas start together, so their lines

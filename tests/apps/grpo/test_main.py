@@ -12,7 +12,7 @@ import pytest
 from tests.support import marked_environment, processes_with_mark
 
 # Whole-app runs: on a loaded 2-core host Monarch start-up alone has taken minutes.
-pytestmark = [pytest.mark.monarch, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[3]
 

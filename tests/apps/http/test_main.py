@@ -11,7 +11,7 @@ import pytest
 
 from apps.http.main import _stopped
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 

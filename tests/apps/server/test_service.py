@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # below; the full one (to 20% accuracy) takes from 2 minutes to over 15 on a loaded 2-core host.
 SHORT_WARM_START = ["warm_start.max_steps=20"]
 API_KEY = "test-key-0123"
-pytestmark = [pytest.mark.monarch, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.timeout(600)]
 
 
 # --- pieces without processes ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from tests.support import start_http_app, stop_http_app
 
 ROOT = Path(__file__).resolve().parents[3]
 API_KEY = "tml-forge-test-key"
-pytestmark = [pytest.mark.monarch, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.monarch, pytest.mark.timed, pytest.mark.timeout(900)]
 RL_STEPS = 3
 
 

@@ -26,7 +26,7 @@ from tests.slurm_support import KILL_WAIT_S, PARTITION, SlurmCluster
 from forge.hosts import slurm
 from forge.hosts.config import HostsError, SlurmConfig
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 _UNAVAILABLE = namespaces_unavailable()
 if _UNAVAILABLE is None:

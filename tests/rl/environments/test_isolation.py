@@ -19,7 +19,7 @@ from rl.environments.rollout import run_episodes
 from forge.metrics import drain_local
 from rl.types import Completion, SamplingParams
 
-pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs it in its own pytest process
+pytestmark = [pytest.mark.monarch, pytest.mark.timed]  # Monarch processes; wall-clock bounds (tests/suite.py)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the host process gets these classes by value
 
