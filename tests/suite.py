@@ -75,8 +75,9 @@ def niced_lane(modules: list[str], out: io.StringIO, results: dict[str, tuple[bo
 
 def main() -> int:
     started = time.monotonic()
-    timed_alone = modules_marked("timed and not monarch")
-    timed_monarch, monarch = modules_marked("timed and monarch"), modules_marked("monarch and not timed")
+    timed, monarch_all = set(modules_marked("timed")), set(modules_marked("monarch"))  # collection imports every module
+    timed_alone, timed_monarch = sorted(timed - monarch_all), sorted(timed & monarch_all)
+    monarch = sorted(monarch_all - timed)
     if not (timed_alone and timed_monarch and monarch):
         sys.exit("a lane of the suite collected no module: collection failed?")
     results: dict[str, tuple[bool, str | None]] = {}
