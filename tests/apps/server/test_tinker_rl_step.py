@@ -3,7 +3,7 @@ model: the LoRA trainer and the adapter sampler the server uses, and the SDK's o
 them. It checks what the loop relies on: the sampler's log-probs are the trainer's on the same tokens at the same
 weights (N inputs, N targets: no off-by-one), importance_sampling's gradient is Tinker's -sum_t r_t A_t on the
 sampled tokens only, a positive advantage raises the sequence's log-prob and a negative one lowers it, and the next
-sampler samples the new weights (not stale ones)."""
+sampler samples the new weights (not stale ones), and optim_step applies every AdamParams field the SDK sends."""
 
 from __future__ import annotations
 
@@ -162,3 +162,36 @@ def test_one_step_raises_the_rewarded_sequence_and_the_next_sampler_samples_the_
         loop.sampler.peft.set_adapter(loop.sampler._adapter(adapter))
         scored, _ = loop.sampler.engine.score(prompt, list(sequences[0].tokens))
         assert sum(scored) == pytest.approx(sequence_logprob(expected, 0), abs=1e-3)
+
+
+def test_optim_step_applies_the_requests_adam_params_as_torch_adamw(loop):
+    """Every AdamParams field the SDK sends reaches the session's optimizer: three optim_steps on given gradients
+    move the adapter exactly as torch.optim.AdamW with those values (and the gradient clipped at grad_clip_norm), and
+    the stepped parameters are the adapter on every target create_lora_training_client asks for, lm_head included."""
+    session = "ts-test:train:adam"
+    loop.trainer.add_session(session, LoRAConfig(rank=8, target_modules=list(LORA_TARGETS["qwen3"])), 1)
+    try:
+        params = [p for o in loop.trainer.sessions[session].optimizers.optimizers for g in o.param_groups
+                  for p in g["params"]]
+        stepped = {n.split(".lora_")[0].split(".")[-1] for n, p in loop.trainer.model.named_parameters()
+                   if any(p is q for q in params)}
+        assert stepped == {"wq", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head"}  # torchtitan's names of the 8 targets
+        reference = [p.detach().clone().requires_grad_() for p in params]
+        adam = types.AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.95, eps=1e-12, weight_decay=0.1,
+                                grad_clip_norm=0.5)
+        expected = torch.optim.AdamW(reference, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                                     weight_decay=adam.weight_decay)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            for p, r in zip(params, reference):
+                p.grad = torch.randn(p.shape, generator=generator)
+                r.grad = p.grad.clone()
+            torch.nn.utils.clip_grad_norm_(reference, adam.grad_clip_norm)
+            out = loop.trainer.run(session, "optim_step", adam.learning_rate, (adam.beta1, adam.beta2), adam.eps,
+                                   adam.weight_decay, adam.grad_clip_norm)
+            expected.step()
+            assert out["lr"] == adam.learning_rate
+            for p, r in zip(params, reference):
+                torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-7)
+    finally:
+        loop.trainer.remove_session(session)
