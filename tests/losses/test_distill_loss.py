@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from actors.logprobs import bucket_logprobs, topk_logprobs
 from losses.distill import distill
 from rl.types import TrainBatch
 
@@ -108,3 +109,120 @@ def test_without_the_teachers_logprobs_it_says_what_is_missing(case):
 def test_bad_reward_coef_is_named(case):
     with pytest.raises(ValueError, match=r"^distill: reward_coef=-1: must be a number >= 0"):
         distill(case.logprobs_leaf(), case.batch(), reward_coef=-1)
+
+
+# --- kl="full": the exact per-position KL over the teacher's top-k tokens and the rest of the vocabulary ----------
+
+V = 5
+L = math.log
+
+
+def full_kl_inputs(case, k: int, seed: int = 0):
+    """Student logits (a leaf) and teacher log-probs over a V-token vocabulary at every position of `case`, the
+    teacher's top-k ids and bucket log-probs (actors.logprobs), and the batch carrying them."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (len(case.mask), len(case.mask[0]), V)
+    logits = torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(shape, generator=generator, dtype=torch.float64) * 2, dim=-1)
+    ids, teacher_buckets = topk_logprobs(teacher, k)
+    batch = case.batch()
+    batch.ref_topk_ids, batch.ref_topk_logprobs = ids, teacher_buckets.double()
+    return logits, teacher, ids, batch
+
+
+def hand_full_kl(case, logits, teacher, ids):
+    """KL_t = sum_b P_b (log P_b - log Q_b) over the buckets {v} for v in the teacher's top-k and the rest, by hand
+    in Python floats, and its gradient w.r.t. the student's logits, dKL_t/dz_v = p_v (log P_b(v) - log Q_b(v) -
+    KL_t), each over the number of response tokens n. Returns (the loss, the gradient, the KL per token)."""
+    n = case.num_tokens()
+    loss, grad, kls = 0.0, torch.zeros(logits.shape, dtype=torch.float64), []
+    for i in range(len(case.mask)):
+        for t in case.tokens(i):
+            z = logits[i, t].tolist()
+            p = [math.exp(x) / sum(math.exp(y) for y in z) for x in z]
+            q = [math.exp(x) for x in teacher[i, t].tolist()]
+            top = ids[i, t].tolist()
+            buckets = [[v] for v in top] + [[v for v in range(V) if v not in top]]
+            masses = [(sum(p[v] for v in b), sum(q[v] for v in b)) for b in buckets]
+            kl = sum(pb * (L(pb) - L(qb)) for pb, qb in masses if pb > 0)
+            kls.append(kl)
+            loss += kl / n
+            for b, (pb, qb) in zip(buckets, masses):
+                for v in b:
+                    grad[i, t, v] = p[v] * (L(pb) - L(qb) - kl) / n
+    return loss, grad, kls
+
+
+@pytest.mark.parametrize("k", [2, V, 8])  # a rest bucket; the whole vocabulary (the exact KL); k past it
+def test_full_kl_matches_hand_computation(case, k):
+    logits, teacher, ids, batch = full_kl_inputs(case, k)
+    student = bucket_logprobs(torch.log_softmax(logits, dim=-1), ids)
+    out = distill(case.logprobs_leaf(), batch, topk_logprobs=student, kl="full")
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    loss, hand_grad, kls = hand_full_kl(case, logits.detach(), teacher, ids)
+    assert out.loss.item() == pytest.approx(loss, rel=1e-12)
+    torch.testing.assert_close(grad, hand_grad, rtol=1e-10, atol=1e-15)
+    assert out.metrics["reverse_kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-12)
+    if k >= V:  # the exact KL(pi || pi_T) at every position
+        p = torch.log_softmax(logits.detach(), dim=-1)
+        exact = ((p.exp() * (p - teacher)).sum(-1) * batch.response_mask).sum() / case.num_tokens()
+        assert out.loss.item() == pytest.approx(exact.item(), rel=1e-12)
+
+
+def test_full_kl_counts_the_rest_of_the_vocabulary_as_one_bucket(case):
+    # Dropping the rest bucket, or splitting it into its tokens, gives another value: the hand computation above
+    # lumps it, and this checks the difference is not within the tolerance.
+    logits, teacher, ids, batch = full_kl_inputs(case, 2)
+    student = bucket_logprobs(torch.log_softmax(logits, dim=-1), ids)
+    lumped = distill(case.logprobs_leaf(), batch, topk_logprobs=student, kl="full").loss.item()
+    top_only = (student[..., :-1].exp() * (student[..., :-1] - batch.ref_topk_logprobs[..., :-1])).sum(-1)
+    top_only = ((top_only * batch.response_mask).sum() / case.num_tokens()).item()
+    p = torch.log_softmax(logits.detach(), dim=-1)
+    exact = (((p.exp() * (p - teacher)).sum(-1) * batch.response_mask).sum() / case.num_tokens()).item()
+    assert abs(lumped - top_only) > 0.05 and exact - lumped > 0.05  # the lumped KL is a lower bound of the exact
+
+
+def test_full_kl_is_zero_at_the_teacher_and_positive_elsewhere_and_a_gradient_step_lowers_it(case):
+    logits, teacher, ids, batch = full_kl_inputs(case, 3)
+    teacher_logits = teacher.clone().requires_grad_()  # the student's logits at the teacher's
+    out = distill(case.logprobs_leaf(), batch, kl="full",
+                  topk_logprobs=bucket_logprobs(torch.log_softmax(teacher_logits, dim=-1), ids))
+    (grad,) = torch.autograd.grad(out.loss, teacher_logits)
+    assert out.loss.item() == pytest.approx(0.0, abs=1e-12) and grad.abs().max() < 1e-12
+    # A KL with its sign flipped would be negative here, and the step below would raise it.
+    before = distill(case.logprobs_leaf(), batch, kl="full",
+                     topk_logprobs=bucket_logprobs(torch.log_softmax(logits, dim=-1), ids)).loss
+    (step,) = torch.autograd.grad(before, logits)
+    after = distill(case.logprobs_leaf(), batch, kl="full",
+                    topk_logprobs=bucket_logprobs(torch.log_softmax(logits.detach() - 1.0 * step, dim=-1), ids)).loss
+    assert before.item() > 0.1 and after.item() < before.item()
+
+
+def test_full_kl_adds_the_rewards_policy_gradient_and_ignores_the_sampled_tokens_teacher_logprob(case):
+    logits, teacher, ids, batch = full_kl_inputs(case, 3)
+    student = bucket_logprobs(torch.log_softmax(logits, dim=-1), ids)
+    plain, mixed = case.logprobs_leaf(), case.logprobs_leaf()
+    batch.ref_logprobs = None  # kl="full" does not read the sampled tokens' teacher log-probs
+    assert distill(plain, batch, topk_logprobs=student, kl="full").loss.requires_grad
+    out = distill(mixed, batch, topk_logprobs=student, kl="full", reward_coef=0.5, clip_eps=100.0)
+    out.loss.backward()
+    ratio = torch.exp(mixed.detach() - batch.behaviour_logprobs) * batch.response_mask
+    torch.testing.assert_close(mixed.grad, -0.5 * batch.advantages.unsqueeze(-1) * ratio / case.num_tokens(),
+                               rtol=1e-12, atol=1e-15)
+
+
+def test_full_kl_without_the_teachers_topk_or_the_students_says_what_is_missing(case):
+    logits, _, ids, batch = full_kl_inputs(case, 2)
+    student = bucket_logprobs(torch.log_softmax(logits, dim=-1), ids)
+    with pytest.raises(ValueError, match=r"^distill: kl='full' and topk_logprobs=None; the trainer passes"):
+        distill(case.logprobs_leaf(), batch, kl="full")
+    with pytest.raises(ValueError, match=r"^distill: topk_logprobs has shape \(3, 5, 2\); must match "):
+        distill(case.logprobs_leaf(), batch, kl="full", topk_logprobs=student[..., 1:])
+    batch.ref_topk_logprobs = None
+    with pytest.raises(ValueError, match=r"^distill: kl='full' and batch.ref_topk_logprobs is None; .*teacher.top_k"):
+        distill(case.logprobs_leaf(), batch, kl="full", topk_logprobs=student)
+
+
+def test_bad_kl_is_named(case):
+    with pytest.raises(ValueError, match=r"^distill: kl='exact': must be one of sampled, full"):
+        distill(case.logprobs_leaf(), case.batch(), kl="exact")
