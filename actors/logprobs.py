@@ -51,7 +51,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def topk_logprobs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The K = min(k, V) most likely tokens of softmax(logits / temperature) at each position and their log-probs,
     the log of the rest of the mass last: [..., V] -> ids [..., K] long, log-probs [..., K+1] float32 (the
-    teacher's side of losses.distill's kl="full"; float64 logits stay float64)."""
+    teacher's side of losses.distill's kl="reverse" / "forward"; float64 logits stay float64)."""
     logprobs = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
     ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1).indices
     return ids, bucket_logprobs(logprobs, ids)

@@ -110,10 +110,10 @@ class ReferenceActor(ForgeActor):
     async def topk_logprobs(self, episodes: EpisodeBatch, pad_id: int, k: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                          torch.Tensor]:
         """The episodes' `ref_logprobs`, `ref_topk_ids` and `ref_topk_logprobs` (the teacher's top-k at each
-        completion token's position: losses.distill's kl="full"), flat like `episodes.completion_ids`."""
+        completion token's position: losses.distill's kl="reverse" / "forward"), flat like `episodes.completion_ids`."""
         if episodes.kept_token_ids is not None:
-            raise ValueError("ReferenceActor.topk_logprobs: the episodes were sampled with top-k / top-p (kept_token_ids "
-                             "set); the teacher's top-k compares full-vocabulary distributions: sample with "
+            raise ValueError("ReferenceActor.topk_logprobs: the episodes were sampled with top-k / top-p "
+                             "(kept_token_ids set); the teacher's top-k compares full-vocabulary distributions: sample with "
                              "rollout.top_p=1 and no top_k")
         batch = TrainBatch.from_episodes(episodes, pad_id)
         logprobs, ids, topk = self.model.topk_logprobs(batch.input_ids, k)

@@ -322,7 +322,7 @@ class ReplayBufferActor(ForgeActor):
         `scorer`: an actor whose `logprobs(episodes, pad_id)` gives their `ref_logprobs` (the reference model or the
         distillation teacher), asked here so the episodes and their log-probs never pass through the caller; with
         `top_k` > 0 its `topk_logprobs(episodes, pad_id, top_k)` gives `ref_topk_ids` and `ref_topk_logprobs` too
-        (the teacher's top-k at every position: losses.distill's kl="full")."""
+        (the teacher's top-k at every position: losses.distill's kl="reverse" / "forward")."""
         if not isinstance(episodes, EpisodeBatch) and not (episodes is None and reserved):
             raise ValueError(f"ReplayBufferActor.add: episodes must be a rl.types.EpisodeBatch "
                              f"(EpisodeBatch.pack(episodes)), or None with reserved > 0; got {type(episodes).__name__}")

@@ -302,8 +302,8 @@ class TitanTrainer:
         # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each
         # micro-batch's random state is kept so that its recomputation below draws the same dropout masks.
         keep_graph = len(micro) == 1
-        # A loss that takes `topk_logprobs` (losses.distill's kl="full") gets the student's log-probs of the teacher's
-        # top-k ids when the batch carries them: a second input the gradient flows back through.
+        # A loss that takes `topk_logprobs` (losses.distill's kl="reverse" / "forward") gets the student's log-probs of
+        # the teacher's top-k ids when the batch carries them: a second input the gradient flows back through.
         with_topk = batch.ref_topk_ids is not None and "topk_logprobs" in inspect.signature(loss_fn).parameters
         parts, rng_states = [], []
         with torch.set_grad_enabled(keep_graph):

@@ -14,7 +14,8 @@ from losses.rules import PI_OLD_PARAMS
 
 SUPPLIED_BY_TRAINER = frozenset({"logprobs", "batch", "old_logprobs"})  # every loss's non-hyperparameter arguments
 # Given only to a loss that takes it, when the batch carries the teacher's top-k (`TrainBatch.ref_topk_ids`): the
-# student's log-probs of those ids and of the rest of the vocabulary, [B, T-1, K+1] (losses/distill.py, kl="full").
+# student's log-probs of those ids and of the rest of the vocabulary, [B, T-1, K+1] (losses/distill.py, kl="reverse"
+# or "forward").
 SUPPLIED_IF_TAKEN = frozenset({"topk_logprobs"})
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-# How losses.distill takes the reverse KL at each position: k1 on the sampled token, or exact over the teacher's top-k.
-DISTILL_KLS = ("sampled", "full")
+# How losses.distill takes the KL at each position: the reverse KL's k1 on the sampled token, or the reverse or forward
+# KL over the teacher's top-k and the rest of the vocabulary.
+DISTILL_KLS = ("sampled", "reverse", "forward")
+VOCABULARY_KLS = ("reverse", "forward")  # those that need the teacher's top-k at every position (teacher.top_k)
 # The rollout corrections (losses/terms.py): any of these set makes the loss need pi_old, the trainer's own log-probs
 # before the batch's first optimizer step, which the trainer then computes.
 PI_OLD_PARAMS = ("tis_cap", "token_mask_band", "seq_mask_band")

@@ -69,8 +69,8 @@ class Episode:
     advantage: float = 0.0
     ref_logprobs: list[float] | None = None
     # The teacher's top-K tokens at each completion token's position, [len(completion_ids), K] int32, and their
-    # log-probs with the rest of its mass last, [len(completion_ids), K+1] float32 (losses.distill's kl="full");
-    # left out of `==` like kept_token_ids.
+    # log-probs with the rest of its mass last, [len(completion_ids), K+1] float32 (losses.distill's kl="reverse" or
+    # "forward"); left out of `==` like kept_token_ids.
     ref_topk_ids: torch.Tensor | None = field(default=None, compare=False)
     ref_topk_logprobs: torch.Tensor | None = field(default=None, compare=False)
     # [len(completion_ids), K] int32, -1 padded (see Completion); left out of `==` like there.
@@ -348,7 +348,8 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] float
     ref_logprobs: torch.Tensor | None = None  # [B, T-1] float
     # The teacher's K most likely tokens at each position ([B, T-1, K] long) and their log-probs with the log of the
-    # rest of its mass last ([B, T-1, K+1] float; an empty bucket: finfo.min): losses.distill's kl="full".
+    # rest of its mass last ([B, T-1, K+1] float; an empty bucket: finfo.min): losses.distill's kl="reverse" or
+    # "forward".
     ref_topk_ids: torch.Tensor | None = None
     ref_topk_logprobs: torch.Tensor | None = None
     # [B, T-1, K] int32: the tokens the sampler kept when it drew target t+1, -1 padded (all -1: full vocabulary);

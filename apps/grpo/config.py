@@ -29,7 +29,7 @@ from actors.weight_canary import CanaryConfig
 from rl.environments.config import EnvironmentConfig
 from forge.hosts.config import HostsConfig
 from losses.registry import REGISTERED_LOSSES
-from losses.rules import check_advantage_normalization
+from losses.rules import VOCABULARY_KLS, check_advantage_normalization
 from forge.metrics import MetricsConfig
 from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 from apps.run_checkpoints import CheckpointConfig
@@ -160,10 +160,10 @@ class TeacherSection:
     chunk_rows: int = 4
     """`engine: titan`: rows per forward pass."""
     top_k: int = 0
-    """`trainer.loss_params.kl: full`: the teacher hands over its `top_k` most likely tokens at every position of the
-    student's samples and their log-probs, the rest of its mass as one more bucket (the tiny model's vocabulary is 99:
-    100 covers it all, and the KL is exact); 0: only the sampled tokens' log-probs (`kl: sampled`). `engine: titan`
-    only."""
+    """`trainer.loss_params.kl: reverse` or `forward` (losses/distill.py): the teacher hands over its `top_k` most
+    likely tokens at every position of the student's samples and their log-probs, the rest of its mass as one more
+    bucket (the tiny model's vocabulary is 99: 100 covers it all, and the KL is exact); 0: only the sampled tokens'
+    log-probs (`kl: sampled`). `engine: titan` only."""
     kl_check_steps: int = 20
     """Every this many steps the run checks that the reverse KL to the teacher has fallen (the mean of the last 5
     steps at least 10% under the first 5's) and prints a warning line when it has not; 0: no check."""
@@ -365,16 +365,18 @@ def check_teacher(cfg: GRPOConfig) -> None:
 
 
 def check_teacher_top_k(cfg: GRPOConfig) -> None:
-    """`kl: full` (losses/distill.py) and `teacher.top_k` go together: the loss needs the teacher's top-k at every
-    position, and only it uses them; both compare full-vocabulary distributions, so the student samples from one."""
+    """`kl: reverse` or `forward` (losses/distill.py) and `teacher.top_k` go together: the loss needs the teacher's
+    top-k at every position, and only it uses them; both compare full-vocabulary distributions, so the student samples
+    from one."""
     kl, top_k = cfg.trainer.loss_params.get("kl", "sampled"), cfg.teacher.top_k
-    if kl == "full" and top_k < 1:
-        raise ValueError(f"trainer.loss_params.kl='full' with teacher.top_k={top_k}: the exact per-position KL needs "
-                         "the teacher's top-k log-probs at every position; set teacher.top_k >= 1 (the vocabulary's "
-                         "size for the exact KL), or kl=sampled")
-    if top_k and kl != "full":
-        raise ValueError(f"teacher.top_k={top_k} with trainer.loss_params.kl={kl!r}: only kl='full' uses the "
-                         "teacher's top-k; set trainer.loss_params.kl=full, or teacher.top_k=0")
+    if kl in VOCABULARY_KLS and top_k < 1:
+        raise ValueError(f"trainer.loss_params.kl={kl!r} with teacher.top_k={top_k}: the KL over the vocabulary at "
+                         "each position needs the teacher's top-k log-probs there; set teacher.top_k >= 1 (the "
+                         "vocabulary's size for the exact KL), or kl=sampled")
+    if top_k and kl not in VOCABULARY_KLS:
+        raise ValueError(f"teacher.top_k={top_k} with trainer.loss_params.kl={kl!r}: only "
+                         f"kl={' or '.join(VOCABULARY_KLS)} use the teacher's top-k; set trainer.loss_params.kl, or "
+                         "teacher.top_k=0")
     if not top_k:
         return
     if cfg.teacher.engine != "titan":

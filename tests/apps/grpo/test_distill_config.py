@@ -73,16 +73,17 @@ def test_a_warm_start_teacher_is_accepted_for_every_task_with_answers(task):
      r"^teacher\.engine='vllm' with rollout\.temperature=0\.7: the vllm teacher scores at temperature 1 \(raw-logit"),
     (["teacher.engine=hf", "rollout.top_p=0.9"],
      r"^teacher\.engine='hf' with rollout\.top_p=0\.9: the hf teacher scores over the full vocabulary"),
-    (["++trainer.loss_params.kl=full", "teacher.top_k=0"],
-     r"^trainer\.loss_params\.kl='full' with teacher\.top_k=0: the exact per-position KL needs the teacher's top-k"),
+    (["++trainer.loss_params.kl=forward", "teacher.top_k=0"],
+     r"^trainer\.loss_params\.kl='forward' with teacher\.top_k=0: the KL over the vocabulary at each position needs "
+     r"the teacher's top-k"),
     (["++trainer.loss_params.kl=sampled", "teacher.top_k=5"],
-     r"^teacher\.top_k=5 with trainer\.loss_params\.kl='sampled': only kl='full' uses the teacher's top-k"),
-    (["++trainer.loss_params.kl=full", "teacher.top_k=100", "teacher.engine=hf"],
+     r"^teacher\.top_k=5 with trainer\.loss_params\.kl='sampled': only kl=reverse or forward use the teacher's top-k"),
+    (["++trainer.loss_params.kl=reverse", "teacher.top_k=100", "teacher.engine=hf"],
      r"^teacher\.top_k=100 with teacher\.engine='hf': only the titan teacher hands over its top-k"),
-    (["++trainer.loss_params.kl=full", "teacher.top_k=100", "rollout.top_p=0.9"],
+    (["++trainer.loss_params.kl=reverse", "teacher.top_k=100", "rollout.top_p=0.9"],
      r"^teacher\.top_k=100 with rollout\.top_p=0\.9: the per-position KL compares full-vocabulary distributions"),
     (["teacher.top_k=-1"], r"^teacher\.top_k=-1: must be an int >= 0"),
-    (["++trainer.loss_params.kl=exact"], r"kl='exact': must be one of sampled, full"),
+    (["++trainer.loss_params.kl=exact"], r"kl='exact': must be one of sampled, reverse, forward"),
 ])
 def test_bad_distillation_settings_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
