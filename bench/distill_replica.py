@@ -4,7 +4,7 @@ the cached warm start of configs/distill_tiny.yaml; `--lag 1` trains each batch 
 `replay_buffer.max_policy_age: 1` mostly does. Held-out greedy accuracy every `--eval-every` steps.
 
     python -m bench.distill_replica --seed 3 --steps 40 [--lr 1e-3] [--lag 0] [--clip 0.2] [--teacher-t T]
-                                    [--reward-coef 1] [--kw "tis_cap=2.0"] [--kl full --top-k 20]
+                                    [--reward-coef 1] [--kw "tis_cap=2.0"] [--kl full --top-k 20] [key=value ...]
 """
 import argparse, random, sys, time, torch
 from apps.grpo.cli import load_job_config
@@ -23,9 +23,10 @@ p.add_argument("--seed", type=int, default=0); p.add_argument("--steps", type=in
 p.add_argument("--lr", type=float, default=1e-3); p.add_argument("--reward-coef", type=float, default=1.0)
 p.add_argument("--clip", type=float, default=0.2); p.add_argument("--teacher-t", type=float, default=None)
 p.add_argument("--eval-every", type=int, default=10); p.add_argument("--lag", type=int, default=0); p.add_argument("--group", type=int, default=0); p.add_argument("--kw", default="")
+p.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. model_cache=DIR")
 p.add_argument("--kl", default="sampled"); p.add_argument("--top-k", type=int, default=20); p.add_argument("--minibatches", type=int, default=4)
 a = p.parse_args()
-cfg, _ = load_job_config(["--config", "configs/distill_tiny.yaml", f"seed={a.seed}"])
+cfg, _ = load_job_config(["--config", "configs/distill_tiny.yaml", f"seed={a.seed}", *a.overrides])
 task = make_task(cfg); T = cfg.trainer.temperature; TT = a.teacher_t or T
 student, _ = warm_started_model(cfg, task); teacher, _ = teacher_model(cfg, task)
 torch.manual_seed(a.seed)
@@ -62,7 +63,7 @@ for step in range(1, a.steps + 1):
     with torch.no_grad():
         teacher_logits = Tm(batch.input_ids[:, :-1]).logits
         batch.ref_logprobs = torch.where(batch.response_mask > 0, token_logprobs(teacher_logits, batch.input_ids[:, 1:], TT), 0)
-        if a.kl == "full":
+        if a.kl != "sampled":
             batch.ref_topk_ids, batch.ref_topk_logprobs = topk_logprobs(teacher_logits, a.top_k, TT)
     old_all = None
     if "tis_cap" in kw:
@@ -75,7 +76,7 @@ for step in range(1, a.steps + 1):
         sl = batch.slice(mb*size, (mb+1)*size)
         logits = S(sl.input_ids[:, :-1]).logits
         lp = token_logprobs(logits, sl.input_ids[:, 1:], T)
-        topk = None if a.kl != "full" else bucket_logprobs((logits.float() / T).log_softmax(-1), sl.ref_topk_ids)
+        topk = None if a.kl == "sampled" else bucket_logprobs((logits.float() / T).log_softmax(-1), sl.ref_topk_ids)
         out = D.distill(lp, sl, old_logprobs=None if old_all is None else old_all[mb*size:(mb+1)*size], topk_logprobs=topk, clip_eps=a.clip, reward_coef=a.reward_coef, kl=a.kl, **kw)
         opt.zero_grad(); out.loss.backward(); gn = torch.nn.utils.clip_grad_norm_(S.parameters(), 1.0); opt.step()
         ms.append((out.metrics["reverse_kl"], gn.item(), out.metrics["clip_fraction"]))
