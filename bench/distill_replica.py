@@ -4,7 +4,9 @@ the cached warm start of configs/distill_tiny.yaml; `--lag 1` trains each batch 
 `replay_buffer.max_policy_age: 1` mostly does. Held-out greedy accuracy every `--eval-every` steps.
 
     python -m bench.distill_replica --seed 3 --steps 40 [--lr 1e-3] [--lag 0] [--clip 0.2] [--teacher-t T]
-                                    [--reward-coef 1] [--kw "tis_cap=2.0"] [--kl full --top-k 20] [key=value ...]
+                                    [--reward-coef 1] [--kw "tis_cap=2.0"] [--kl sampled|reverse|forward] [--top-k K]
+                                    [--group G] [--minibatches M] [key=value ...]
+Unset, --lr, --kl, --top-k, --group and --minibatches are configs/distill_tiny.yaml's (with its key=value overrides).
 """
 import argparse, random, sys, time, torch
 from apps.grpo.cli import load_job_config
@@ -20,13 +22,17 @@ from transformers import AutoModelForCausalLM
 torch.set_num_threads(1)
 p = argparse.ArgumentParser()
 p.add_argument("--seed", type=int, default=0); p.add_argument("--steps", type=int, default=40)
-p.add_argument("--lr", type=float, default=1e-3); p.add_argument("--reward-coef", type=float, default=1.0)
+p.add_argument("--lr", type=float, default=None); p.add_argument("--reward-coef", type=float, default=1.0)
 p.add_argument("--clip", type=float, default=0.2); p.add_argument("--teacher-t", type=float, default=None)
 p.add_argument("--eval-every", type=int, default=10); p.add_argument("--lag", type=int, default=0); p.add_argument("--group", type=int, default=0); p.add_argument("--kw", default="")
 p.add_argument("overrides", nargs="*", help="config overrides (key=value), e.g. model_cache=DIR")
-p.add_argument("--kl", default="sampled"); p.add_argument("--top-k", type=int, default=20); p.add_argument("--minibatches", type=int, default=4)
+p.add_argument("--kl", default=None); p.add_argument("--top-k", type=int, default=None); p.add_argument("--minibatches", type=int, default=None)
 a = p.parse_args()
 cfg, _ = load_job_config(["--config", "configs/distill_tiny.yaml", f"seed={a.seed}", *a.overrides])
+a.lr = cfg.trainer.lr if a.lr is None else a.lr
+a.kl = cfg.trainer.loss_params.get("kl", "sampled") if a.kl is None else a.kl
+a.top_k = (cfg.teacher.top_k or 100) if a.top_k is None else a.top_k
+a.minibatches = cfg.trainer.minibatches if a.minibatches is None else a.minibatches
 task = make_task(cfg); T = cfg.trainer.temperature; TT = a.teacher_t or T
 student, _ = warm_started_model(cfg, task); teacher, _ = teacher_model(cfg, task)
 torch.manual_seed(a.seed)
