@@ -652,7 +652,7 @@ def test_mismatch_metrics_ignore_the_drift_of_earlier_minibatches(checkpoint: Pa
     assert (trainer.logprobs(batch) - batch.behaviour_logprobs).abs().max() > 1e-3  # the weights did move
 
 
-def test_distill_full_kl_gets_the_students_logprobs_at_the_teachers_topk_in_one_pass_or_micro_batch_by_micro_batch(
+def test_distill_vocabulary_kl_gets_the_students_logprobs_at_the_teachers_topk_in_one_pass_or_per_micro_batch(
         checkpoint: Path) -> None:
     # The loss takes `topk_logprobs`: the trainer scores the teacher's top-k ids and the rest of the vocabulary at
     # each position and back-propagates the loss's gradient through them, in one pass or recomputed per micro-batch.
