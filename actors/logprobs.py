@@ -48,6 +48,24 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return torch.where(masked, truncated, full)
 
 
+def topk_logprobs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K = min(k, V) most likely tokens of softmax(logits / temperature) at each position and their log-probs,
+    the log of the rest of the mass last: [..., V] -> ids [..., K] long, log-probs [..., K+1] float32 (the
+    teacher's side of losses.distill's kl="reverse" / "forward"; float64 logits stay float64)."""
+    logprobs = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
+    ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1).indices
+    return ids, bucket_logprobs(logprobs, ids)
+
+
+def bucket_logprobs(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs [..., V] at `ids` [..., K] and the log of the mass outside them last: [..., K+1], differentiable.
+    An empty rest (K = V) is `torch.finfo(dtype).min`, not -inf: losses.distill's p (log p - log q) is then 0 * 0,
+    and its gradient 0, where -inf would make both NaN."""
+    floor = torch.finfo(logprobs.dtype).min
+    rest = logprobs.scatter(-1, ids, floor).logsumexp(-1, keepdim=True).clamp(min=floor)
+    return torch.cat([logprobs.gather(-1, ids), rest], dim=-1)
+
+
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position, in float32: [..., V] -> [...]."""

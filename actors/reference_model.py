@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.logprobs import check_input_ids, score_rows, token_logprobs
+from actors.logprobs import check_input_ids, score_rows, token_logprobs, topk_logprobs
 from actors.model_config import ModelConfig, is_int, require_field
 from forge.actor import ForgeActor, endpoint
 from forge.distributed import DataParallel, init_from_environment, local_device
@@ -70,6 +70,23 @@ class ReferenceModel:
         kept = None if kept_token_ids is None else kept_token_ids.to(self.device)
         return score_rows(score, input_ids.to(self.device), self.config.chunk_rows, self.dp, kept)
 
+    @torch.no_grad()
+    def topk_logprobs(self, input_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For right-padded sequences [B, T], at each position: log pi_ref(input_ids[:, 1:]) [B, T-1], the K =
+        min(k, vocabulary) most likely next tokens [B, T-1, K] and their log-probs with the log of the rest of the
+        mass last [B, T-1, K+1] (actors.logprobs.topk_logprobs), on CPU, from one forward pass per chunk of rows."""
+        check_input_ids(input_ids, self.model_args)
+        width = min(k, self.model_args.vocab_size)
+
+        def score(rows: torch.Tensor) -> torch.Tensor:  # the three packed as floats, for score_rows' one tensor
+            logits = self.model(rows[:, :-1])
+            ids, logprobs = topk_logprobs(logits, width, self.config.temperature)
+            sampled = token_logprobs(logits, rows[:, 1:], self.config.temperature)
+            return torch.cat([sampled.unsqueeze(-1), ids.float(), logprobs], dim=-1)
+
+        packed = score_rows(score, input_ids.to(self.device), self.config.chunk_rows, self.dp)
+        return packed[..., 0], packed[..., 1 : width + 1].long(), packed[..., width + 1 :]
+
 
 class ReferenceActor(ForgeActor):
     """The reference model on a proc mesh; `logprobs` runs on every rank and returns the whole batch's."""
@@ -88,3 +105,17 @@ class ReferenceActor(ForgeActor):
         batch = TrainBatch.from_episodes(episodes, pad_id)
         logprobs = self.model.logprobs(batch.input_ids, batch.kept_token_ids)
         return logprobs[episodes.response_index()].float().cpu()
+
+    @endpoint
+    async def topk_logprobs(self, episodes: EpisodeBatch, pad_id: int, k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                         torch.Tensor]:
+        """The episodes' `ref_logprobs`, `ref_topk_ids` and `ref_topk_logprobs` (the teacher's top-k at each
+        completion token's position: losses.distill's kl="reverse" / "forward"), flat like `episodes.completion_ids`."""
+        if episodes.kept_token_ids is not None:
+            raise ValueError("ReferenceActor.topk_logprobs: the episodes were sampled with top-k / top-p "
+                             "(kept_token_ids set); the teacher's top-k compares full-vocabulary distributions: sample with "
+                             "rollout.top_p=1 and no top_k")
+        batch = TrainBatch.from_episodes(episodes, pad_id)
+        logprobs, ids, topk = self.model.topk_logprobs(batch.input_ids, k)
+        index = episodes.response_index()
+        return logprobs[index].float(), ids[index].to(torch.int32), topk[index].float()

@@ -294,6 +294,16 @@ class HandedBatch:
     stats: dict[str, int]  # the buffer's counters once it was sampled (ReplayBuffer.stats)
 
 
+async def score_episodes(episodes: EpisodeBatch, scorer: Any, pad_id: int, top_k: int = 0) -> None:
+    """Set the episodes' `ref_logprobs` from `scorer` (the reference model or the distillation teacher); with `top_k`
+    > 0 also the teacher's top-k at every position (`ref_topk_ids`, `ref_topk_logprobs`), from the same forward pass."""
+    if top_k > 0:
+        episodes.ref_logprobs, episodes.ref_topk_ids, episodes.ref_topk_logprobs = rank0(
+            await scorer.topk_logprobs.call(episodes, pad_id, top_k))
+    else:
+        episodes.ref_logprobs = rank0(await scorer.logprobs.call(episodes, pad_id))
+
+
 class ReplayBufferActor(ForgeActor):
     """The replay buffer as an actor: rollouts `reserve` room and `add` (scored on the way by the scorer they name), the
     training loop has a batch sampled (`next_batch`) and the trainer's ranks fetch it (`batch`)."""
@@ -316,15 +326,18 @@ class ReplayBufferActor(ForgeActor):
         return granted
 
     @endpoint
-    async def add(self, episodes: EpisodeBatch | None, reserved: int = 0, scorer: Any = None, pad_id: int = 0) -> int:
+    async def add(self, episodes: EpisodeBatch | None, reserved: int = 0, scorer: Any = None, pad_id: int = 0,
+                  top_k: int = 0) -> int:
         """Store a packed batch of episodes (see `ReplayBuffer.add`); None: none came for the `reserved` room.
         `scorer`: an actor whose `logprobs(episodes, pad_id)` gives their `ref_logprobs` (the reference model or the
-        distillation teacher), asked here so the episodes and their log-probs never pass through the caller."""
+        distillation teacher), asked here so the episodes and their log-probs never pass through the caller; with
+        `top_k` > 0 its `topk_logprobs(episodes, pad_id, top_k)` gives `ref_topk_ids` and `ref_topk_logprobs` too
+        (the teacher's top-k at every position: losses.distill's kl="reverse" / "forward")."""
         if not isinstance(episodes, EpisodeBatch) and not (episodes is None and reserved):
             raise ValueError(f"ReplayBufferActor.add: episodes must be a rl.types.EpisodeBatch "
                              f"(EpisodeBatch.pack(episodes)), or None with reserved > 0; got {type(episodes).__name__}")
         if scorer is not None and episodes is not None:
-            episodes.ref_logprobs = rank0(await scorer.logprobs.call(episodes, pad_id))
+            await score_episodes(episodes, scorer, pad_id, top_k)
         self.buffer.add(episodes if episodes is not None else [], reserved)
         record_metric("buffer/size", len(self.buffer), "max")
         return len(self.buffer)

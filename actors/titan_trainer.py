@@ -9,6 +9,7 @@ gradient accumulation, several optimizer steps per policy version, and the weigh
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
 from dataclasses import fields
@@ -24,7 +25,8 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.distributed import utils as titan_dist
 
 from actors import checkpoint, lora
-from actors.logprobs import check_input_ids, draws_dropout, score_rows, token_entropy, token_logprobs, without_dropout
+from actors.logprobs import (bucket_logprobs, check_input_ids, draws_dropout, score_rows, token_entropy, token_logprobs,
+                             without_dropout)
 from actors.lora_config import LoRAConfig
 from actors.model_builder import DocumentMask, ModelSettings, build_model, parallel_dims, resolve_model_path
 from actors.trainer_config import CheckpointMismatch, TrainerConfig
@@ -176,10 +178,13 @@ class TitanTrainer:
     # -- forward passes ---------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, kept_token_ids: torch.Tensor | None = None, *,
-                 with_entropy: bool, temperature: float | None = None,
-                 document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool, temperature: float | None = None, document_ids: torch.Tensor | None = None,
+                 topk_ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Log-probs (differentiable when grad is on) and entropies (no grad) of input_ids[:, 1:]: [b, T-1]. With
-        `document_ids` (packed rows) each token attends within its document only, under `_attention`."""
+        `document_ids` (packed rows) each token attends within its document only, under `_attention`. With
+        `topk_ids` ([b, T-1, K]: the teacher's top-k, `TrainBatch.ref_topk_ids`) also the log-probs of those ids and
+        of the rest of the vocabulary, [b, T-1, K+1] (differentiable; `actors.logprobs.bucket_logprobs`), else None."""
         inputs, targets = input_ids[:, :-1], input_ids[:, 1:]
         # Sequence parallelism splits positions evenly across TP ranks; right padding changes no earlier logit.
         pad = -inputs.shape[1] % self.parallel_dims.tp
@@ -196,7 +201,10 @@ class TitanTrainer:
         temperature = self.config.temperature if temperature is None else temperature
         logprobs = token_logprobs(logits, targets, temperature, kept_token_ids)
         entropy = token_entropy(logits, temperature) if with_entropy else None
-        return logprobs, entropy
+        topk = None
+        if topk_ids is not None:
+            topk = bucket_logprobs((logits.float() / temperature).log_softmax(-1), topk_ids.to(logits.device))
+        return logprobs, entropy, topk
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, temperature: float | None = None) -> torch.Tensor:
@@ -294,38 +302,49 @@ class TitanTrainer:
         # Log-probs of this rank's rows; with one micro-batch keep its graph for the backward pass. Each
         # micro-batch's random state is kept so that its recomputation below draws the same dropout masks.
         keep_graph = len(micro) == 1
+        # A loss that takes `topk_logprobs` (losses.distill's kl="reverse" / "forward") gets the student's log-probs of
+        # the teacher's top-k ids when the batch carries them: a second input the gradient flows back through.
+        with_topk = batch.ref_topk_ids is not None and "topk_logprobs" in inspect.signature(loss_fn).parameters
         parts, rng_states = [], []
         with torch.set_grad_enabled(keep_graph):
             for mb in micro:
                 rng_states.append(_rng_state(self.device))
                 parts.append(self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=with_entropy,
-                                           temperature=temperature, document_ids=mb.document_ids))
-        local_logprobs = torch.cat([lp for lp, _ in parts])
-        entropy = self.dp.gather_rows(torch.cat([e for _, e in parts])) if with_entropy else None
+                                           temperature=temperature, document_ids=mb.document_ids,
+                                           topk_ids=mb.ref_topk_ids if with_topk else None))
+        local_logprobs = torch.cat([lp for lp, _, _ in parts])
+        entropy = self.dp.gather_rows(torch.cat([e for _, e, _ in parts])) if with_entropy else None
         logprobs = self.dp.gather_rows(local_logprobs.detach()).requires_grad_()
+        local_topk = torch.cat([topk for _, _, topk in parts]) if with_topk else None
+        inputs = {"topk_logprobs": self.dp.gather_rows(local_topk.detach()).requires_grad_()} if with_topk else {}
 
         if old_is_current:
             old_logprobs = (self._score(batch.input_ids, batch.kept_token_ids, temperature,
                                         batch.document_ids).to(self.device)
                             if draws_dropout(self.model) else logprobs.detach())
         pi_old = {} if old_logprobs is None else {"old_logprobs": old_logprobs}
-        out: LossOutput = loss_fn(logprobs, batch, **pi_old, **loss_params)
+        out: LossOutput = loss_fn(logprobs, batch, **pi_old, **inputs, **loss_params)
         if not out.loss.requires_grad:
             name = getattr(loss_fn, "__name__", repr(loss_fn))
             raise ValueError(f"loss {name!r} returned a loss that does not depend on the log-probs")
-        (loss_grad,) = torch.autograd.grad(out.loss, logprobs)
+        leaves = [logprobs, *inputs.values()]
+        grads = torch.autograd.grad(out.loss, leaves, allow_unused=True)
         # Each rank's share of the gradient is exact, and torchtitan 0.3.0's FSDP sums them over the data-parallel
         # ranks (its apply_fsdp_to_decoder sets the divide factor to 1; 0.2.0 averaged, which forge undid here).
-        local_grad = loss_grad[start : start + local_logprobs.shape[0]]
+        local_grads = [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads)]
+        local_grads = [grad[start : start + local_logprobs.shape[0]] for grad in local_grads]
         if keep_graph:
-            local_logprobs.backward(local_grad)
+            torch.autograd.backward([local_logprobs, *([local_topk] if with_topk else [])], local_grads)
         else:
             offset = 0
             for mb, rng in zip(micro, rng_states):
                 _set_rng_state(self.device, rng)
-                mb_logprobs, _ = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
-                                               temperature=temperature, document_ids=mb.document_ids)
-                mb_logprobs.backward(local_grad[offset : offset + mb.num_sequences])
+                mb_logprobs, _, mb_topk = self._forward(mb.input_ids, mb.kept_token_ids, with_entropy=False,
+                                                        temperature=temperature, document_ids=mb.document_ids,
+                                                        topk_ids=mb.ref_topk_ids if with_topk else None)
+                rows = slice(offset, offset + mb.num_sequences)
+                torch.autograd.backward([mb_logprobs, *([mb_topk] if with_topk else [])],
+                                        [grad[rows] for grad in local_grads])
                 offset += mb.num_sequences
         return out, logprobs.detach(), entropy
 

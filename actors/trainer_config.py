@@ -9,7 +9,7 @@ from typing import Any
 from actors.lora_config import LoRAConfig, check_lora_for_model, local_hf_config
 from actors.model_config import ModelConfig, is_int, is_number, require_field
 from losses.rules import HYPERPARAM_RULES, check_hyperparams
-from losses.registry import REGISTERED_LOSSES, SUPPLIED_BY_TRAINER, check_loss_name
+from losses.registry import REGISTERED_LOSSES, SUPPLIED_BY_TRAINER, SUPPLIED_IF_TAKEN, check_loss_name
 
 LR_DECAYS = ("constant", "linear", "cosine")
 ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
@@ -117,7 +117,8 @@ def _check_loss(loss: Any, loss_params: dict[str, Any]) -> None:
         parameters = inspect.signature(loss_fn).parameters.values()
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             return
-        taken = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL} - SUPPLIED_BY_TRAINER
+        taken = ({p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL} - SUPPLIED_BY_TRAINER
+                 - SUPPLIED_IF_TAKEN)
     unknown = sorted(set(loss_params) - taken)
     if unknown:
         raise ValueError(f"TrainerConfig.loss_params={loss_params!r}: {unknown} not taken by loss {name!r}; "

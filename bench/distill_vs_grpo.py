@@ -3,7 +3,8 @@ the default teacher (configs/distill_tiny.yaml's `teacher.model: warm_start`), p
 
     python -m bench.distill_vs_grpo --seeds 0 1 2 3 4 [--grpo-steps 150] [--distill-steps 60] [--sft-steps 60]
                                     [--eval-every 10] [--margin 0.05] [--run-dir runs/distill_vs_grpo]
-                                    [--lock FILE] [--reuse] [--methods distill grpo sft] [key=value ...]
+                                    [--lock FILE] [--reuse] [--methods distill grpo sft] [--model-cache DIR]
+                                    [key=value ...]
 
 Per seed, from the cached warm start both configs share (make grpo's, ~15% held-out):
 1. the teacher's held-out greedy accuracy (the 500 prompts every run evaluates); the target is it less `--margin`;
@@ -69,9 +70,10 @@ def seconds_to(step_seconds: list[float], step: int | None) -> float | None:
     return None if step is None else sum(step_seconds[:step])
 
 
-def job_config(seed: int):
+def job_config(seed: int, model_cache: str | None = None):
     from apps.grpo.cli import load_job_config
-    return load_job_config(["--config", "configs/distill_tiny.yaml", f"seed={seed}"])[0]
+    cache = [f"model_cache={model_cache}"] if model_cache else []
+    return load_job_config(["--config", "configs/distill_tiny.yaml", f"seed={seed}", *cache])[0]
 
 
 def teacher_and_sft(seed: int, steps: int, args: argparse.Namespace) -> tuple[float, dict[int, float], list[float]]:
@@ -84,7 +86,7 @@ def teacher_and_sft(seed: int, steps: int, args: argparse.Namespace) -> tuple[fl
     from apps.grpo.rollouts import sampling_params, teacher_model, warm_started_model
     from apps.warm_start.supervised import greedy_accuracy, padded_batch
 
-    cfg = job_config(seed)
+    cfg = job_config(seed, args.model_cache)
     task = make_task(cfg)
     student_path, _ = warm_started_model(cfg, task)
     teacher_path, _ = teacher_model(cfg, task)
@@ -133,7 +135,8 @@ def teacher_and_sft(seed: int, steps: int, args: argparse.Namespace) -> tuple[fl
 
 
 def bench_seed(seed: int, args: argparse.Namespace) -> dict:
-    common = [f"seed={seed}", f"eval.every={args.eval_every}"]
+    common = [f"seed={seed}", f"eval.every={args.eval_every}",
+              *([f"model_cache={args.model_cache}"] if args.model_cache else [])]
     folder = Path(args.run_dir) / f"seed{seed}"
     folder.mkdir(parents=True, exist_ok=True)
     sft_file = folder / "sft.json"
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default="runs/distill_vs_grpo")
     parser.add_argument("--reuse", action="store_true", help="read back the runs already finished in --run-dir")
     parser.add_argument("--lock", help="run each part under this lock file (e.g. /tmp/forge-heavy.lock)")
+    parser.add_argument("--model-cache", help="every method's model_cache (the cached student and teacher); default: "
+                        "the configs' (.cache/forge)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                         help="which to run (the teacher's accuracy is always measured)")
     parser.add_argument("overrides", nargs="*", help="config overrides for the distillation runs (key=value)")

@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from losses.rules import PI_OLD_PARAMS
 
 SUPPLIED_BY_TRAINER = frozenset({"logprobs", "batch", "old_logprobs"})  # every loss's non-hyperparameter arguments
+# Given only to a loss that takes it, when the batch carries the teacher's top-k (`TrainBatch.ref_topk_ids`): the
+# student's log-probs of those ids and of the rest of the vocabulary, [B, T-1, K+1] (losses/distill.py, kl="reverse"
+# or "forward").
+SUPPLIED_IF_TAKEN = frozenset({"topk_logprobs"})
 
 
 @dataclass(frozen=True)
 class RegisteredLoss:
     name: str  # what `trainer.loss` says
     function: str  # "package.module:function", imported only when the loss is used
-    hyperparams: frozenset[str]  # its keyword arguments besides SUPPLIED_BY_TRAINER
+    hyperparams: frozenset[str]  # its keyword arguments besides SUPPLIED_BY_TRAINER and SUPPLIED_IF_TAKEN
 
 
 def _loss(name: str, *hyperparams: str) -> RegisteredLoss:
@@ -34,7 +38,7 @@ REGISTERED_LOSSES: dict[str, RegisteredLoss] = {loss.name: loss for loss in (
     _loss("gspo", "clip_low", "clip_high"),
     _loss("cispo", "clip_low", "clip_high"),
     _loss("dr_grpo", "clip_eps", "max_tokens"),
-    _loss("distill", "clip_eps", "reward_coef"),
+    _loss("distill", "clip_eps", "reward_coef", "kl"),
 )}
 LOSS_NAMES = tuple(REGISTERED_LOSSES)
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# How losses.distill takes the KL at each position: the reverse KL's k1 on the sampled token, or the reverse or forward
+# KL over the teacher's top-k and the rest of the vocabulary.
+DISTILL_KLS = ("sampled", "reverse", "forward")
+VOCABULARY_KLS = ("reverse", "forward")  # those that need the teacher's top-k at every position (teacher.top_k)
 # The rollout corrections (losses/terms.py): any of these set makes the loss need pi_old, the trainer's own log-probs
 # before the batch's first optimizer step, which the trainer then computes.
 PI_OLD_PARAMS = ("tis_cap", "token_mask_band", "seq_mask_band")
@@ -28,6 +32,7 @@ HYPERPARAM_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "clip_high": (lambda v: _is_number(v) and v > 0, "a number > 0"),
     "kl_coef": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
+    "kl": (lambda v: v in DISTILL_KLS, f"one of {', '.join(DISTILL_KLS)}"),
     "reward_coef": (lambda v: _is_number(v) and v >= 0, "a number >= 0 (0: the teacher's KL alone)"),
     "tis_cap": (lambda v: v is None or (_is_number(v) and v > 0), "None (off) or a number > 0"),
     "max_tokens": (lambda v: v is None or (isinstance(v, int) and v >= 1), "None (use T-1) or an int >= 1"),

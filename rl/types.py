@@ -68,6 +68,11 @@ class Episode:
     reward: float
     advantage: float = 0.0
     ref_logprobs: list[float] | None = None
+    # The teacher's top-K tokens at each completion token's position, [len(completion_ids), K] int32, and their
+    # log-probs with the rest of its mass last, [len(completion_ids), K+1] float32 (losses.distill's kl="reverse" or
+    # "forward"); left out of `==` like kept_token_ids.
+    ref_topk_ids: torch.Tensor | None = field(default=None, compare=False)
+    ref_topk_logprobs: torch.Tensor | None = field(default=None, compare=False)
     # [len(completion_ids), K] int32, -1 padded (see Completion); left out of `==` like there.
     kept_token_ids: torch.Tensor | None = field(default=None, compare=False)
     # Multi-turn: 1 where completion_ids[i] is the model's, 0 where the environment's; None: all the model's.
@@ -195,6 +200,8 @@ class EpisodeBatch:
     policy_versions: torch.Tensor  # int32, like completion_ids
     completion_mask: torch.Tensor | None = None  # int8, like completion_ids; None: every token is the model's
     ref_logprobs: torch.Tensor | None = None  # float32, like completion_ids
+    ref_topk_ids: torch.Tensor | None = None  # [sum of completion lengths, K] int32 (Episode.ref_topk_ids)
+    ref_topk_logprobs: torch.Tensor | None = None  # [sum of completion lengths, K+1] float32
     kept_token_ids: torch.Tensor | None = None  # [sum of completion lengths, K] int32, -1 padded
     kept_widths: torch.Tensor | None = None  # [N] long: each episode's K (0: it sampled the full vocabulary)
 
@@ -209,6 +216,7 @@ class EpisodeBatch:
                                      "as a tensor)")
         masked = any(e.completion_mask is not None for e in episodes)
         has_ref = bool(episodes) and all(e.ref_logprobs is not None for e in episodes)
+        has_topk = bool(episodes) and all(e.ref_topk_ids is not None for e in episodes)
         kept, widths = _pack_kept([e.kept_token_ids for e in episodes], lengths,
                                   [f"Episode {e.episode_id}" for e in episodes])
         return cls(
@@ -225,6 +233,8 @@ class EpisodeBatch:
             completion_mask=_flat([[1] * n if e.completion_mask is None else e.completion_mask
                                    for e, n in zip(episodes, lengths)], torch.int8) if masked else None,
             ref_logprobs=_flat([e.ref_logprobs for e in episodes], torch.float32) if has_ref else None,
+            ref_topk_ids=torch.cat([e.ref_topk_ids for e in episodes]).to(torch.int32) if has_topk else None,
+            ref_topk_logprobs=torch.cat([e.ref_topk_logprobs for e in episodes]).float() if has_topk else None,
             kept_token_ids=kept, kept_widths=widths)
 
     @classmethod
@@ -250,7 +260,8 @@ class EpisodeBatch:
 
         return cls(**{name: joined(name) for name in (
             "episode_ids", "group_ids", "rewards", "advantages", "prompt_lengths", "completion_lengths", "prompt_ids",
-            "completion_ids", "behaviour_logprobs", "policy_versions", "ref_logprobs")},
+            "completion_ids", "behaviour_logprobs", "policy_versions", "ref_logprobs", "ref_topk_ids",
+            "ref_topk_logprobs")},
             completion_mask=joined("completion_mask", lambda b: torch.ones(len(b.completion_ids), dtype=torch.int8)),
             kept_token_ids=torch.cat([kept_rows(b) for b in batches]) if width else None,
             kept_widths=joined("kept_widths", lambda b: torch.zeros(len(b), dtype=torch.long)) if width else None)
@@ -287,7 +298,8 @@ class EpisodeBatch:
             prompt_ids=_gather(self.prompt_ids, self.prompt_lengths, rows),
             completion_ids=tokens(self.completion_ids), behaviour_logprobs=tokens(self.behaviour_logprobs),
             policy_versions=tokens(self.policy_versions), completion_mask=tokens(self.completion_mask),
-            ref_logprobs=tokens(self.ref_logprobs), kept_token_ids=tokens(self.kept_token_ids),
+            ref_logprobs=tokens(self.ref_logprobs), ref_topk_ids=tokens(self.ref_topk_ids),
+            ref_topk_logprobs=tokens(self.ref_topk_logprobs), kept_token_ids=tokens(self.kept_token_ids),
             kept_widths=None if self.kept_widths is None else self.kept_widths[rows])
 
     def oldest_policy_versions(self) -> torch.Tensor:
@@ -306,10 +318,12 @@ class EpisodeBatch:
                    _rows(self.behaviour_logprobs, lengths), _rows(self.policy_versions, lengths),
                    [None] * len(lengths) if self.completion_mask is None else _rows(self.completion_mask, lengths),
                    [None] * len(lengths) if self.ref_logprobs is None else _rows(self.ref_logprobs, lengths),
-                   _unpack_kept(self.kept_token_ids, self.kept_widths, lengths)]
+                   _unpack_kept(self.kept_token_ids, self.kept_widths, lengths),
+                   _split_rows(self.ref_topk_ids, lengths), _split_rows(self.ref_topk_logprobs, lengths)]
         return [Episode(episode_id=i, group_id=g, prompt_ids=p, completion_ids=c, behaviour_logprobs=b,
-                        policy_versions=v, reward=r, advantage=a, ref_logprobs=ref, kept_token_ids=k, completion_mask=m)
-                for i, g, r, a, p, c, b, v, m, ref, k in zip(
+                        policy_versions=v, reward=r, advantage=a, ref_logprobs=ref, kept_token_ids=k, completion_mask=m,
+                        ref_topk_ids=top_ids, ref_topk_logprobs=top_logprobs)
+                for i, g, r, a, p, c, b, v, m, ref, k, top_ids, top_logprobs in zip(
                     self.episode_ids.tolist(), self.group_ids.tolist(), self.rewards.tolist(),
                     self.advantages.tolist(), *columns)]
 
@@ -333,6 +347,11 @@ class TrainBatch:
     advantages: torch.Tensor  # [B] float
     rewards: torch.Tensor  # [B] float
     ref_logprobs: torch.Tensor | None = None  # [B, T-1] float
+    # The teacher's K most likely tokens at each position ([B, T-1, K] long) and their log-probs with the log of the
+    # rest of its mass last ([B, T-1, K+1] float; an empty bucket: finfo.min): losses.distill's kl="reverse" or
+    # "forward".
+    ref_topk_ids: torch.Tensor | None = None
+    ref_topk_logprobs: torch.Tensor | None = None
     # [B, T-1, K] int32: the tokens the sampler kept when it drew target t+1, -1 padded (all -1: full vocabulary);
     # None when no episode was sampled with top-k / top-p.
     kept_token_ids: torch.Tensor | None = None
@@ -364,6 +383,8 @@ class TrainBatch:
             advantages=self.advantages[start:stop],
             rewards=self.rewards[start:stop],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop],
+            ref_topk_ids=None if self.ref_topk_ids is None else self.ref_topk_ids[start:stop],
+            ref_topk_logprobs=None if self.ref_topk_logprobs is None else self.ref_topk_logprobs[start:stop],
             kept_token_ids=None if self.kept_token_ids is None else self.kept_token_ids[start:stop],
             document_ids=None if self.document_ids is None else self.document_ids[start:stop],
             token_advantages=None if self.token_advantages is None else self.token_advantages[start:stop],
@@ -394,6 +415,12 @@ class TrainBatch:
         if packed.kept_token_ids is not None:
             kept = torch.full((batch, length - 1, packed.kept_token_ids.shape[1]), -1, dtype=torch.int32)
             kept[rows, positions] = packed.kept_token_ids
+        topk_ids = topk_logprobs = None
+        if packed.ref_topk_ids is not None:  # off the response: token 0 and log-prob 0 (masked out by the losses)
+            topk_ids = torch.zeros((batch, length - 1, packed.ref_topk_ids.shape[1]), dtype=torch.long)
+            topk_ids[rows, positions] = packed.ref_topk_ids.long()
+            topk_logprobs = torch.zeros((batch, length - 1, packed.ref_topk_logprobs.shape[1]), dtype=torch.float32)
+            topk_logprobs[rows, positions] = packed.ref_topk_logprobs
         return cls(
             input_ids=input_ids,
             response_mask=response(mask, 0.0, torch.float32),
@@ -402,17 +429,25 @@ class TrainBatch:
             advantages=packed.advantages.clone(),
             rewards=packed.rewards.clone(),
             ref_logprobs=None if packed.ref_logprobs is None else response(packed.ref_logprobs, 0.0, torch.float32),
+            ref_topk_ids=topk_ids,
+            ref_topk_logprobs=topk_logprobs,
             kept_token_ids=kept,
         )
 
 
 def _check_token_fields(e: Episode, length: int) -> None:
     """Every per-token field has one entry per completion token."""
-    for name in ("behaviour_logprobs", "policy_versions", "completion_mask", "ref_logprobs"):
+    for name in ("behaviour_logprobs", "policy_versions", "completion_mask", "ref_logprobs", "ref_topk_ids",
+                 "ref_topk_logprobs"):
         values = getattr(e, name)
         if values is not None and len(values) != length:
             raise ValueError(f"Episode {e.episode_id}: {name} has {len(values)} entries; must have one per "
                              f"completion token ({length})")
+    if e.ref_topk_ids is not None and (e.ref_topk_logprobs is None or e.ref_topk_ids.dim() != 2
+                                       or e.ref_topk_logprobs.shape != (length, e.ref_topk_ids.shape[1] + 1)):
+        shape = None if e.ref_topk_logprobs is None else tuple(e.ref_topk_logprobs.shape)
+        raise ValueError(f"Episode {e.episode_id}: ref_topk_ids has shape {tuple(e.ref_topk_ids.shape)} and "
+                         f"ref_topk_logprobs {shape}; must be [{length}, K] and [{length}, K+1]")
 
 
 def _flat(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> torch.Tensor:
@@ -431,6 +466,13 @@ def _rows(flat: torch.Tensor, lengths: Sequence[int]) -> list[list]:
         rows.append(values[start : start + length])
         start += length
     return rows
+
+
+def _split_rows(flat: torch.Tensor | None, lengths: Sequence[int]) -> list[torch.Tensor | None]:
+    """A [sum of lengths, ...] tensor's items as copies (a view would keep and pickle the whole tensor)."""
+    if flat is None:
+        return [None] * len(lengths)
+    return [part.clone() for part in flat.split(list(lengths))]
 
 
 def _ragged_index(lengths: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

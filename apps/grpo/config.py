@@ -29,7 +29,7 @@ from actors.weight_canary import CanaryConfig
 from rl.environments.config import EnvironmentConfig
 from forge.hosts.config import HostsConfig
 from losses.registry import REGISTERED_LOSSES
-from losses.rules import check_advantage_normalization
+from losses.rules import VOCABULARY_KLS, check_advantage_normalization
 from forge.metrics import MetricsConfig
 from rl.tasks.config import ENVIRONMENT_SOURCES, TaskConfig
 from apps.run_checkpoints import CheckpointConfig
@@ -159,6 +159,11 @@ class TeacherSection:
     """`engine: hf` or `vllm`: the engine's own arguments, as `generator.engine_args`."""
     chunk_rows: int = 4
     """`engine: titan`: rows per forward pass."""
+    top_k: int = 0
+    """`trainer.loss_params.kl: reverse` or `forward` (losses/distill.py): the teacher hands over its `top_k` most
+    likely tokens at every position of the student's samples and their log-probs, the rest of its mass as one more
+    bucket (the tiny model's vocabulary is 99: 100 covers it all, and the KL is exact); 0: only the sampled tokens'
+    log-probs (`kl: sampled`). `engine: titan` only."""
     kl_check_steps: int = 20
     """Every this many steps the run checks that the reverse KL to the teacher has fallen (the mean of the last 5
     steps at least 10% under the first 5's) and prints a warning line when it has not; 0: no check."""
@@ -176,6 +181,8 @@ class TeacherSection:
             raise ValueError(f"warm_start_accuracy={self.warm_start_accuracy}: must be in (0, 1]")
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows={self.chunk_rows}: must be >= 1")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: must be an int >= 0 (0: the sampled tokens' log-probs only)")
         if not isinstance(self.kl_check_steps, int) or self.kl_check_steps < 0:
             raise ValueError(f"kl_check_steps={self.kl_check_steps!r}: must be an int >= 0 (0: no check)")
 
@@ -344,6 +351,7 @@ def check_teacher(cfg: GRPOConfig) -> None:
                          "reference model's place in the batch (TrainBatch.ref_logprobs); set reference.enabled=false")
     if cfg.teacher.on_engine:
         check_engine_teacher(cfg)
+    check_teacher_top_k(cfg)
     if teacher == TEACHER_WARM_START:
         task = (cfg.task.source, cfg.task.name)
         if cfg.task.source in ENVIRONMENT_SOURCES:
@@ -354,6 +362,29 @@ def check_teacher(cfg: GRPOConfig) -> None:
             raise ValueError(f"teacher.model={teacher!r} with environment.chat_template=true: the multi-turn warm "
                              "start trains plain-text transcripts, not episodes in the chat template; set "
                              "teacher.model to a checkpoint with the student's tokenizer")
+
+
+def check_teacher_top_k(cfg: GRPOConfig) -> None:
+    """`kl: reverse` or `forward` (losses/distill.py) and `teacher.top_k` go together: the loss needs the teacher's
+    top-k at every position, and only it uses them; both compare full-vocabulary distributions, so the student samples
+    from one."""
+    kl, top_k = cfg.trainer.loss_params.get("kl", "sampled"), cfg.teacher.top_k
+    if kl in VOCABULARY_KLS and top_k < 1:
+        raise ValueError(f"trainer.loss_params.kl={kl!r} with teacher.top_k={top_k}: the KL over the vocabulary at "
+                         "each position needs the teacher's top-k log-probs there; set teacher.top_k >= 1 (the "
+                         "vocabulary's size for the exact KL), or kl=sampled")
+    if top_k and kl not in VOCABULARY_KLS:
+        raise ValueError(f"teacher.top_k={top_k} with trainer.loss_params.kl={kl!r}: only "
+                         f"kl={' or '.join(VOCABULARY_KLS)} use the teacher's top-k; set trainer.loss_params.kl, or "
+                         "teacher.top_k=0")
+    if not top_k:
+        return
+    if cfg.teacher.engine != "titan":
+        raise ValueError(f"teacher.top_k={top_k} with teacher.engine={cfg.teacher.engine!r}: only the titan teacher "
+                         "hands over its top-k; set teacher.engine=titan, or teacher.top_k=0 and kl=sampled")
+    if cfg.rollout.top_p != 1:
+        raise ValueError(f"teacher.top_k={top_k} with rollout.top_p={cfg.rollout.top_p}: the per-position KL compares "
+                         "full-vocabulary distributions, so the student must sample from one; set rollout.top_p=1")
 
 
 def check_teacher_checkpoint(cfg: GRPOConfig) -> None:

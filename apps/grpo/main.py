@@ -73,7 +73,8 @@ class GRPOJob:
         self.held_out = HeldOut(cfg, self.task, self.rollout, self.actors.tokenizer)
         self.scheduler = RolloutScheduler(self.actors.buffer, self.actors.trainer, self.actors.scorer,
                                           pad_id=self.actors.pad_id, group_size=cfg.rollout.group_size,
-                                          max_groups_in_flight=cfg.rollout.concurrency)
+                                          max_groups_in_flight=cfg.rollout.concurrency,
+                                          teacher_top_k=cfg.teacher.top_k)
         if resumed:
             await self.restore(*resumed)
         self.version = rank0(await self.actors.trainer.publish_weights.call())

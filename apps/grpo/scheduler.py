@@ -51,9 +51,10 @@ class RolloutScheduler:
     being generated at most."""
 
     def __init__(self, buffer: Any, trainer: Any, scorer: Any | None, *, pad_id: int, group_size: int,
-                 max_groups_in_flight: int) -> None:
+                 max_groups_in_flight: int, teacher_top_k: int = 0) -> None:
         self.buffer, self.trainer, self.scorer = buffer, trainer, scorer
         self.pad_id, self.group_size = pad_id, group_size
+        self.teacher_top_k = teacher_top_k  # > 0: the scorer hands over its top-k too (teacher.top_k)
         self.max_groups_in_flight, self.groups_in_flight = max_groups_in_flight, 0
         self.version = self.last_version = 0  # the newest published policy version; the job's last batch's version
         self.stopped = False
@@ -124,7 +125,7 @@ class RolloutScheduler:
         their reservation (the room of what was dropped is released) and has the scorer score them."""
         episodes = await generate(groups, version)
         await self.buffer.add.call_one(episodes, reserved=groups * self.group_size, scorer=self.scorer,
-                                       pad_id=self.pad_id)
+                                       pad_id=self.pad_id, top_k=self.teacher_top_k)
         self.groups_in_flight -= groups
         self._arrived.set()
         self._room.set()

@@ -109,3 +109,25 @@ def test_sequences_outside_the_vocabulary_are_rejected(checkpoint: Path) -> None
     reference = ReferenceModel(ReferenceConfig(model_path=str(checkpoint)))
     with pytest.raises(ValueError, match=rf"must be in \[0, {VOCAB}\)"):
         reference.logprobs(torch.full((2, 5), VOCAB))
+
+
+@pytest.mark.parametrize(("k", "temperature"), [(5, 0.7), (VOCAB + 10, 1.0)])
+def test_topk_logprobs_are_the_teachers_most_likely_tokens_and_the_rest_of_its_mass(checkpoint: Path, k: int,
+                                                                                    temperature: float) -> None:
+    input_ids = sequences()
+    reference = ReferenceModel(ReferenceConfig(model_path=str(checkpoint), chunk_rows=2, temperature=temperature))
+    sampled, ids, buckets = reference.topk_logprobs(input_ids, k)
+    width = min(k, VOCAB)
+    assert ids.shape == (5, 13, width) and buckets.shape == (5, 13, width + 1)
+    torch.testing.assert_close(sampled, reference.logprobs(input_ids), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(checkpoint)(input_ids).logits[:, :-1] / temperature
+    full = logits.double().log_softmax(-1)
+    expected = full.topk(width, dim=-1)
+    torch.testing.assert_close(buckets[..., :-1].double(), expected.values, rtol=0, atol=1e-5)
+    assert torch.equal(full.gather(-1, ids).double(), full.gather(-1, expected.indices))  # ties aside, the same tokens
+    if width < VOCAB:
+        rest = torch.log1p(-expected.values.exp().sum(-1))
+        torch.testing.assert_close(buckets[..., -1].double(), rest, rtol=0, atol=1e-5)
+    else:  # nothing is left: the floor, finite
+        assert (buckets[..., -1] == torch.finfo(torch.float32).min).all()

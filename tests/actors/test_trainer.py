@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.checkpoint import CHECKSUMS_FILE, is_model_key
-from actors.logprobs import token_entropy
+from actors.logprobs import bucket_logprobs, token_entropy, topk_logprobs
 from actors.titan_trainer import TitanTrainer
 from actors.trainer_config import TrainerConfig
 from rl.tiny_model import build_tiny_checkpoint
@@ -650,3 +650,26 @@ def test_mismatch_metrics_ignore_the_drift_of_earlier_minibatches(checkpoint: Pa
     metrics = trainer.train_step(batch)
     assert metrics["mismatch/all/abs_logp_diff"] < 1e-5
     assert (trainer.logprobs(batch) - batch.behaviour_logprobs).abs().max() > 1e-3  # the weights did move
+
+
+def test_distill_vocabulary_kl_gets_the_students_logprobs_at_the_teachers_topk_in_one_pass_or_per_micro_batch(
+        checkpoint: Path) -> None:
+    # The loss takes `topk_logprobs`: the trainer scores the teacher's top-k ids and the rest of the vocabulary at
+    # each position and back-propagates the loss's gradient through them, in one pass or recomputed per micro-batch.
+    batch = make_batch(3)
+    teacher = torch.randn(*batch.response_mask.shape, 99, generator=torch.Generator().manual_seed(5)).mul(3)
+    batch.ref_topk_ids, batch.ref_topk_logprobs = topk_logprobs(teacher, 8)
+    config = {"loss": "distill", "loss_params": {"kl": "reverse"}, "temperature": 0.7}
+    whole = TitanTrainer(trainer_config(checkpoint, micro_batch_size=4, **config))
+    split = TitanTrainer(trainer_config(checkpoint, micro_batch_size=1, **config))
+    whole_metrics, split_metrics = whole.train_step(batch), split.train_step(batch)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)(batch.input_ids).logits[:, :-1]
+    student = bucket_logprobs((logits / 0.7).log_softmax(-1), batch.ref_topk_ids)
+    kl = (student.exp() * (student - batch.ref_topk_logprobs.double())).sum(-1)
+    expected = ((kl * batch.response_mask).sum() / batch.response_mask.sum()).item()
+    assert whole_metrics["loss"] == pytest.approx(expected, rel=1e-5) and expected > 0.5
+    assert whole_metrics["reverse_kl"] == pytest.approx(expected, rel=1e-5)
+    assert split_metrics["loss"] == pytest.approx(expected, rel=1e-5)
+    assert_same_weights(gradients(whole), gradients(split), atol=1e-6)
+    assert whole_metrics["grad_norm"] > 0.01

@@ -230,3 +230,43 @@ def test_selected_rows_and_oldest_versions_match_the_episodes():
     rows = [6, 1, 1, 4]
     assert all(same_episode(a, episodes[r]) for a, r in zip(packed.select(rows).unpack(), rows))
     assert packed.oldest_policy_versions().tolist() == [e.oldest_policy_version for e in episodes]
+
+
+def with_teacher_topk(episode: Episode, k: int, seed: int) -> Episode:
+    """The episode with a teacher's top-k at each completion token: ids [len, k] and bucket log-probs [len, k+1]."""
+    generator, length = torch.Generator().manual_seed(seed), len(episode.completion_ids)
+    episode.ref_topk_ids = torch.randint(0, 50, (length, k), generator=generator, dtype=torch.int32)
+    episode.ref_topk_logprobs = -torch.rand(length, k + 1, generator=generator)
+    return episode
+
+
+def test_the_teachers_topk_travels_with_its_episodes_and_lands_at_their_positions():
+    rng = random.Random(3)
+    episodes = [with_teacher_topk(random_episode(rng, i, masked=False, kept=False, ref=True), 3, i) for i in range(7)]
+    packed = pickle.loads(pickle.dumps(EpisodeBatch.pack(episodes)))
+    joined = EpisodeBatch.cat([EpisodeBatch.pack(episodes[:2]), EpisodeBatch.pack(episodes[2:])])
+    for batch in (packed, joined, joined.select(range(7))):
+        for before, after in zip(episodes, batch.unpack()):
+            assert torch.equal(after.ref_topk_ids, before.ref_topk_ids)
+            assert torch.equal(after.ref_topk_logprobs, before.ref_topk_logprobs)
+    assert [e.episode_id for e in joined.select([5, 1]).unpack()] == [5, 1]
+    assert torch.equal(joined.select([5, 1]).unpack()[0].ref_topk_ids, episodes[5].ref_topk_ids)
+    train = TrainBatch.from_episodes(packed, pad_id=0)
+    assert train.ref_topk_ids.shape == (7, train.input_ids.shape[1] - 1, 3)
+    assert train.ref_topk_logprobs.shape == (7, train.input_ids.shape[1] - 1, 4)
+    for row, e in enumerate(episodes):  # completion token i is predicted at position p-1+i, as ref_logprobs
+        p, c = len(e.prompt_ids), len(e.completion_ids)
+        assert torch.equal(train.ref_topk_ids[row, p - 1 : p - 1 + c], e.ref_topk_ids.long())
+        assert torch.equal(train.ref_topk_logprobs[row, p - 1 : p - 1 + c], e.ref_topk_logprobs)
+    sliced = train.slice(2, 5)
+    assert torch.equal(sliced.ref_topk_ids, train.ref_topk_ids[2:5])
+    assert torch.equal(sliced.ref_topk_logprobs, train.ref_topk_logprobs[2:5])
+
+
+def test_a_teachers_topk_of_the_wrong_shape_is_refused_by_name():
+    episode = Episode(episode_id=8, group_id=0, prompt_ids=[1], completion_ids=[2, 3], behaviour_logprobs=[0.0, 0.0],
+                      policy_versions=[0, 0], reward=0.0, ref_logprobs=[0.0, 0.0],
+                      ref_topk_ids=torch.zeros(2, 2, dtype=torch.int32), ref_topk_logprobs=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"^Episode 8: ref_topk_ids has shape \(2, 2\) and ref_topk_logprobs \(2, 2\); "
+                                         r"must be \[2, K\] and \[2, K\+1\]"):
+        EpisodeBatch.pack([episode])

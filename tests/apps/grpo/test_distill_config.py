@@ -14,6 +14,7 @@ pytestmark = pytest.mark.monarch  # starts Monarch processes: `make test` runs i
 
 ROOT = Path(__file__).resolve().parents[3]
 DISTILL = str(ROOT / "configs/distill_tiny.yaml")
+SAMPLED_KL = ["trainer.loss_params.kl=sampled", "teacher.top_k=0"]  # an engine teacher hands over no top-k
 
 
 def load(*overrides: str):
@@ -52,7 +53,7 @@ def test_a_warm_start_teacher_is_accepted_for_every_task_with_answers(task):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["teacher.model=null"], r"^trainer\.loss='distill': needs a teacher to distill from; set teacher\.model"),
-    (["trainer.loss=grpo", "~trainer.loss_params.reward_coef"],
+    (["trainer.loss=grpo", "~trainer.loss_params.reward_coef", "~trainer.loss_params.kl", "teacher.top_k=0"],
      r"^teacher\.model='warm_start' with trainer\.loss='grpo': only trainer\.loss='distill' trains toward a teacher"),
     (["reference.enabled=true"], r"^teacher\.model='warm_start' with reference\.enabled=true: the teacher's log-probs "
                                  r"take the reference model's place"),
@@ -73,6 +74,17 @@ def test_a_warm_start_teacher_is_accepted_for_every_task_with_answers(task):
      r"^teacher\.engine='vllm' with rollout\.temperature=0\.7: the vllm teacher scores at temperature 1 \(raw-logit"),
     (["teacher.engine=hf", "rollout.top_p=0.9"],
      r"^teacher\.engine='hf' with rollout\.top_p=0\.9: the hf teacher scores over the full vocabulary"),
+    (["++trainer.loss_params.kl=forward", "teacher.top_k=0"],
+     r"^trainer\.loss_params\.kl='forward' with teacher\.top_k=0: the KL over the vocabulary at each position needs "
+     r"the teacher's top-k"),
+    (["++trainer.loss_params.kl=sampled", "teacher.top_k=5"],
+     r"^teacher\.top_k=5 with trainer\.loss_params\.kl='sampled': only kl=reverse or forward use the teacher's top-k"),
+    (["++trainer.loss_params.kl=reverse", "teacher.top_k=100", "teacher.engine=hf"],
+     r"^teacher\.top_k=100 with teacher\.engine='hf': only the titan teacher hands over its top-k"),
+    (["++trainer.loss_params.kl=reverse", "teacher.top_k=100", "rollout.top_p=0.9"],
+     r"^teacher\.top_k=100 with rollout\.top_p=0\.9: the per-position KL compares full-vocabulary distributions"),
+    (["teacher.top_k=-1"], r"^teacher\.top_k=-1: must be an int >= 0"),
+    (["++trainer.loss_params.kl=exact"], r"kl='exact': must be one of sampled, reverse, forward"),
 ])
 def test_bad_distillation_settings_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -94,7 +106,7 @@ def test_an_engine_teacher_of_another_family_is_accepted(tmp_path, tiny):
     folder = teacher_folder(tmp_path, tiny, config={"model_type": "mistral"})  # no family TorchTitan builds here
     with pytest.raises(ConfigError, match=r"^teacher\.model='.*' \(built as trainer\.family='qwen3'\)"):
         load(f"teacher.model={folder}")
-    cfg = load(f"teacher.model={folder}", "teacher.engine=hf")
+    cfg = load(f"teacher.model={folder}", "teacher.engine=hf", *SAMPLED_KL)
     engine = cfg.teacher_engine(str(folder))
     assert (engine.model, engine.engine, engine.dtype) == (str(folder), "hf", cfg.generator.dtype)
     # tests/apps/grpo/test_distill_run.py runs one (its log names the engine)
@@ -160,7 +172,7 @@ def test_a_tensor_parallel_vllm_teacher_counts_its_gpus_in_the_layout(monkeypatc
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)  # one short of the layout, on any host
     cfg = load("resources.with_gpus=true", "generator.device=cuda", "trainer.device=cuda", "teacher.engine=vllm",
-               "rollout.temperature=1", "+teacher.engine_args.tensor_parallel_size=2")
+               "rollout.temperature=1", "+teacher.engine_args.tensor_parallel_size=2", *SAMPLED_KL)
     assert cfg.scorer_gpus == 2
     with pytest.raises(ConfigError, match=r"needs 4 GPUs \(generator_replicas=1 x generator_procs=1 \+ trainer_procs=1 "
                                           r"\+ the vllm teacher's 2\) but 3 are visible"):

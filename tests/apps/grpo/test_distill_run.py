@@ -1,5 +1,6 @@
 """On-policy distillation end to end: the teacher's mesh scores the student's samples and its log-probs drive the
-loss. Two runs: configs/distill_tiny.yaml (single-turn) with the TorchTitan teacher, and the multi-turn lookup task
+loss. Three runs: configs/distill_tiny.yaml (single-turn) with the TorchTitan teacher (the sampled tokens' k1 KL, and
+the exact per-position KL over its top-k: kl=reverse), and the multi-turn lookup task
 (configs/multiturn_tiny.yaml, the environment's tokens masked out of the loss) with the hf engine's."""
 
 import json
@@ -35,13 +36,18 @@ MULTI_TURN = ["configs/multiturn_tiny.yaml", "trainer.loss=distill", "rollout.dr
 
 
 @pytest.mark.parametrize("engine, config, started", [
-    ("titan", ["configs/distill_tiny.yaml"], "replay buffer, teacher\n"),
-    ("hf", MULTI_TURN, "replay buffer, teacher (hf engine)\n"),
-], ids=["single-turn-titan", "multi-turn-hf"])
+    ("titan", ["configs/distill_tiny.yaml", "++trainer.loss_params.kl=sampled", "teacher.top_k=0"],
+     "replay buffer, teacher\n"),
+    ("titan", ["configs/distill_tiny.yaml", "++trainer.loss_params.kl=reverse", "teacher.top_k=100"],
+     "replay buffer, teacher\n"),
+    ("hf", [*MULTI_TURN, "++trainer.loss_params.kl=sampled", "teacher.top_k=0"],
+     "replay buffer, teacher (hf engine)\n"),
+], ids=["single-turn-titan", "single-turn-titan-reverse-kl", "multi-turn-hf"])
 def test_the_teachers_logprobs_reach_the_loss_as_the_reverse_kl(tmp_path, engine, config, started):
     teacher, run_dir = sharp_teacher(tmp_path / "teacher"), tmp_path / "run"
     # One optimizer step per batch, on policy: at step 1 r_t = 1, and the untrained student's rewards are all 0 (no
-    # group advantage), so the loss is the batch's k1 reverse KL over the model's tokens.
+    # group advantage), so the loss is the batch's reverse KL over the model's tokens: k1 on the sampled tokens, or
+    # (kl=reverse) the exact KL over the teacher's top-100 (the whole 99-token vocabulary) at each position.
     result = subprocess.run(
         [sys.executable, "-m", "apps.grpo", "--config", *config, f"run_dir={run_dir}",
          f"teacher.model={teacher}", f"teacher.engine={engine}", "warm_start.enabled=false", "steps=3",

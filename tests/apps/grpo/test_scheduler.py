@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors.replay_buffer import HandedBatch, ReplayBuffer
+from actors.replay_buffer import HandedBatch, ReplayBuffer, score_episodes
 from actors.trainer import TrainStepResult
 from apps.grpo.scheduler import RolloutScheduler, TrainedStep
 from rl.types import Episode, EpisodeBatch, TrainBatch
@@ -39,10 +39,10 @@ class InProcessBuffer:
         self.calls["reserve"] += 1
         return self.buffer.reserve(*args)
 
-    async def _add(self, episodes, reserved: int, scorer, pad_id: int):
+    async def _add(self, episodes, reserved: int, scorer, pad_id: int, top_k: int = 0):
         self.calls["add"] += 1
         if scorer is not None and episodes is not None:
-            episodes.ref_logprobs = await scorer.logprobs.call(episodes, pad_id)
+            await score_episodes(episodes, scorer, pad_id, top_k)
         self.buffer.add(episodes if episodes is not None else [], reserved)
 
     async def _next_batch(self, version: int, pad_id: int):
@@ -72,19 +72,40 @@ class InProcessTrainer:
         return TrainStepResult(version + 1, {"loss": 0.0})
 
 
+class Ranks:
+    """What an endpoint called on a mesh answers: each rank's value (forge.endpoints.rank0 takes rank 0's)."""
+
+    def __init__(self, by_rank: dict) -> None:
+        self.by_rank = by_rank
+
+    def values(self):
+        return iter(self.by_rank.values())
+
+
 class ZeroScorer:
+    """The reference actor's endpoints on one rank: log-prob 0 for every token; its top-k, token ids 0..k-1 at log-prob
+    -1 and the rest at -2."""
+
     def __init__(self) -> None:
-        self.scored = 0
-        endpoints(self, "logprobs", how="call")
+        self.scored, self.top_ks = 0, []
+        endpoints(self, "logprobs", "topk_logprobs", how="call")
 
-    async def _logprobs(self, episodes: EpisodeBatch, pad_id: int) -> torch.Tensor:
+    async def _logprobs(self, episodes: EpisodeBatch, pad_id: int) -> Ranks:
         self.scored += len(episodes)
-        return torch.zeros(len(episodes.completion_ids))
+        return Ranks({0: torch.zeros(len(episodes.completion_ids))})
+
+    async def _topk_logprobs(self, episodes: EpisodeBatch, pad_id: int, k: int) -> Ranks:
+        self.scored += len(episodes)
+        self.top_ks.append(k)
+        tokens = len(episodes.completion_ids)
+        return Ranks({0: (torch.zeros(tokens), torch.arange(k, dtype=torch.int32).repeat(tokens, 1),
+                          torch.cat([torch.full((tokens, k), -1.0), torch.full((tokens, 1), -2.0)], dim=1))})
 
 
-def scheduler(batch_size: int = 4, max_policy_age: int = 0, scorer=None) -> RolloutScheduler:
+def scheduler(batch_size: int = 4, max_policy_age: int = 0, scorer=None, teacher_top_k: int = 0) -> RolloutScheduler:
     return RolloutScheduler(InProcessBuffer(ReplayBuffer(batch_size=batch_size, max_policy_age=max_policy_age)),
-                            InProcessTrainer(), scorer, pad_id=0, group_size=2, max_groups_in_flight=4)
+                            InProcessTrainer(), scorer, pad_id=0, group_size=2, max_groups_in_flight=4,
+                            teacher_top_k=teacher_top_k)
 
 
 async def test_it_generates_what_the_buffer_has_room_for_and_the_trainer_fetches_each_batch_on_policy():
@@ -115,6 +136,27 @@ async def test_it_generates_what_the_buffer_has_room_for_and_the_trainer_fetches
     assert made[0] == (2, 0) and all(count <= 2 for count, _ in made)
     assert s.stopped and await s.next_batch() is None
     assert s.buffer.calls["add"] == len(made) and s.buffer.buffer.in_flight == 2 * s.groups_in_flight
+
+
+async def test_with_teacher_top_k_the_scorer_hands_its_top_k_to_every_batch_the_trainer_gets():
+    scorer = ZeroScorer()
+    s = scheduler(scorer=scorer, teacher_top_k=3)
+    ids = iter(range(1000))
+
+    async def generate(count: int, version: int) -> EpisodeBatch:
+        return make_episodes(next(ids) * 100, 2 * count, version)
+
+    async def on_step(step: TrainedStep) -> None:
+        pass
+
+    s.published(0, steps_left=2)
+    await asyncio.wait_for(s.run(generate, steps=2, on_step=on_step), 10)
+    assert scorer.top_ks and set(scorer.top_ks) == {3}
+    for _, batch in s.trainer.trained:  # the one completion token is predicted at position 1
+        assert batch.ref_topk_ids.shape == (4, 2, 3) and batch.ref_topk_logprobs.shape == (4, 2, 4)
+        assert batch.ref_topk_ids[:, 1].tolist() == [[0, 1, 2]] * 4
+        assert batch.ref_topk_logprobs[:, 1].tolist() == [[-1.0, -1.0, -1.0, -2.0]] * 4
+        assert batch.ref_logprobs is not None
 
 
 async def test_a_failing_generate_ends_the_run_with_its_error():
