@@ -17,9 +17,9 @@ loss scores the model's tokens only.
 
 On the wire. Every actor message pickles its arguments, and a tensor costs far more to pickle than a short list
 while one flat tensor per field costs far less than a list per episode (`python -m bench.episode_transport`). So
-completions and episodes cross actor boundaries packed: `CompletionBatch` (generator -> controller),
-`EpisodeBatch` (controller -> replay buffer and reference model) and `TrainBatch` (replay buffer -> trainer), each a
-few flat tensors for the whole message. `Completion` and `Episode` are the per-item views of the first two.
+completions and episodes cross actor boundaries packed: `CompletionBatch` (generator -> its caller),
+`EpisodeBatch` (generator or controller -> replay buffer -> reference model) and `TrainBatch` (replay buffer ->
+trainer), each a few flat tensors for the whole message. `Completion` and `Episode` are the per-item views of the first two.
 
 A GRPO job's single-turn completions skip the controller: the generator keeps them and answers with their texts
 (`KeptCompletions`), the controller scores and selects the groups and sends the replay buffer a `KeptEpisodes` (which
