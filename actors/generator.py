@@ -40,6 +40,10 @@ _DELETED_RETRIES = 3  # versions deleted between the store's notice and the fetc
 logger = logging.getLogger(__name__)
 
 
+class NotKeptError(LookupError):
+    """`take_kept` named a batch this replica does not keep (taken already, evicted, or never kept)."""
+
+
 @dataclass
 class _Request:
     prompt: str | list[int]
@@ -119,7 +123,7 @@ class Generator(ForgeActor):
         batch = self._kept.pop(key, None)
         if batch is None:
             state = "never kept" if key >= self._next_key else "already taken, or evicted (only the newest are kept)"
-            raise KeyError(f"Generator.take_kept: key={key} is not kept on this replica: {state}")
+            raise NotKeptError(f"Generator.take_kept: key={key} is not kept on this replica: {state}")
         if not rows:
             return None
         count = len(batch.lengths)
