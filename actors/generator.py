@@ -13,6 +13,11 @@ engine between decode steps, vLLM between batches). Every generated token record
 it. A replica that starts late (or is restarted after a crash) loads the newest version before serving.
 A request may name a `min_policy_version`: its batch does not start before that version is fetched, which
 is how the GRPO app bounds the age of what it generates without waiting on the background poll.
+
+Kept completions: a GRPO rollout's completions stay here (`generate_kept` answers with their texts and a key) until the
+replay buffer takes the ones the controller selected (`take_kept`), so their tokens go generator -> buffer without
+passing through the controller. A kept batch nobody takes (its rollout failed or was cancelled in between) is evicted,
+oldest first, once the replica keeps more than the caller's `keep_at_most`.
 """
 
 from __future__ import annotations
@@ -20,18 +25,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from actors.engines import start_engine
 from actors.generator_config import GeneratorConfig  # noqa: F401  (re-exported: `from actors.generator import GeneratorConfig`)
 from forge.actor import ForgeActor, endpoint
 from forge.metrics import record_metric
-from rl.types import Completion, CompletionBatch, SamplingParams
+from rl.types import Completion, CompletionBatch, EpisodeBatch, KeptCompletions, SamplingParams
 from forge.weights.store import RELAY_WAIT_S, WeightStore, WeightVersionError
 
 _DELETED_RETRIES = 3  # versions deleted between the store's notice and the fetch, before a request fails
 
 logger = logging.getLogger(__name__)
+
+
+class NotKeptError(LookupError):
+    """`take_kept` named a batch this replica does not keep (taken already, evicted, or never kept)."""
 
 
 @dataclass
@@ -54,6 +64,10 @@ class Generator(ForgeActor):
         self._fetched_version = -1  # newest version loaded or staged in the engine
         self._fetch_lock = asyncio.Lock()  # one fetch at a time: the poll and a request's minimum share it
         self._running: set[asyncio.Task] = set()  # engine calls in flight (several only for vllm)
+        # Kept batches by key, oldest first. Keys count up: every rank of a multi-process replica, called alike,
+        # keeps its batch under the key rank 0 answers with.
+        self._kept: OrderedDict[int, CompletionBatch] = OrderedDict()
+        self._next_key = 0
 
     @endpoint
     async def setup(self) -> None:
@@ -82,9 +96,43 @@ class Generator(ForgeActor):
                              min_policy_version: int = 0) -> CompletionBatch:
         """Several prompts in one call (one engine batch); their completions travel packed (`batch[i]` is prompt i's
         list, as from `generate`)."""
-        params = params or SamplingParams()
-        groups = await asyncio.gather(*(self._submit(p, params, min_policy_version) for p in prompts))
-        return CompletionBatch.pack(groups)
+        return await self._generate_batch(prompts, params or SamplingParams(), min_policy_version)
+
+    @endpoint
+    async def generate_kept(self, prompts: list, params: SamplingParams | None = None, min_policy_version: int = 0,
+                            keep_at_most: int = 64) -> KeptCompletions:
+        """`generate_batch`, but the completions stay here under the key answered with their texts, for the replay
+        buffer to take (`take_kept`): the caller scores and selects them without receiving their tokens. Past
+        `keep_at_most` batches kept, the oldest are evicted (a rollout that failed between the two calls must not
+        hold memory for ever); the caller sizes it above the batches it can have in flight on a replica."""
+        if not isinstance(keep_at_most, int) or isinstance(keep_at_most, bool) or keep_at_most < 1:
+            raise ValueError(f"Generator.generate_kept: keep_at_most={keep_at_most!r}: must be an int >= 1")
+        batch = await self._generate_batch(prompts, params or SamplingParams(), min_policy_version)
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._kept[key] = batch
+        while len(self._kept) > keep_at_most:
+            self._kept.popitem(last=False)
+        record_metric("generator/kept_batches", len(self._kept), "max")
+        return KeptCompletions(key, batch.samples.tolist(), list(batch.texts))
+
+    @endpoint
+    async def take_kept(self, key: int, rows: list[int]) -> EpisodeBatch | None:
+        """Forget kept batch `key` and answer its completions at `rows` (completion indices, prompt by prompt) as
+        episodes, their prompts included; the taker fills in their ids, rewards and advantages. No rows: only
+        forget it (None)."""
+        batch = self._kept.pop(key, None)
+        if batch is None:
+            state = "never kept" if key >= self._next_key else "already taken, or evicted (only the newest are kept)"
+            raise NotKeptError(f"Generator.take_kept: key={key} is not kept on this replica: {state}")
+        if not rows:
+            return None
+        count = len(batch.lengths)
+        bad = [r for r in rows if not 0 <= r < count]
+        if bad:
+            raise ValueError(f"Generator.take_kept: rows={bad[:5]} out of range: batch {key} has {count} completions")
+        zeros = [0] * count
+        return EpisodeBatch.from_completions(batch, episode_ids=zeros, group_ids=zeros, rewards=zeros,
+                                             advantages=zeros).select(rows)
 
     @endpoint
     async def score(self, prompt_ids: list[int], token_ids: list[int], policy_version: int) -> tuple[list[float], int]:
@@ -127,6 +175,10 @@ class Generator(ForgeActor):
         return {"policy_version": self.engine.policy_version, "swaps": self.swaps}
 
     # --- internals ----------------------------------------------------------------------------------
+    async def _generate_batch(self, prompts: list, params: SamplingParams, min_policy_version: int) -> CompletionBatch:
+        groups = await asyncio.gather(*(self._submit(p, params, min_policy_version) for p in prompts))
+        return CompletionBatch.pack(groups)
+
     async def _submit(self, prompt: str | list[int], params: SamplingParams, min_policy_version: int = 0) -> list[Completion]:
         future = asyncio.get_running_loop().create_future()
         await self._queue.put(_Request(prompt, params, min_policy_version, future))

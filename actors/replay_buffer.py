@@ -6,15 +6,19 @@
 The buffer also decides how much rollout work may be under way (`reserve`): it counts what it holds and what rollouts
 have reserved but not yet delivered, so nothing is generated that would be too old to train when it arrives.
 
-The actor is where episodes and batches meet other actors without the job's controller: `add` has the scorer (the
-reference model or the teacher) score the episodes it is given, and the trainer's ranks fetch the batch `next_batch`
-sampled (`batch`), so the controller moves only handles, versions and counts (apps/grpo/scheduler.py drives both).
+The actor is where episodes and batches meet other actors without the job's controller: `add` takes the episodes
+of a single-turn rollout from the generator replicas that keep them (`KeptEpisodes`: the controller names the rows
+and their rewards and advantages) and has the scorer (the reference model or the teacher) score what it adds, and the
+trainer's ranks fetch the batch `next_batch` sampled (`batch`), so the controller moves only handles, versions, texts
+and counts (apps/grpo/scheduler.py drives both).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,11 +28,14 @@ import torch
 from actors.replay_buffer_config import ReplayBufferConfig, check_int
 from forge.actor import ForgeActor, endpoint, rank0
 from forge.metrics import record_metric
-from rl.types import Episode, EpisodeBatch, TrainBatch
+from rl.types import Episode, EpisodeBatch, KeptEpisodes, KeptPart, TrainBatch
 
-__all__ = ["HandedBatch", "ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
+__all__ = ["Added", "HandedBatch", "ReplayBuffer", "ReplayBufferActor", "ReplayBufferConfig"]
 
 DROP_REASONS = ("too_old", "buffer_full")
+# How long `add` waits for a generator replica to hand over the episodes it keeps: a replica that died answers with a
+# supervision error after a while, one whose process hangs never would.
+TAKE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -304,6 +311,16 @@ async def score_episodes(episodes: EpisodeBatch, scorer: Any, pad_id: int, top_k
         episodes.ref_logprobs = rank0(await scorer.logprobs.call(episodes, pad_id))
 
 
+@dataclass(frozen=True)
+class Added:
+    """What `ReplayBufferActor.add` did: the episodes held after it, and those it could not take from the generator
+    replica that kept them (it died or evicted them in between), which its caller counts as failed generations."""
+
+    held: int
+    lost_episodes: int = 0
+    lost_groups: int = 0
+
+
 class ReplayBufferActor(ForgeActor):
     """The replay buffer as an actor: rollouts `reserve` room and `add` (scored on the way by the scorer they name), the
     training loop has a batch sampled (`next_batch`) and the trainer's ranks fetch it (`batch`)."""
@@ -326,21 +343,52 @@ class ReplayBufferActor(ForgeActor):
         return granted
 
     @endpoint
-    async def add(self, episodes: EpisodeBatch | None, reserved: int = 0, scorer: Any = None, pad_id: int = 0,
-                  top_k: int = 0) -> int:
+    async def add(self, episodes: EpisodeBatch | KeptEpisodes | None, reserved: int = 0, scorer: Any = None,
+                  pad_id: int = 0, top_k: int = 0) -> Added:
         """Store a packed batch of episodes (see `ReplayBuffer.add`); None: none came for the `reserved` room.
-        `scorer`: an actor whose `logprobs(episodes, pad_id)` gives their `ref_logprobs` (the reference model or the
-        distillation teacher), asked here so the episodes and their log-probs never pass through the caller; with
-        `top_k` > 0 its `topk_logprobs(episodes, pad_id, top_k)` gives `ref_topk_ids` and `ref_topk_logprobs` too
-        (the teacher's top-k at every position: losses.distill's kl="reverse" / "forward")."""
-        if not isinstance(episodes, EpisodeBatch) and not (episodes is None and reserved):
+        `KeptEpisodes`: episodes whose tensors generator replicas keep, taken from them here (the rows named, each
+        kept batch forgotten there), so they never pass through the caller; those of a replica that cannot hand
+        them over are lost (`Added`), their room released. `scorer`: an actor whose `logprobs(episodes, pad_id)`
+        gives their `ref_logprobs` (the reference model or the distillation teacher), asked here for the same reason;
+        with `top_k` > 0 its `topk_logprobs(episodes, pad_id, top_k)` gives `ref_topk_ids` and `ref_topk_logprobs`
+        too (the teacher's top-k at every position: losses.distill's kl="reverse" / "forward")."""
+        if not isinstance(episodes, (EpisodeBatch, KeptEpisodes)) and not (episodes is None and reserved):
             raise ValueError(f"ReplayBufferActor.add: episodes must be a rl.types.EpisodeBatch "
-                             f"(EpisodeBatch.pack(episodes)), or None with reserved > 0; got {type(episodes).__name__}")
+                             f"(EpisodeBatch.pack(episodes)) or KeptEpisodes, or None with reserved > 0; got "
+                             f"{type(episodes).__name__}")
+        lost_episodes = lost_groups = 0
+        if isinstance(episodes, KeptEpisodes):
+            taken = await asyncio.gather(*(self._take(part) for part in episodes.parts))
+            for part, batch in zip(episodes.parts, taken):
+                if batch is None and part.rows:
+                    lost_episodes += len(part.rows)
+                    lost_groups += len(set(part.group_ids))
+            got = [batch for batch in taken if batch is not None]
+            episodes = EpisodeBatch.cat(got) if got else None
         if scorer is not None and episodes is not None:
             await score_episodes(episodes, scorer, pad_id, top_k)
         self.buffer.add(episodes if episodes is not None else [], reserved)
         record_metric("buffer/size", len(self.buffer), "max")
-        return len(self.buffer)
+        return Added(len(self.buffer), lost_episodes, lost_groups)
+
+    async def _take(self, part: KeptPart) -> EpisodeBatch | None:
+        """The part's rows from the replica that keeps them, with the ids, rewards and advantages the caller gave
+        them; None when it names no rows or the replica cannot hand them over (said on stderr: a replica's death
+        costs its groups, as a failed generation does, not the job)."""
+        try:
+            taken = rank0(await asyncio.wait_for(part.generator.take_kept.call(part.key, part.rows), TAKE_TIMEOUT_S))
+        except Exception as e:
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            print(f"replay buffer: kept batch {part.key} lost ({len(part.rows)} episodes): {type(e).__name__}: "
+                  f"{first}", file=sys.stderr, flush=True)
+            return None
+        if taken is None:
+            return None
+        taken.episode_ids = torch.tensor(part.episode_ids, dtype=torch.long)
+        taken.group_ids = torch.tensor(part.group_ids, dtype=torch.long)
+        taken.rewards = torch.tensor(part.rewards, dtype=torch.float32)
+        taken.advantages = torch.tensor(part.advantages, dtype=torch.float32)
+        return taken
 
     @endpoint
     async def next_batch(self, policy_version: int, pad_id: int) -> HandedBatch | None:

@@ -2,6 +2,7 @@
 
     svc = await Generator.options(num_replicas=2).as_service(model=path)
     out = await svc.generate.route(prompt)            # one healthy replica (round-robin by default)
+    out, actor = await svc.generate.route_replica(prompt)  # the same, and the replica's actor that answered
     versions = await svc.policy_version.fanout()      # every healthy replica
     by_index = await svc.policy_version.by_replica()  # the same, keyed by replica index
     async with svc.session():                         # stick to one replica (e.g. for a KV cache)
@@ -200,13 +201,16 @@ class Service:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=1.0)
 
-    async def _call(self, endpoint: str, args: tuple, kwargs: dict, replica: Replica | None = None) -> Any:
+    async def _call(self, endpoint: str, args: tuple, kwargs: dict, replica: Replica | None = None,
+                    answered_by: list[Replica] | None = None) -> Any:
         if self._stopped:
             raise ShutDownError(f"service {self.name!r} has been stopped; it takes no new calls")
         while True:
             target = replica or await self._choose()
             target.in_flight += 1
             try:
+                if answered_by is not None:
+                    answered_by[:] = [target]
                 method = getattr(target.actor, endpoint)
                 if self.placement.procs == 1:
                     return await method.call_one(*args, **kwargs)
@@ -266,6 +270,13 @@ class ServiceEndpoint:
     async def route(self, *args: Any, **kwargs: Any) -> Any:
         """Call one healthy replica (re-issued elsewhere if that replica dies mid-call)."""
         return await self.service._call(self.name, args, kwargs)
+
+    async def route_replica(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """`route`, and the actor handle of the replica that answered: for a caller that has another actor call that
+        replica later (the replay buffer takes the completions a generator keeps, apps.grpo)."""
+        answered_by: list[Replica] = []
+        value = await self.service._call(self.name, args, kwargs, answered_by=answered_by)
+        return value, answered_by[0].actor
 
     async def fanout(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Call every healthy replica; returns their results in replica order."""

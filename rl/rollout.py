@@ -15,11 +15,16 @@ The groups of one call are generated together: one actor call per healthy genera
 multi-turn one, its episodes pinned to that replica by a service session), so a step's many groups cost the caller a
 few messages, not one per group. apps.grpo trains on these groups; apps.eval and apps.sft score held-out problems with
 them (apps/eval/samplers.py).
+
+`SingleTurn(..., keep_at_most=k)` (apps.grpo's training rollout) leaves the completions' tensors on the generator
+replicas (`KeptGroup`: their texts to score, and where they are); `buffer_episodes` then names the rows to train for
+the replay buffer to take from those replicas, so a group's tokens never pass through the caller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import sys
 from collections.abc import Sequence
@@ -31,7 +36,7 @@ from rl.environments.player import EpisodePlayer
 from rl.environments.threads import EnvironmentsBlocked
 from rl.environments.trajectory import Trajectory
 from rl.tasks.protocol import TaskProblem
-from rl.types import CompletionBatch, EpisodeBatch, SamplingParams
+from rl.types import CompletionBatch, EpisodeBatch, KeptEpisodes, KeptPart, SamplingParams
 
 EPISODE_BITS = 16  # an episode id is its group id, then its index in the group in this many bits
 
@@ -51,12 +56,23 @@ FATAL = (NoHealthyReplicaError, FatalRolloutError, EnvironmentsBlocked)
 
 
 @dataclass
-class Group:
-    """One problem's episodes as played and scored. `samples`: the completions (single-turn) or the trajectories
-    (multi-turn); `rewards`: one per episode (empty when a single-turn rollout has no scorer); `failed[i]`: episode
-    i's environment failed."""
+class KeptGroup:
+    """One problem's completions as a generator replica keeps them (`Generator.generate_kept`): their texts, to score,
+    and where their tensors are: rows `rows` of the batch `key` kept by the replica `generator`."""
 
-    samples: CompletionBatch | list[Trajectory]
+    generator: Any  # the replica's actor handle
+    key: int
+    rows: range
+    texts: list[str]
+
+
+@dataclass
+class Group:
+    """One problem's episodes as played and scored. `samples`: the completions (single-turn; kept on their generator
+    replica with `SingleTurn(keep_at_most=...)`) or the trajectories (multi-turn); `rewards`: one per episode (empty
+    when a single-turn rollout has no scorer); `failed[i]`: episode i's environment failed."""
+
+    samples: CompletionBatch | KeptGroup | list[Trajectory]
     rewards: list[float]
     failed: list[bool]
 
@@ -70,11 +86,39 @@ class Group:
     def to_episodes(self, group_id: int, advantages: list[float]) -> EpisodeBatch:
         """The group packed for the buffer: straight from the generator's tensors, or from the complete trajectories."""
         ids = episode_ids(group_id, len(self.rewards))
+        if isinstance(self.samples, KeptGroup):
+            raise TypeError("Group.to_episodes: the completions are kept on their generator replica; "
+                            "buffer_episodes names them for the replay buffer to take")
         if isinstance(self.samples, CompletionBatch):
             return EpisodeBatch.from_completions(self.samples, episode_ids=ids, group_ids=[group_id] * len(ids),
                                                  rewards=self.rewards, advantages=advantages)
         return EpisodeBatch.pack([t.to_episode(episode_id=i, group_id=group_id, reward=r, advantage=a)
                                   for t, i, r, a in zip(self.samples, ids, self.rewards, advantages)])
+
+
+def buffer_episodes(played: Sequence[Group | Exception],
+                    trained: Sequence[tuple[Group, int, list[float]]]) -> EpisodeBatch | KeptEpisodes | None:
+    """The trained groups (each with its group id and advantages, from `played`) as the replay buffer's `add` takes
+    them: packed here (None: no episode), or, where the completions are kept on generator replicas, one part per kept
+    batch of `played` naming its trained rows. A batch none of whose groups is trained is named with no rows, so that
+    the buffer has its replica forget it at once rather than evict it later."""
+    kept: dict[tuple[int, int], KeptPart] = {}
+    for group in played:
+        if isinstance(group, Group) and isinstance(group.samples, KeptGroup):
+            k = group.samples
+            kept.setdefault((id(k.generator), k.key), KeptPart(k.generator, k.key, [], [], [], [], []))
+    if not kept:
+        packed = [group.to_episodes(group_id, advantages) for group, group_id, advantages in trained]
+        return EpisodeBatch.cat(packed) if packed else None
+    for group, group_id, advantages in trained:
+        k = group.samples
+        part = kept[id(k.generator), k.key]
+        part.rows += k.rows
+        part.episode_ids += episode_ids(group_id, len(k.rows))
+        part.group_ids += [group_id] * len(k.rows)
+        part.rewards += group.rewards
+        part.advantages += advantages
+    return KeptEpisodes(list(kept.values()))
 
 
 class Rollout(Protocol):
@@ -123,10 +167,14 @@ async def _alone_on_failure(part: list, play: Callable[[list], Awaitable[list[Gr
 
 class SingleTurn:
     """One completion per episode from the generator service, scored by `rewards` (None: unscored, `Group.rewards`
-    empty; the caller scores `Group.samples.texts`)."""
+    empty; the caller scores `Group.samples.texts`). `keep_at_most`: the completions stay on their generator replica
+    (`KeptGroup`), which keeps at most this many batches (a call's part is one): more than can be in flight per
+    replica, since the oldest are evicted; None: they come back with their tensors (`CompletionBatch`)."""
 
-    def __init__(self, generators: Any, rewards: Scorer | None = None) -> None:
-        self.generators, self.rewards = generators, rewards
+    def __init__(self, generators: Any, rewards: Scorer | None = None, keep_at_most: int | None = None) -> None:
+        if keep_at_most is not None and (not isinstance(keep_at_most, int) or keep_at_most < 1):
+            raise ValueError(f"SingleTurn: keep_at_most={keep_at_most!r}: must be None or an int >= 1")
+        self.generators, self.rewards, self.keep_at_most = generators, rewards, keep_at_most
 
     @property
     def reward_failures(self) -> int:
@@ -135,9 +183,16 @@ class SingleTurn:
     async def play_groups(self, problems: Sequence[TaskProblem], params: SamplingParams,
                           version: int = 0) -> list[Group | Exception]:
         async def play(part: list[TaskProblem]) -> list[Group]:
-            completions = await self.generators.generate_batch.route([p.prompt for p in part], params,
-                                                                     min_policy_version=version)
-            groups = [completions[i : i + 1] for i in range(len(part))]
+            prompts = [p.prompt for p in part]
+            if self.keep_at_most is None:
+                completions = await self.generators.generate_batch.route(prompts, params, min_policy_version=version)
+                groups = [completions[i : i + 1] for i in range(len(part))]
+            else:
+                kept, generator = await self.generators.generate_kept.route_replica(
+                    prompts, params, min_policy_version=version, keep_at_most=self.keep_at_most)
+                starts = list(itertools.accumulate(kept.samples, initial=0))
+                groups = [KeptGroup(generator, kept.key, range(a, b), kept.texts[a:b])
+                          for a, b in zip(starts, starts[1:])]
             if self.rewards is None:
                 return [Group(g, [], [False] * len(g.texts)) for g in groups]
             rewards = await asyncio.gather(*(self.rewards.score(g.texts, p.answer) for g, p in zip(groups, part)))

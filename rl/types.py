@@ -17,9 +17,14 @@ loss scores the model's tokens only.
 
 On the wire. Every actor message pickles its arguments, and a tensor costs far more to pickle than a short list
 while one flat tensor per field costs far less than a list per episode (`python -m bench.episode_transport`). So
-completions and episodes cross actor boundaries packed: `CompletionBatch` (generator -> controller),
-`EpisodeBatch` (controller -> replay buffer and reference model) and `TrainBatch` (replay buffer -> trainer), each a
-few flat tensors for the whole message. `Completion` and `Episode` are the per-item views of the first two.
+completions and episodes cross actor boundaries packed: `CompletionBatch` (generator -> its caller),
+`EpisodeBatch` (generator or controller -> replay buffer -> reference model) and `TrainBatch` (replay buffer ->
+trainer), each a few flat tensors for the whole message. `Completion` and `Episode` are the per-item views of the first two.
+
+A GRPO job's single-turn completions skip the controller: the generator keeps them and answers with their texts
+(`KeptCompletions`), the controller scores and selects the groups and sends the replay buffer a `KeptEpisodes` (which
+rows of which kept batch, with their ids, rewards and advantages), and the buffer takes those rows' tensors from the
+generator replica that keeps them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -181,6 +187,46 @@ class CompletionBatch:
             finish_reasons=self.finish_reasons[first:last],
             kept_token_ids=None if self.kept_token_ids is None else self.kept_token_ids[slice(*tokens)],
             kept_widths=None if self.kept_widths is None else self.kept_widths[first:last])
+
+
+@dataclass
+class KeptCompletions:
+    """A generator's answer for completions it keeps (`Generator.generate_kept`): what the caller scores and selects
+    them by, not their tokens. The tensors stay on the replica under `key` until the replay buffer takes the rows it
+    trains (`Generator.take_kept`), so they never pass through the caller."""
+
+    key: int
+    samples: list[int]  # completions per prompt, in prompt order
+    texts: list[str]  # completion after completion, prompt by prompt
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+@dataclass
+class KeptPart:
+    """The episodes to train from one kept batch: its `rows` (completions, in the kept batch's order) with their ids,
+    rewards and advantages. No rows: none is trained, and the buffer only has the replica forget the batch."""
+
+    generator: Any  # the actor handle of the replica that keeps the batch
+    key: int
+    rows: list[int]
+    episode_ids: list[int]
+    group_ids: list[int]
+    rewards: list[float]
+    advantages: list[float]
+
+
+@dataclass
+class KeptEpisodes:
+    """Episodes whose tensors generator replicas keep, as the controller hands them to the replay buffer's `add` in
+    place of an `EpisodeBatch`: one part per kept batch of a rollout, the batches none of whose groups are trained
+    included, so that every kept batch is released."""
+
+    parts: list[KeptPart]
+
+    def __len__(self) -> int:
+        return sum(len(part.rows) for part in self.parts)
 
 
 @dataclass

@@ -146,7 +146,7 @@ class Gateway:
             self.counts["history_breaks"] += breaks
             if episodes:
                 try:
-                    self.held = await self._buffer_call(self.buffer.add.call_one(EpisodeBatch.pack(episodes)))
+                    self.held = (await self._buffer_call(self.buffer.add.call_one(EpisodeBatch.pack(episodes)))).held
                 except Exception:
                     self.counts["export_failures"] += len(episodes)
                     logger.exception("session %s: export to the replay buffer failed", session.session_id)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from actors.replay_buffer import Added
 from actors.weight_canary import check_weight_sync
 from apps.run_checkpoints import JobCheckpoints
 from apps.grpo.config import GRPOConfig
@@ -35,10 +36,11 @@ from apps.grpo.scheduler import RolloutScheduler, TrainedStep
 from apps.grpo.summary import EpisodeCounters, RunSummary, step_record
 from forge.actor import rank0
 from forge.lifecycle import run_job
-from forge.metrics import MetricLogger
+from forge.metrics import MetricLogger, record_metric
 from forge.provisioner import get_provisioner
 from losses.advantages import group_advantages
-from rl.types import EpisodeBatch
+from rl.rollout import buffer_episodes
+from rl.types import EpisodeBatch, KeptEpisodes
 
 
 class GRPOJob:
@@ -74,7 +76,7 @@ class GRPOJob:
         self.scheduler = RolloutScheduler(self.actors.buffer, self.actors.trainer, self.actors.scorer,
                                           pad_id=self.actors.pad_id, group_size=cfg.rollout.group_size,
                                           max_groups_in_flight=cfg.rollout.concurrency,
-                                          teacher_top_k=cfg.teacher.top_k)
+                                          teacher_top_k=cfg.teacher.top_k, on_lost=self.lost)
         if resumed:
             await self.restore(*resumed)
         self.version = rank0(await self.actors.trainer.publish_weights.call())
@@ -105,23 +107,31 @@ class GRPOJob:
         self.summary.train_s, self.summary.steps_this_run = time.perf_counter() - loop_start, self.step - start_step
         self.summary.controller_cpu_s = time.process_time() - loop_cpu
 
-    async def generate(self, count: int, version: int) -> EpisodeBatch | None:
+    async def generate(self, count: int, version: int) -> EpisodeBatch | KeptEpisodes | None:
         """`count` prompts' groups, generated with policy `version` or newer, scored and given their advantages: the
-        episodes of the groups to train (None: none), for the scheduler to add to the buffer."""
+        episodes of the groups to train for the scheduler to add to the buffer (None: none), or, single-turn, which
+        of the completions the generator replicas keep to train (the buffer takes them from there)."""
         problems = self.task.sample_prompts(count, self.rng)
         played = await self.rollout.play_groups(problems, sampling_params(self.cfg, self.task), version)
-        packed = []
+        trained = []
         for group in filter(None, map(self.selector.trainable, played)):  # failed, too small or no signal: dropped
             rewards = torch.tensor(group.rewards)
             advantages, _ = group_advantages(rewards, torch.zeros(len(rewards), dtype=torch.long),
                                              normalize_std=self.cfg.rollout.normalize_advantages)
             group_id = self.rng.getrandbits(62 - EPISODE_BITS)  # its episode ids travel as int64
-            packed.append(group.to_episodes(group_id, advantages.tolist()))
-        if not packed:
-            return None
-        episodes = EpisodeBatch.cat(packed)
-        self.selector.counters.generated += len(episodes)  # counted as sent: a job stopped before counts none
+            trained.append((group, group_id, advantages.tolist()))
+        episodes = buffer_episodes(played, trained)
+        if episodes is not None:
+            self.selector.counters.generated += len(episodes)  # counted as sent: a job stopped before counts none
         return episodes
+
+    def lost(self, added: Added) -> None:
+        """Trained episodes the buffer could not take from the generator replica that kept them (it died after
+        generating them): failed generations, as if it had died while generating them."""
+        counters = self.selector.counters
+        counters.generated -= added.lost_episodes
+        counters.generation_failures += added.lost_groups
+        record_metric("rollout/generation_failures", added.lost_groups, "sum")
 
     async def after_step(self, step: TrainedStep) -> None:
         """A training step is done (its version being published): count it, log it, evaluate and checkpoint when due."""

@@ -117,11 +117,14 @@ class HeldOut:
 
 
 async def make_rollout(cfg: GRPOConfig, task: Task, actors: JobActors) -> SingleTurn | MultiTurn:
-    """A single-turn task's rollout scores with the task's reward (or the user's, `task.reward`); a multi-turn task's
-    starts its environment host first when `environment.isolated`."""
+    """A single-turn task's rollout scores with the task's reward (or the user's, `task.reward`) and leaves the
+    completions on the generator replicas for the replay buffer to take: a replica holds at most one kept batch per
+    group in flight (`rollout.concurrency`), twice that before it evicts the oldest. A multi-turn task's starts its
+    environment host first when `environment.isolated`."""
     if not isinstance(task, MultiTurnTask):
         reward, timeout_s = reward_function(cfg, task)
-        return SingleTurn(actors.generators, RewardScorer(reward, timeout_s, name=f"task.reward={cfg.task.reward}"))
+        return SingleTurn(actors.generators, RewardScorer(reward, timeout_s, name=f"task.reward={cfg.task.reward}"),
+                          keep_at_most=2 * cfg.rollout.concurrency)
     return MultiTurn(await start_player(task, actors.tokenizer, cfg.environment, actors.generators,
                                         cfg.task.chat_template_kwargs))
 

@@ -10,9 +10,11 @@ too old to train when it arrives), so `fill` starts groups only as far as it gra
 `max_groups_in_flight`. Each loop wakes the other when it may have changed what the other waits for: a delivery may
 complete a batch, a sampled batch or a new version may make room.
 
-The controller moves handles, versions and counts; tensors go actor to actor. The buffer has the scorer (the reference
-model or the teacher) score the episodes it is given, and the trainer's ranks fetch the sampled batch from the buffer
-actor (`TrainerActor.train_from`): a batch is never pickled through the controller.
+The controller moves handles, versions, texts and counts; tensors go actor to actor. A single-turn job's episodes stay
+on the generator replicas until the buffer takes the ones the controller selected (`generate` hands the scheduler
+`KeptEpisodes`: rows, rewards and advantages), the buffer has the scorer (the reference model or the teacher) score
+what it adds, and the trainer's ranks fetch the sampled batch from the buffer actor (`TrainerActor.train_from`): a
+batch is never pickled through the controller, nor (single-turn) the episodes it is made of.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.replay_buffer import HandedBatch
+from actors.replay_buffer import Added, HandedBatch
 from actors.trainer import TrainStepResult
 from forge.actor import rank0
-from rl.types import EpisodeBatch
+from rl.types import EpisodeBatch, KeptEpisodes
 
-Generate = Callable[[int, int], Awaitable[EpisodeBatch | None]]
+Generate = Callable[[int, int], Awaitable[EpisodeBatch | KeptEpisodes | None]]
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,13 @@ class RolloutScheduler:
 
     `buffer`: a ReplayBufferActor; `trainer`: a TrainerActor mesh; `scorer`: the actor that scores every episode's
     reference log-probs (None without one); `group_size`: episodes per prompt group; `max_groups_in_flight`: groups
-    being generated at most."""
+    being generated at most; `on_lost`: told of episodes the buffer could not take from the generator replica that
+    kept them (it died in between), for the job to count them as failed generations."""
 
     def __init__(self, buffer: Any, trainer: Any, scorer: Any | None, *, pad_id: int, group_size: int,
-                 max_groups_in_flight: int, teacher_top_k: int = 0) -> None:
-        self.buffer, self.trainer, self.scorer = buffer, trainer, scorer
+                 max_groups_in_flight: int, teacher_top_k: int = 0,
+                 on_lost: Callable[[Added], None] | None = None) -> None:
+        self.buffer, self.trainer, self.scorer, self.on_lost = buffer, trainer, scorer, on_lost
         self.pad_id, self.group_size = pad_id, group_size
         self.teacher_top_k = teacher_top_k  # > 0: the scorer hands over its top-k too (teacher.top_k)
         self.max_groups_in_flight, self.groups_in_flight = max_groups_in_flight, 0
@@ -122,10 +126,13 @@ class RolloutScheduler:
     async def rollout(self, generate: Generate, groups: int, version: int) -> None:
         """`groups` granted groups: generated with `version` or newer and scored (`generate`: their episodes, fewer or
         None when groups or episodes were dropped on the way), then added to the buffer in one call, which settles
-        their reservation (the room of what was dropped is released) and has the scorer score them."""
+        their reservation (the room of what was dropped is released), takes kept episodes from their generator
+        replicas and has the scorer score them."""
         episodes = await generate(groups, version)
-        await self.buffer.add.call_one(episodes, reserved=groups * self.group_size, scorer=self.scorer,
-                                       pad_id=self.pad_id, top_k=self.teacher_top_k)
+        added: Added = await self.buffer.add.call_one(episodes, reserved=groups * self.group_size, scorer=self.scorer,
+                                                      pad_id=self.pad_id, top_k=self.teacher_top_k)
+        if added.lost_episodes and self.on_lost is not None:
+            self.on_lost(added)
         self.groups_in_flight -= groups
         self._arrived.set()
         self._room.set()

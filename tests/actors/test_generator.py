@@ -1,4 +1,5 @@
-"""The Generator: weight swaps never tear a forward pass; replicas follow published versions."""
+"""The Generator: weight swaps never tear a forward pass; replicas follow published versions; kept completions are
+taken once by the replay buffer and evicted past their bound."""
 
 import asyncio
 import threading
@@ -10,7 +11,8 @@ import torch
 from actors.engines.hf import HFEngine
 from actors.generator import Generator, WeightVersionError
 from rl.tiny_model import build_tiny_checkpoint
-from rl.types import SamplingParams
+from actors.replay_buffer import ReplayBufferActor
+from rl.types import EpisodeBatch, KeptEpisodes, KeptPart, SamplingParams, TrainBatch
 from forge.weights.store import WeightStore
 from tests.support import assert_kept_sets_replay
 from forge.weights.startup import start_weight_store
@@ -221,3 +223,66 @@ async def test_a_version_nobody_published_fails_the_request_after_a_short_bound(
 
 async def _nothing_incoming():
     return None
+
+
+async def test_kept_completions_are_taken_once_by_the_replay_buffer_and_evicted_past_the_bound(checkpoint):
+    """apps.grpo's single-turn path: the generator keeps a rollout's completions and answers with their texts; the
+    buffer takes the rows the controller selected, with their ids, rewards and advantages, and holds the same
+    episodes the controller used to pack itself. A kept batch is taken once, forgotten when named without rows, and
+    evicted past `keep_at_most`; a take that fails costs its groups, not the add."""
+    await start_weight_store()
+    store = WeightStore("gen-kept")
+    engine = HFEngine(checkpoint)
+    await store.publish({name: t.detach().clone() for name, t in engine.model.state_dict().items()}, version=0)
+    service = await Generator.options(mesh_name="gen-kept").as_service(model=str(checkpoint),
+                                                                          weight_namespace="gen-kept")
+    buffer = await ReplayBufferActor.options(mesh_name="buffer-kept").as_actor(batch_size=3, max_policy_age=4,
+                                                                                 sample_order="oldest")
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=3)  # seeded: both paths sample the same
+    prompts = ["12+34=", "5+6="]
+    try:
+        kept, replica = await service.generate_kept.route_replica(prompts, params, keep_at_most=3)
+        assert kept.samples == [2, 2] and len(kept.texts) == 4
+        old = await service.generate_batch.route(prompts, params)  # the old path: the tensors come back
+        assert list(old.texts) == kept.texts
+
+        # Rows 1 and 2 (prompt 0's second completion, prompt 1's first) are trained; a second batch none of whose
+        # groups is trained is named without rows.
+        dropped, _ = await service.generate_kept.route_replica(prompts[:1], params, keep_at_most=3)
+        assert await buffer.reserve.call_one(0, 3, 2) == 3
+        added = await buffer.add.call_one(KeptEpisodes([
+            KeptPart(replica, kept.key, [1, 2], [10, 20], [1, 2], [1.0, 0.0], [0.5, -0.5]),
+            KeptPart(replica, dropped.key, [], [], [], [], [])]), reserved=4)
+        assert (added.held, added.lost_episodes, added.lost_groups) == (2, 0, 0)
+        for key in (kept.key, dropped.key):  # both forgotten on the replica
+            with pytest.raises(Exception, match=rf"key={key} is not kept on this replica: already taken, or evicted"):
+                await replica.take_kept.call_one(key, [0])
+
+        # Past keep_at_most the oldest kept batch is evicted: the buffer's take of it fails, its group is lost (and
+        # its room released), the add goes on.
+        evicted, _ = await service.generate_kept.route_replica(prompts[:1], params, keep_at_most=2)
+        newer = [await service.generate_kept.route_replica(prompts[:1], params, keep_at_most=2) for _ in range(2)]
+        added = await buffer.add.call_one(KeptEpisodes([KeptPart(replica, evicted.key, [0], [30], [3], [1.0],
+                                                                 [1.0])]), reserved=2)
+        assert (added.held, added.lost_episodes, added.lost_groups) == (2, 1, 1)
+        assert await replica.take_kept.call_one(newer[0][0].key, []) is None  # named without rows: forgotten
+        with pytest.raises(Exception, match=r"key=999 is not kept on this replica: never kept"):
+            await replica.take_kept.call_one(999, [0])
+        with pytest.raises(Exception, match=r"rows=\[7\] out of range: batch \d+ has 2 completions"):
+            await replica.take_kept.call_one(newer[1][0].key, [7])
+        with pytest.raises(Exception, match=r"keep_at_most=0: must be an int >= 1"):
+            await service.generate_kept.route(prompts, params, keep_at_most=0)
+
+        # What the buffer holds is what the controller packed on the old path.
+        expected = EpisodeBatch.from_completions(old, episode_ids=[0, 10, 20, 0], group_ids=[0, 1, 2, 0],
+                                                 rewards=[0.0, 1.0, 0.0, 0.0],
+                                                 advantages=[0.0, 0.5, -0.5, 0.0]).select([1, 2])
+        await buffer.add.call_one(expected.select([0]), reserved=0)  # a third episode: the batch fills
+        handed = await buffer.next_batch.call_one(0, 0)
+        batch = await buffer.batch.call_one(0)
+        assert handed.episodes == 3 and handed.stats["added"] == 3
+        want = TrainBatch.from_episodes(EpisodeBatch.cat([expected, expected.select([0])]), 0)
+        for name in ("input_ids", "response_mask", "behaviour_logprobs", "policy_versions", "advantages", "rewards"):
+            assert torch.equal(getattr(batch, name), getattr(want, name)), name
+    finally:
+        await service.stop()

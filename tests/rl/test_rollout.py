@@ -1,6 +1,7 @@
 """The rollout (rl/rollout.py) without actors (a stand-in generator service): a single-turn one scores with its scorer
 or leaves the group unscored, a problem whose generation fails gets its error while the others play, a fatal error ends
-the call, and a seeded multi-turn call plays each copy with a seed of its own."""
+the call, a seeded multi-turn call plays each copy with a seed of its own, and completions a generator keeps are
+named row by row for the replay buffer to take."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 from forge.service import NoHealthyReplicaError
 from rl.environments.config import EnvironmentConfig
 from rl.environments.player import EpisodePlayer
-from rl.rollout import Group, MultiTurn, SingleTurn
+from rl.rollout import EPISODE_BITS, Group, MultiTurn, SingleTurn, buffer_episodes
 from rl.tasks.arithmetic import ArithmeticTask, Problem
-from rl.types import Completion, CompletionBatch, SamplingParams
+from rl.types import Completion, CompletionBatch, EpisodeBatch, KeptEpisodes, KeptCompletions, SamplingParams
 
 
 class Generators:
@@ -105,3 +106,43 @@ async def test_a_seeded_multi_turn_call_plays_each_copy_with_its_own_seed():
     generators.calls.clear()
     await rollout.play_groups([Problem("a", "a!")], SamplingParams(n=3, max_tokens=2))
     assert [(len(prompts), seed) for prompts, seed in generators.calls] == [(3, None)]  # unseeded: the copies at once
+
+
+class KeepingGenerators(Generators):
+    """`generate_kept` as a service routes it: each call's completions kept by the replica that answered (the calls
+    go to replicas "r0", "r1" in turn), answered with their texts and a key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generate_kept, self.keys = self, iter(range(100))
+
+    async def route_replica(self, prompts, params, min_policy_version=0, keep_at_most=None):
+        self.calls.append((list(prompts), keep_at_most))
+        texts = [f"{p}!" for p in prompts for _ in range(params.n)]
+        return KeptCompletions(next(self.keys), [params.n] * len(prompts), texts), f"r{len(self.calls) - 1}"
+
+
+async def test_kept_completions_are_scored_by_text_and_named_row_by_row_for_the_buffer():
+    generators = KeepingGenerators()
+    played = await SingleTurn(generators, Scorer(), keep_at_most=8).play_groups(PROBLEMS, SamplingParams(n=2))
+    assert [c[1] for c in generators.calls] == [8, 8]  # one call per replica, each naming the bound
+    assert [g.rewards for g in played] == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    assert [(g.samples.generator, g.samples.key, g.samples.rows) for g in played] == [
+        ("r0", 0, range(0, 2)), ("r0", 0, range(2, 4)), ("r1", 1, range(0, 2))]
+    # Problem "b" trained (group 7), "a" and "c" dropped: r1's batch is named with no rows, to be forgotten.
+    episodes = buffer_episodes(played, [(played[1], 7, [0.5, -0.5])])
+    assert isinstance(episodes, KeptEpisodes) and len(episodes) == 2
+    (r0, r1) = episodes.parts
+    assert (r0.generator, r0.key, r0.rows, r0.group_ids, r0.rewards, r0.advantages) == (
+        "r0", 0, [2, 3], [7, 7], [0.0, 0.0], [0.5, -0.5])
+    assert r0.episode_ids == [7 << EPISODE_BITS, (7 << EPISODE_BITS) + 1]
+    assert (r1.key, r1.rows, r1.episode_ids) == (1, [], [])
+    # Groups that came with their tensors are packed here, as before (None: nothing to train).
+    unkept = await SingleTurn(Generators(), Scorer()).play_groups(PROBLEMS, SamplingParams(n=2))
+    assert buffer_episodes(unkept, []) is None
+    packed = buffer_episodes(unkept, [(unkept[0], 3, [1.0, -1.0])])
+    assert isinstance(packed, EpisodeBatch) and packed.group_ids.tolist() == [3, 3]
+    with pytest.raises(TypeError, match="kept on their generator replica"):
+        played[0].to_episodes(1, [0.0, 0.0])
+    with pytest.raises(ValueError, match="keep_at_most=0: must be None or an int >= 1"):
+        SingleTurn(generators, keep_at_most=0)

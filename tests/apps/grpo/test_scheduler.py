@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors.replay_buffer import HandedBatch, ReplayBuffer, score_episodes
+from actors.replay_buffer import Added, HandedBatch, ReplayBuffer, score_episodes
 from actors.trainer import TrainStepResult
 from apps.grpo.scheduler import RolloutScheduler, TrainedStep
 from rl.types import Episode, EpisodeBatch, TrainBatch
@@ -44,6 +44,7 @@ class InProcessBuffer:
         if scorer is not None and episodes is not None:
             await score_episodes(episodes, scorer, pad_id, top_k)
         self.buffer.add(episodes if episodes is not None else [], reserved)
+        return Added(len(self.buffer))
 
     async def _next_batch(self, version: int, pad_id: int):
         await asyncio.sleep(0)
@@ -208,3 +209,23 @@ async def test_a_run_of_zero_steps_or_stopped_before_it_starts_trains_nothing():
         s.published(0, steps_left=steps)
         await asyncio.wait_for(s.run(generate, steps=steps, on_step=on_step), 10)
         assert s.trainer.trained == []
+
+
+async def test_episodes_the_buffer_could_not_take_from_their_generator_are_reported_to_the_job():
+    # A replica that died between generating and the buffer's take: the job counts those groups as failed generations.
+    added, lost = [Added(3, lost_episodes=2, lost_groups=1), Added(5)], []
+
+    async def add(episodes, reserved: int, scorer, pad_id: int, top_k: int = 0) -> Added:
+        return added.pop(0)
+
+    buffer = SimpleNamespace(add=SimpleNamespace(call_one=add))
+    s = RolloutScheduler(buffer, InProcessTrainer(), None, pad_id=0, group_size=2, max_groups_in_flight=4,
+                         on_lost=lost.append)
+
+    async def generate(count: int, version: int) -> None:
+        return None
+
+    s.groups_in_flight = 2
+    await s.rollout(generate, 1, 0)
+    await s.rollout(generate, 1, 0)
+    assert lost == [Added(3, lost_episodes=2, lost_groups=1)] and s.groups_in_flight == 0
