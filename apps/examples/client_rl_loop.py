@@ -34,7 +34,7 @@ class LoopConfig:
     minibatches: int = 4  # optimizer steps per sampled batch (one slice of whole groups each)
     learning_rate: float = 3e-4
     weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0  # measured: 13.2% -> 28.6% in 60 steps; without clipping (1e9) 13.2% -> 18.4%
+    grad_clip_norm: float = 1.0  # clipped as apps.grpo clips: without it the loop learns far less (docs/benchmarks.md)
     clip_eps: float = 0.2
     max_tokens: int = 4
     temperature: float = 1.0
