@@ -257,20 +257,25 @@ class TitanTrainer:
         lags = version_lags(batch, self.policy_version)
         batch = to_device(batch, self.device)
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        # The weights before the first optimizer step (pi_old), scored once for the whole batch without dropout and
-        # sliced with it. With one minibatch and no dropout the training forward itself is pi_old: nothing extra.
-        scored = None
-        if (self._needs_pi_old and count > 1) or draws_dropout(self.model):
-            scored = self._score(batch.input_ids, batch.kept_token_ids, document_ids=batch.document_ids).to(self.device)
+        # The weights before the first optimizer step (pi_old), scored before it without dropout, rows `first` on.
+        # Without dropout the first slice's training forward is pi_old itself, so only the later slices are scored
+        # (none with one minibatch); with dropout the whole batch is.
         size = rows // count
+        scored, first = None, 0
+        if draws_dropout(self.model):
+            scored = self._score(batch.input_ids, batch.kept_token_ids, document_ids=batch.document_ids).to(self.device)
+        elif self._needs_pi_old and count > 1:
+            later, first = batch.slice(size, rows), size
+            scored = self._score(later.input_ids, later.kept_token_ids, document_ids=later.document_ids).to(self.device)
         # Advantages come with the episodes, so a slice needs no whole groups; after the first slice the
         # samples are off-policy and the loss's clip bounds the update (around pi_old with a rollout correction).
         per_slice, train_logprobs = [], []
         for s in range(0, rows, size):
-            old_slice = scored[s : s + size] if scored is not None and self._needs_pi_old else None
+            old_slice = (scored[s - first : s - first + size]
+                         if scored is not None and s >= first and self._needs_pi_old else None)
             metrics, logprobs = self._optimizer_step(batch.slice(s, s + size), old_slice)
             per_slice.append(metrics)
-            train_logprobs.append(logprobs if scored is None else scored[s : s + size])
+            train_logprobs.append(logprobs if scored is None or s < first else scored[s - first : s - first + size])
         self.lr_schedulers.step()
         # Unless pi_old was scored, only the first slice's log-probs precede every optimizer step: later slices are
         # scored after the earlier slices' updates, and that drift would read as a generator/trainer mismatch.

@@ -253,6 +253,25 @@ def test_tis_loss_matches_float64_reference_with_pi_old_computed_independently(c
     assert not torch.allclose(calls[1]["logprobs"], calls[1]["old_logprobs"], atol=1e-4)
 
 
+def test_pi_old_is_scored_only_for_the_slices_after_the_first(checkpoint: Path) -> None:
+    # The first slice's training forward precedes every optimizer step: its log-probs are pi_old, with no extra pass.
+    batch = make_batch(19, rows=8)
+    trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", minibatches=4, loss_params={"tis_cap": 2.0}))
+    expected = trainer.logprobs(batch)  # pi_old of every row, before any step
+    batch.behaviour_logprobs = expected.clone()
+    batch.behaviour_logprobs[2:] -= 0.5  # the first slice sampled by pi_old itself, the later ones not
+    scored_rows, score = [], trainer._score
+    trainer._score = lambda input_ids, *args, **kwargs: scored_rows.append(len(input_ids)) or score(input_ids, *args,
+                                                                                                    **kwargs)
+    calls = recording(trainer).calls
+    metrics = trainer.train_step(batch)
+    assert scored_rows == [6]  # rows 2-7: slices 1-3
+    pi_old = torch.cat([call["old_logprobs"] for call in calls])
+    torch.testing.assert_close(pi_old, expected, rtol=0, atol=1e-6)
+    # The mismatch metrics cover the whole batch, not only the first slice (where pi_old and the sampler agree).
+    assert metrics["mismatch/all/abs_logp_diff"] > 0.2, metrics["mismatch/all/abs_logp_diff"]
+
+
 def test_with_one_minibatch_pi_old_is_pi_exactly(checkpoint: Path) -> None:
     batch = make_batch(15)
     trainer = TitanTrainer(trainer_config(checkpoint, loss="grpo", micro_batch_size=2,
