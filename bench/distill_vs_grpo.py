@@ -1,15 +1,16 @@
 """On-policy distillation against GRPO and against SFT on the teacher's own samples, from the same student start and
 the default teacher (configs/distill_tiny.yaml's `teacher.model: warm_start`), per seed.
 
-    python -m bench.distill_vs_grpo --seeds 0 1 2 3 4 [--grpo-steps 150] [--distill-steps 60] [--sft-steps 60]
+    python -m bench.distill_vs_grpo --seeds 0 1 2 3 4 [--grpo-steps N] [--distill-steps N] [--sft-steps 60]
                                     [--eval-every 10] [--margin 0.05] [--run-dir runs/distill_vs_grpo]
                                     [--lock FILE] [--reuse] [--methods distill grpo sft] [--model-cache DIR]
                                     [key=value ...]
 
 Per seed, from the cached warm start both configs share (make grpo's, ~15% held-out):
 1. the teacher's held-out greedy accuracy (the 500 prompts every run evaluates); the target is it less `--margin`;
-2. GRPO: `python -m apps.grpo --config configs/grpo_tiny.yaml`;
-3. distillation: `python -m apps.grpo --config configs/distill_tiny.yaml` (the key=value overrides apply here);
+2. GRPO: `python -m apps.grpo --config configs/grpo_tiny.yaml` (its 150 steps unless --grpo-steps);
+3. distillation: `python -m apps.grpo --config configs/distill_tiny.yaml` (its 100 steps unless --distill-steps; the
+   key=value overrides apply here);
 4. SFT on the teacher's own samples, in this process: each step the teacher samples `rollout.group_size` answers at
    the rollout temperature for each of 64 new training prompts (the same prompt stream, batch and optimizer settings
    as the other two: 1,024 sequences, `trainer.minibatches` AdamW steps at `trainer.lr`, gradient norm clipped to
@@ -159,8 +160,8 @@ def bench_seed(seed: int, args: argparse.Namespace) -> dict:
         runs["grpo"] = run_app("configs/grpo_tiny.yaml", folder / "grpo",
                                common + ([f"steps={args.grpo_steps}"] if args.grpo_steps else []), args)
     if "distill" in args.methods:
-        runs["distill"] = run_app("configs/distill_tiny.yaml", folder / "distill",
-                                  common + [f"steps={args.distill_steps}", *args.overrides], args)
+        steps = [f"steps={args.distill_steps}"] if args.distill_steps else []
+        runs["distill"] = run_app("configs/distill_tiny.yaml", folder / "distill", common + steps + args.overrides, args)
     row = {"seed": seed, "start": sft_curve[0], "teacher": teacher, "target": target}
     for method, (summary, curve, seconds) in runs.items():
         at = first_step_at(curve, target)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--grpo-steps", type=int, default=0, help="0: configs/grpo_tiny.yaml's steps")
-    parser.add_argument("--distill-steps", type=int, default=60)
+    parser.add_argument("--distill-steps", type=int, default=0, help="0: configs/distill_tiny.yaml's steps")
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--margin", type=float, default=0.05, help="the target: the teacher's accuracy less this")

@@ -57,3 +57,24 @@ def test_the_goals_need_every_seed_at_the_target_and_a_median_third_of_grpos_ste
 def test_without_grpo_on_every_seed_the_goals_are_not_called_met():
     ok, line = verdict([row(30, 120), {"distill": {"at": 20}}])
     assert not ok and "not both run on every seed" in line
+
+
+@pytest.mark.parametrize("argv, steps", [([], []), (["--distill-steps", "40", "--grpo-steps", "90"], ["steps=40"])])
+def test_each_method_runs_its_configs_steps_unless_the_command_line_sets_them(tmp_path, monkeypatch, argv, steps):
+    """configs/distill_tiny.yaml's `steps` is the default's run length (issue 55: a bench default of its own ran the
+    distillation shorter than the config)."""
+    import bench.distill_vs_grpo as bench
+
+    calls = {}
+
+    def run_app(config, run_dir, overrides, args):
+        calls[config] = overrides
+        return {}, {0: 0.1, 10: 0.8}, [1.0] * 10
+
+    monkeypatch.setattr(bench, "run_app", run_app)
+    monkeypatch.setattr(bench, "teacher_and_sft", lambda seed, sft_steps, args: (0.8, {0: 0.1}, []))
+    bench.main(["--seeds", "3", "--methods", "distill", "grpo", "--run-dir", str(tmp_path), *argv, "x=1"])
+    distill = calls["configs/distill_tiny.yaml"]
+    assert [o for o in distill if o.startswith("steps=")] == steps and distill[-1] == "x=1"
+    grpo = [o for o in calls["configs/grpo_tiny.yaml"] if o.startswith("steps=")]
+    assert grpo == ([] if not argv else ["steps=90"])
