@@ -39,7 +39,7 @@ WARM_STARTS = {"server": dict(target_accuracy=0.2, lr=1e-3, batch_size=64, eval_
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=45)
     p.add_argument("--prompts-per-step", type=int, default=64)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--substeps", type=int, default=4)

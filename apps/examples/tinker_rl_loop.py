@@ -38,7 +38,7 @@ class LoopConfig:
     base_url: str | None = None  # None: $TINKER_BASE_URL
     base_model: str = "tiny"
     rank: int = 16
-    steps: int = 30
+    steps: int = 45
     prompts_per_step: int = 64
     group_size: int = 16
     learning_rate: float = 2e-3
