@@ -1,7 +1,9 @@
 """Learning of the RL loop as Tinker's docs write it (apps/examples/tinker_rl_loop.py), driven by the unmodified
 `tinker` SDK against `python -m apps.server` on loopback: held-out greedy accuracy before and after, per seed.
 
-    cd <repo> && .venv/bin/python -m bench.tinker_rl_learning --seeds 0 1 2                     # the example's defaults
+    cd <repo> && .venv/bin/python -m bench.tinker_rl_learning --seeds 0 1 2 --server warm_start.target_accuracy=0.15 \\
+        warm_start.lr=3e-3 warm_start.eval_every=5        # the example's defaults, configs/grpo_tiny.yaml's warm start
+    cd <repo> && .venv/bin/python -m bench.tinker_rl_learning --seeds 0 --loop loss=importance_sampling shuffle=false
     cd <repo> && .venv/bin/python -m bench.tinker_rl_learning --seeds 0 --loop steps=20 learning_rate=5e-4
     cd <repo> && .venv/bin/python -m bench.tinker_rl_learning --seeds 0 --server reverse_answer=false \\
         --loop reverse_answer=false                                                              # "12+34=" -> "46"

@@ -7,9 +7,14 @@ datums through `forward_backward_request_to_proto` / `decode_forward_backward` /
 `--warm-start grpo`). No server, no HTTP, no Monarch: a step's 64 prompts go to the sampler in one call, so its
 random draws differ from the server's, and figures here are screens; bench/tinker_rl_learning.py measures the SDK.
 
-    cd <repo> && .venv/bin/python -m bench.tinker_rl_screen --seed 0 --normalize-std --learning-rate 4e-3
-    cd <repo> && .venv/bin/python -m bench.tinker_rl_screen --seed 0 --normalize-std --full --learning-rate 3e-4 \\
+    cd <repo> && .venv/bin/python -m bench.tinker_rl_screen --seed 0 --warm-start grpo     # the example's defaults
+    cd <repo> && .venv/bin/python -m bench.tinker_rl_screen --seed 0 --warm-start grpo --loss importance_sampling \\
+        --no-shuffle                                                      # the loop before issue 58's fourth round
+    cd <repo> && .venv/bin/python -m bench.tinker_rl_screen --seed 0 --full --learning-rate 3e-4 \\
         --beta2 0.999 --eps 1e-8 --grad-clip-norm 1                       # forge's GRPO optimizer on full weights
+
+Each step also prints max|lp_train-lp_sample|: on the first substep's datums, before any update, the trainer's
+log-probs against the sampler's (they agree to ~1e-5 when both are at the same temperature).
 
 Prints one line per step and, every `--eval-every` steps, greedy accuracy on 200 held-out prompts; the last line
 is `RESULT {json}`.
@@ -34,7 +39,7 @@ WARM_STARTS = {"server": dict(target_accuracy=0.2, lr=1e-3, batch_size=64, eval_
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=45)
     p.add_argument("--prompts-per-step", type=int, default=64)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--substeps", type=int, default=4)
@@ -47,9 +52,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--grad-clip-norm", type=float, default=0.0, help="0: no clipping (Tinker's default)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--full", action="store_true", help="train the full weights, not a LoRA adapter")
-    p.add_argument("--normalize-std", action="store_true", help="advantages divided by the group's std (GRPO's)")
+    p.add_argument("--normalize-std", action=argparse.BooleanOptionalAction, default=True,
+                   help="advantages divided by the group's std (GRPO's; the example's default)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo", "cispo"])
+    p.add_argument("--train-temperature", type=float, default=1.0,
+                   help="the trainer's log-prob temperature (a Tinker datum cannot carry one: the server scores at 1)")
+    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                   help="shuffle the step's datums across groups before splitting them into substeps (the example's "
+                        "substep_batches; --no-shuffle: runs of whole groups)")
+    p.add_argument("--loss", default="ppo", choices=["ppo", "importance_sampling", "cispo"])
     p.add_argument("--warm-start", default="server", choices=sorted(WARM_STARTS))
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-prompts", type=int, default=200)
@@ -62,7 +73,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--group-size={args.group_size}: must be >= 2")
     if args.prompts_per_step % args.substeps:
         p.error(f"--prompts-per-step={args.prompts_per_step}: must be a multiple of --substeps={args.substeps}")
-    if args.learning_rate <= 0 or args.temperature <= 0:
+    if args.learning_rate <= 0 or args.temperature <= 0 or args.train_temperature <= 0:
         p.error("--learning-rate and --temperature must be > 0")
     return args
 
@@ -78,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from actors.engines.hf import HFEngine
     from actors.lora_config import LORA_TARGETS, LoRAConfig
     from actors.trainer_config import TrainerConfig
-    from apps.examples.tinker_rl_loop import group_data
+    from apps.examples.tinker_rl_loop import group_data, substep_batches
     from apps.http.model import model_to_serve
     from apps.server.lora_trainer import AdapterSampler, SharedBaseLoRATrainer
     from apps.server.tinker.batches import tinker_batch
@@ -146,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         return sum(task.reward(tokenizer.decode(s[0].tokens), p.answer) for s, p in zip(out, held_out)) / len(held_out)
 
     rng = random.Random(f"{args.seed}-tinker-loop")  # the example's prompt stream
+    shuffle_rng = random.Random(f"{args.seed}-tinker-loop-shuffle")  # and its substeps' shuffle
     weights = save()
     before = accuracy(weights)
     print(f"held-out greedy accuracy before: {before:.1%}", flush=True)
     started, curve, rewards = time.perf_counter(), [], []
-    per = args.prompts_per_step // args.substeps
     for step in range(1, args.steps + 1):
         problems = task.sample_prompts(args.prompts_per_step, rng)
         prompts = [tokenizer.encode(p.prompt) for p in problems]
@@ -162,16 +173,19 @@ def main(argv: list[str] | None = None) -> int:
             groups.append(group_data(prompt, sequences, r, normalize_std=args.normalize_std))
         lr = args.learning_rate * (0.5 * (1 + math.cos(math.pi * (step - 1) / args.steps)) if args.cosine else 1.0)
         clip = math.inf if args.grad_clip_norm <= 0 else args.grad_clip_norm
-        norms = []
-        for k in range(args.substeps):
-            data = [d for group in groups[k * per:(k + 1) * per] for d in group]
-            if data:
-                call("forward_backward", batch(data), f"losses.tinker:{args.loss}", {}, 1.0)
-                out = call("optim_step", lr, (args.beta1, args.beta2), args.eps, args.weight_decay, clip)
-                norms.append(out["grad_norm"])
+        norms, mismatch = [], float("nan")
+        for k, data in enumerate(substep_batches(groups, args.substeps, shuffle_rng if args.shuffle else None)):
+            b = batch(data)
+            out = call("forward_backward", b, f"losses.tinker:{args.loss}", {}, args.train_temperature)
+            if k == 0:  # before any update this step: the trainer's log-probs should be the sampler's
+                sampled = b.token_advantages != 0
+                mismatch = float((out["logprobs"] - b.behaviour_logprobs).abs()[sampled].max())
+            out = call("optim_step", lr, (args.beta1, args.beta2), args.eps, args.weight_decay, clip)
+            norms.append(out["grad_norm"])
         weights = save()
         rewards.append(statistics.fmean(step_rewards))
         line = (f"step {step}: reward {rewards[-1]:.3f} grad_norm {statistics.fmean(norms) if norms else 0:.2f} "
+                f"max|lp_train-lp_sample| {mismatch:.1e} "
                 f"({time.perf_counter() - started:.0f}s)")
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, accuracy(weights)))

@@ -1,5 +1,5 @@
 """An RL loop written only against the Tinker SDK (`tinker`), as Tinker's docs write one, pointed at forge's
-training service: sample -> rewards -> importance_sampling forward_backward -> optim_step ->
+training service: sample -> rewards -> forward_backward (ppo or importance_sampling) -> optim_step ->
 save_weights_and_get_sampling_client.
 
     python -m apps.server --config configs/server_tiny.yaml http.api_key=tml-local-key reverse_answer=true &
@@ -9,8 +9,11 @@ It trains a LoRA adapter to answer 2-digit additions and prints held-out greedy 
 is forge's tiny RL task (configs/grpo_tiny.yaml): answers written least-significant digit first, the server
 warm-started on that order (`reverse_answer=true`); `--reverse-answer false` is "12+34=" -> "46" against a server
 started without it, an order RL learns far more slowly on this model. Each step samples 64 prompts x 16, gives each
-sample its group-centred reward as the advantage of its tokens, and takes 4 optimizer steps on it (a quarter of the
-groups each, the cookbook's num_substeps)."""
+sample its group's normalised reward ((r - mean) / std, GRPO's) as the advantage of its tokens, shuffles the step's
+datums across groups and takes 4 optimizer steps on them (a quarter each, the cookbook's num_substeps) with Tinker's
+`ppo` loss. After the first substep the datums are off-policy (their log-probs are the sampler's, the weights have
+moved): `--loss importance_sampling` weights them by an unclipped ratio and, over 4 substeps, learns far less
+(docs/serving.md, "With the Tinker SDK"); with `--substeps 1` it is exactly on-policy."""
 
 from __future__ import annotations
 
@@ -27,18 +30,23 @@ from tinker import types
 from rl.tasks.arithmetic import ArithmeticTask, Problem
 
 
+LOSSES = ("ppo", "importance_sampling")
+
+
 @dataclass
 class LoopConfig:
     base_url: str | None = None  # None: $TINKER_BASE_URL
     base_model: str = "tiny"
     rank: int = 16
-    steps: int = 30
+    steps: int = 45
     prompts_per_step: int = 64
     group_size: int = 16
     learning_rate: float = 2e-3
-    substeps: int = 4  # optimizer steps per sampled batch (one slice of whole groups each), as the cookbook's num_substeps
+    substeps: int = 4  # optimizer steps per sampled batch (one slice of the datums each), as the cookbook's num_substeps
+    loss: str = "ppo"  # Tinker's clipped loss (ratio in [0.8, 1.2]); "importance_sampling": the unclipped one
+    shuffle: bool = True  # mix every group's datums across the substeps (as TRL and forge's GRPO); false: whole groups
     grad_clip_norm: float = 0.0  # Tinker's default: 0 = no clipping
-    normalize_std: bool = False  # divide each group's centred rewards by their std (GRPO's), not the cookbook's default
+    normalize_std: bool = True  # divide each group's centred rewards by their std (GRPO's); false: the cookbook's centring
     max_tokens: int = 4
     temperature: float = 1.0
     eval_prompts: int = 200
@@ -55,6 +63,8 @@ class LoopConfig:
             raise ValueError(f"--prompts-per-step={self.prompts_per_step}: must be a multiple of --substeps={self.substeps}")
         if self.learning_rate <= 0 or self.temperature <= 0:
             raise ValueError("--learning-rate and --temperature must be > 0")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss={self.loss!r}: must be one of {', '.join(LOSSES)}")
 
 
 def accuracy(sampler: tinker.SamplingClient, tokenizer, task: ArithmeticTask, problems: list[Problem],
@@ -68,7 +78,7 @@ def accuracy(sampler: tinker.SamplingClient, tokenizer, task: ArithmeticTask, pr
 
 def group_data(prompt: list[int], sequences: list, rewards: list[float], *,
                normalize_std: bool = False) -> list[types.Datum]:
-    """One prompt's group as importance_sampling datums: advantage = reward - the group's mean (divided by the
+    """One prompt's group as ppo / importance_sampling datums: advantage = reward - the group's mean (divided by the
     group's std with `normalize_std`) on every sampled token (0 on the prompt's); a group whose rewards all agree
     teaches nothing and gives none."""
     mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
@@ -87,10 +97,26 @@ def group_data(prompt: list[int], sequences: list, rewards: list[float], *,
     return data
 
 
+def substep_batches(groups: list[list[types.Datum]], substeps: int, rng: random.Random | None) -> list[list]:
+    """The step's datums in `substeps` slices, one optimizer step each. With `rng` the datums are shuffled across
+    groups first, so every slice holds samples of (nearly) every prompt, as TRL and forge's GRPO split a batch;
+    without, each slice is a run of whole groups (1/substeps of the prompts). Empty slices are left out."""
+    if rng is None:
+        per = -(-len(groups) // substeps)
+        slices = [[d for group in groups[k * per:(k + 1) * per] for d in group] for k in range(substeps)]
+    else:
+        flat = [d for group in groups for d in group]
+        rng.shuffle(flat)
+        size = -(-len(flat) // substeps)
+        slices = [flat[k * size:(k + 1) * size] for k in range(substeps)]
+    return [s for s in slices if s]
+
+
 def run(cfg: LoopConfig, log=print) -> dict:
     task = ArithmeticTask(seed=cfg.seed, num_digits=2, held_out=500, reverse_answer=cfg.reverse_answer)
     held_out = task.held_out()[: cfg.eval_prompts]
     rng = random.Random(f"{cfg.seed}-tinker-loop")
+    shuffle_rng = random.Random(f"{cfg.seed}-tinker-loop-shuffle")
     service = tinker.ServiceClient(base_url=cfg.base_url)
     training = service.create_lora_training_client(base_model=cfg.base_model, rank=cfg.rank, seed=cfg.seed).result()
     tokenizer = training.get_tokenizer()
@@ -110,13 +136,10 @@ def run(cfg: LoopConfig, log=print) -> dict:
             rewards = [task.reward(tokenizer.decode(s.tokens), problem.answer) for s in sequences]
             step_rewards += rewards
             groups.append(group_data(prompt, sequences, rewards, normalize_std=cfg.normalize_std))
-        per = cfg.prompts_per_step // cfg.substeps
         pending, datums = [], 0
-        for k in range(cfg.substeps):
-            data = [d for group in groups[k * per:(k + 1) * per] for d in group]
-            if data:
-                pending.append((training.forward_backward(data, "importance_sampling"), training.optim_step(adam)))
-                datums += len(data)
+        for data in substep_batches(groups, cfg.substeps, shuffle_rng if cfg.shuffle else None):
+            pending.append((training.forward_backward(data, cfg.loss), training.optim_step(adam)))
+            datums += len(data)
         loss = float("nan") if not pending else 0.0
         for backward, optim in pending:
             loss += backward.result().metrics["loss:sum"]

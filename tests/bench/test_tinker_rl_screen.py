@@ -12,9 +12,10 @@ from bench.tinker_rl_screen import parse
 def test_the_defaults_are_the_examples_loop_with_tinkers_adam_params():
     args, loop, adam = parse([]), LoopConfig(), types.AdamParams()
     assert (args.steps, args.prompts_per_step, args.group_size, args.substeps, args.learning_rate, args.rank,
-            args.temperature, args.normalize_std, args.grad_clip_norm) == (
+            args.temperature, args.normalize_std, args.grad_clip_norm, args.loss, args.shuffle) == (
         loop.steps, loop.prompts_per_step, loop.group_size, loop.substeps, loop.learning_rate, loop.rank,
-        loop.temperature, loop.normalize_std, loop.grad_clip_norm)
+        loop.temperature, loop.normalize_std, loop.grad_clip_norm, loop.loss, loop.shuffle)
+    assert args.train_temperature == 1.0  # the server scores a Tinker datum at temperature 1
     assert (args.beta1, args.beta2, args.eps, args.weight_decay) == (adam.beta1, adam.beta2, adam.eps,
                                                                       adam.weight_decay)
     assert not args.full and args.warm_start == "server"

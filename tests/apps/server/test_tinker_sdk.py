@@ -262,7 +262,7 @@ def test_the_serving_docs_tinker_snippet_runs_against_the_server(server, monkeyp
 
 
 def test_an_rl_loop_as_tinkers_docs_write_one_runs_through_the_sdk(server, monkeypatch):
-    """apps/examples/tinker_rl_loop.py: sample -> rewards -> importance_sampling -> optim_step (substeps) ->
+    """apps/examples/tinker_rl_loop.py: sample -> rewards -> forward_backward (ppo) -> optim_step (substeps) ->
     save_weights_and_get_sampling_client, through the SDK only, on a test-sized budget: the loop's mechanics. Its
     learning (issue 58's +30 points held-out) is measured by bench/tinker_rl_learning.py (docs/serving.md gives the
     figures); what one step does is checked in tests/apps/server/test_tinker_rl_step.py."""
